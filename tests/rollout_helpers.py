@@ -1,0 +1,120 @@
+"""Scripted-generation backend and test environments for driving `AgenticRolloutLoop` token-exactly."""
+
+from __future__ import annotations
+
+from trl_agentic.rollout.loop import AgenticRolloutLoop, LoopConfig
+from trl_agentic.rollout.parsing import parse_tool_calls
+
+
+def call(name: str, **arguments) -> str:
+    import json
+
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call><|im_end|>"
+
+
+class ScriptBackend:
+    """Generation replaced by a script: each `generate` call pops one list of strings (one per context).
+
+    Token ids come from the real tiny tokenizer; sampling log-probs are deterministic (-0.01·(k+1) for the k-th
+    token of a generated turn), so tests can predict every id, mask and log-prob of the final trajectory.
+    """
+
+    max_completion_length = 100_000
+    max_model_len = 1_000_000
+    max_iterations = 10
+    multi_process = False
+
+    def __init__(self, tokenizer, script: list[list[str]]):
+        self.tok = tokenizer
+        self.script = list(script)
+        self.calls: list[list[list[int]]] = []
+
+    def enc(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    @staticmethod
+    def lps(ids: list[int]) -> list[float]:
+        return [-0.01 * (k + 1) for k in range(len(ids))]
+
+    def generate(self, contexts):
+        self.calls.append([list(c) for c in contexts])
+        outputs = self.script.pop(0)
+        assert len(outputs) == len(contexts), (outputs, len(contexts))
+        ids = [self.enc(s) for s in outputs]
+        return ids, [self.lps(x) for x in ids]
+
+    def parse(self, ids, prefix, row):
+        parsed = parse_tool_calls(self.tok.decode(ids, skip_special_tokens=True))
+        message = {"role": "assistant", "content": parsed.content}
+        if parsed.calls:
+            message["tool_calls"] = parsed.calls
+        return message
+
+    def decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def tool_suffix_ids(self, tool_messages):
+        return self.enc("".join(f"<R>{m['content']}</R>" for m in tool_messages) + "<|im_start|>")
+
+    def hint_ids(self, hint):
+        return self.enc(f"<H>{hint}</H>")
+
+    def render_prompt(self, messages, row):
+        return self.enc("|".join(f"{m['role']}:{m['content']}" for m in messages) + "<|im_start|>")
+
+    def any_rank(self, flag):
+        return flag
+
+
+class LedgerEnv:
+    """A stateful tool environment: `add` appends to a log before it validates, so a failed call leaves side effects
+    that only a restore can undo."""
+
+    def __init__(self):
+        self.total = 0
+        self.log: list = []
+
+    def reset(self, **kwargs):
+        self.total, self.log = 0, []
+
+    def add(self, n: int) -> str:
+        """
+        Add a number to the running total.
+
+        Args:
+            n: The number to add.
+        """
+        self.log.append(n)
+        if not isinstance(n, int):
+            raise TypeError(f"n must be an integer, got {type(n).__name__}")
+        self.total += n
+        return str(self.total)
+
+
+def start(backend: ScriptBackend, first_turns: list[str], prompt: str = "user: go"):
+    """TRL's inputs to `_tool_call_loop` after the first turn: prompts, prompt ids, completion ids, completions, logprobs."""
+    n = len(first_turns)
+    prompts = [[{"role": "user", "content": prompt}] for _ in range(n)]
+    prompt_ids = [backend.enc(prompt + "<|im_start|>") for _ in range(n)]
+    completion_ids = [backend.enc(t) for t in first_turns]
+    completions = [[backend.parse(ids, None, i)] for i, ids in enumerate(completion_ids)]
+    logprobs = [backend.lps(ids) for ids in completion_ids]
+    return prompts, prompt_ids, completion_ids, completions, logprobs
+
+
+def run_loop(backend, first_turns, envs, config: LoopConfig, group_ids=None):
+    prompts, prompt_ids, completion_ids, completions, logprobs = start(backend, first_turns)
+    sync_tools = [{"add": env.add} for env in envs]
+    loop = AgenticRolloutLoop(backend, config)
+    trl_tuple, result = loop.run(
+        prompts,
+        prompt_ids,
+        completion_ids,
+        completions,
+        logprobs,
+        sync_tools,
+        [{} for _ in envs],
+        envs,
+        group_ids=group_ids,
+    )
+    return prompts, prompt_ids, trl_tuple, result

@@ -1,0 +1,296 @@
+"""Tests for `trl_agentic.advantages`: variable-size GRPO advantages and negative-sample rewards."""
+
+import math
+import statistics
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from trl.trainer.utils import nanstd
+
+from trl_agentic.advantages import group_advantages, negative_sample_rewards
+
+NAN = float("nan")
+
+
+def reference_advantages(rewards, group_ids, scale, baseline_mask=None):
+    """Plain per-group Python loop, written independently of the vectorised implementation."""
+    n = len(rewards)
+    in_stats = [not math.isnan(rewards[i]) and (baseline_mask is None or bool(baseline_mask[i])) for i in range(n)]
+    batch_values = [rewards[i] for i in range(n) if in_stats[i]]
+    batch_std = statistics.stdev(batch_values) if len(batch_values) >= 2 else None
+    members = {}
+    for i, g in enumerate(group_ids):
+        members.setdefault(g, []).append(i)
+    out = [0.0] * n
+    for rows in members.values():
+        values = [rewards[i] for i in rows if in_stats[i]]
+        if len(values) < 2:
+            continue
+        mean = statistics.fmean(values)
+        std = statistics.stdev(values)
+        for i in rows:
+            if math.isnan(rewards[i]):
+                continue
+            adv = rewards[i] - mean
+            if scale == "group":
+                adv /= std + 1e-4
+            elif scale == "batch":
+                adv /= batch_std + 1e-4
+            out[i] = adv
+    return out
+
+
+def trl_fixed_size_advantages(rewards, num_generations, scale):
+    """TRL 1.16 GRPOTrainer's `sum_then_normalize` branch, copied for a reward vector in which NaN marks unscorable."""
+    mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)
+    mean_grouped_rewards = mean_grouped_rewards.repeat_interleave(num_generations, dim=0)
+    if scale in ["group", "none"]:
+        if num_generations > 1:
+            std_rewards = nanstd(rewards.view(-1, num_generations), dim=1)
+            std_rewards = std_rewards.repeat_interleave(num_generations, dim=0)
+        else:
+            std_rewards = torch.zeros_like(rewards)
+    elif scale == "batch":
+        if rewards.numel() > 1:
+            std_rewards = nanstd(rewards).expand_as(rewards)
+        else:
+            std_rewards = torch.zeros_like(rewards)
+    advantages = rewards - mean_grouped_rewards
+    if scale != "none":
+        advantages = advantages / (std_rewards + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+SEED_EPISODES = [1.0, 0.8, 0.9, 1.0, 0.7, 0.9, 0.8, 1.0]
+SEED_NEGATIVE = -0.5
+
+
+def _hand_mean_std(values):
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    return mean, std
+
+
+def test_seed_example_all_rows_baseline():
+    rewards = torch.tensor(SEED_EPISODES + [SEED_NEGATIVE], dtype=torch.float64)
+    adv = group_advantages(rewards, torch.zeros(9, dtype=torch.long))
+
+    # Hand computation: mean = 6.6 / 9, unbiased std over the nine rows.
+    mean, std = _hand_mean_std(SEED_EPISODES + [SEED_NEGATIVE])
+    assert mean == pytest.approx(6.6 / 9)
+    expected_negative = (SEED_NEGATIVE - mean) / (std + 1e-4)
+    assert abs(adv[-1].item() - (-2.63)) < 0.05
+    assert adv[-1].item() == pytest.approx(expected_negative, rel=1e-12)
+    assert adv[-1].item() == pytest.approx(-2.5995469, abs=1e-6)
+    expected_episodes = [(r - mean) / (std + 1e-4) for r in SEED_EPISODES]
+    assert adv[:-1].tolist() == pytest.approx(expected_episodes, rel=1e-12)
+
+
+def test_seed_example_episode_baseline():
+    rewards = torch.tensor(SEED_EPISODES + [SEED_NEGATIVE], dtype=torch.float64)
+    mask = torch.tensor([True] * 8 + [False])
+    adv = group_advantages(rewards, torch.zeros(9, dtype=torch.long), baseline_mask=mask)
+
+    mean8, std8 = _hand_mean_std(SEED_EPISODES)
+    assert mean8 == pytest.approx(0.8875)
+    assert adv[-1].item() == pytest.approx((SEED_NEGATIVE - mean8) / (std8 + 1e-4), rel=1e-12)
+    # The excluded negative does not shift the episodes' baseline.
+    assert adv[:-1].tolist() == pytest.approx([(r - mean8) / (std8 + 1e-4) for r in SEED_EPISODES], rel=1e-12)
+    assert adv[-1].item() < -12.0
+
+
+_reward_values = st.one_of(
+    st.floats(min_value=-10.0, max_value=10.0, allow_nan=False, allow_infinity=False),
+    # Repeated values give zero-std groups; NaN gives unscorable rows.
+    st.sampled_from([0.0, 1.0, -0.5, NAN]),
+)
+
+
+@st.composite
+def _batches(draw):
+    n = draw(st.integers(min_value=0, max_value=60))
+    rewards = draw(st.lists(_reward_values, min_size=n, max_size=n))
+    id_pool = draw(st.lists(st.integers(min_value=-(2**40), max_value=2**40), min_size=1, max_size=6, unique=True))
+    group_ids = draw(st.lists(st.sampled_from(id_pool), min_size=n, max_size=n))
+    mask = draw(st.one_of(st.none(), st.lists(st.booleans(), min_size=n, max_size=n)))
+    scale = draw(st.sampled_from(["group", "batch", "none"]))
+    return rewards, group_ids, mask, scale
+
+
+@settings(max_examples=300, deadline=None)
+@given(_batches())
+def test_matches_python_loop(batch):
+    rewards, group_ids, mask, scale = batch
+    rewards_t = torch.tensor(rewards, dtype=torch.float64)
+    ids_t = torch.tensor(group_ids, dtype=torch.long)
+    mask_t = None if mask is None else torch.tensor(mask, dtype=torch.bool)
+    rewards_before, ids_before = rewards_t.clone(), ids_t.clone()
+
+    adv = group_advantages(rewards_t, ids_t, scale=scale, baseline_mask=mask_t)
+
+    expected = torch.tensor(reference_advantages(rewards, group_ids, scale, mask), dtype=torch.float64)
+    assert adv.shape == (len(rewards),)
+    assert adv.dtype == torch.float64
+    assert not torch.isnan(adv).any()
+    torch.testing.assert_close(adv, expected, rtol=1e-9, atol=1e-9)
+    # Inputs untouched (NaN-aware comparison).
+    torch.testing.assert_close(rewards_t, rewards_before, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(ids_t, ids_before)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("num_generations", [1, 2, 4, 8])
+def test_matches_trl_fixed_size_groups(scale, num_generations):
+    gen = torch.Generator().manual_seed(1234 + num_generations)
+    num_groups = 16
+    rewards = torch.rand(num_groups * num_generations, generator=gen, dtype=torch.float32) * 3 - 1
+    # A zero-std group exercises the epsilon path.
+    rewards[:num_generations] = 0.25
+    group_ids = torch.arange(num_groups).repeat_interleave(num_generations)
+
+    adv = group_advantages(rewards, group_ids, scale=scale)
+    expected = trl_fixed_size_advantages(rewards, num_generations, scale)
+    assert adv.dtype == torch.float32
+    torch.testing.assert_close(adv, expected, rtol=1e-6, atol=1e-6)
+    if num_generations > 1:
+        assert adv.abs().max() > 0.1  # not trivially all zeros
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("num_generations", [2, 4, 8])
+def test_bit_identical_to_trl_for_small_groups_on_cpu(scale, num_generations):
+    # Not required by the API, but the trainer's features-off parity relies on it: the std uses TRL's operation order.
+    gen = torch.Generator().manual_seed(99)
+    rewards = torch.rand(32 * num_generations, generator=gen, dtype=torch.float32) * 2 - 0.5
+    rewards[torch.rand(rewards.shape, generator=gen) < 0.1] = NAN
+    group_ids = torch.arange(32).repeat_interleave(num_generations)
+    adv = group_advantages(rewards, group_ids, scale=scale)
+    assert torch.equal(adv, trl_fixed_size_advantages(rewards, num_generations, scale))
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_matches_trl_fixed_size_groups_with_nan(scale):
+    gen = torch.Generator().manual_seed(7)
+    num_groups, num_generations = 12, 4
+    rewards = torch.randn(num_groups * num_generations, generator=gen, dtype=torch.float32)
+    rewards[torch.rand(rewards.shape, generator=gen) < 0.25] = NAN
+    rewards[0:4] = NAN  # an all-NaN group
+    rewards[4:8] = torch.tensor([NAN, 0.3, NAN, NAN])  # a single scorable row
+    rewards[8:12] = torch.tensor([NAN, 0.3, -1.2, 0.7])  # a partial group
+    group_ids = torch.arange(num_groups).repeat_interleave(num_generations)
+
+    adv = group_advantages(rewards, group_ids, scale=scale)
+    expected = trl_fixed_size_advantages(rewards, num_generations, scale)
+    torch.testing.assert_close(adv, expected, rtol=1e-6, atol=1e-6)
+    assert torch.all(adv[0:8] == 0)
+    assert adv[8] == 0 and adv[9:12].ne(0).all()
+
+
+def test_single_row_group_is_zero():
+    rewards = torch.tensor([5.0, 1.0, 2.0, 3.0], dtype=torch.float64)
+    adv = group_advantages(rewards, torch.tensor([9, 1, 1, 1]))
+    assert adv[0].item() == 0.0
+    mean, std = _hand_mean_std([1.0, 2.0, 3.0])
+    assert adv[1:].tolist() == pytest.approx([(r - mean) / (std + 1e-4) for r in [1.0, 2.0, 3.0]], rel=1e-12)
+
+
+def test_all_nan_group_is_zero():
+    rewards = torch.tensor([NAN, NAN, 0.0, 1.0])
+    adv = group_advantages(rewards, torch.tensor([0, 0, 1, 1]), scale="none")
+    assert adv.tolist() == [0.0, 0.0, -0.5, 0.5]
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_whose_only_baseline_row_is_nan(scale):
+    rewards = torch.tensor([NAN, 0.4, -0.6, 1.0, 3.0])
+    mask = torch.tensor([True, False, False, True, True])
+    adv = group_advantages(rewards, torch.tensor([2, 2, 2, 5, 5]), scale=scale, baseline_mask=mask)
+    assert adv[:3].tolist() == [0.0, 0.0, 0.0]
+    assert adv[3].item() < 0 < adv[4].item()
+
+
+def test_single_baseline_row_zeroes_the_whole_group():
+    rewards = torch.tensor([1.0, 0.2, -0.3])
+    adv = group_advantages(rewards, torch.zeros(3, dtype=torch.long), baseline_mask=torch.tensor([True, False, False]))
+    assert adv.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_batch_scale_uses_batch_std_of_statistics_rows():
+    rewards = torch.tensor([1.0, 3.0, 10.0, 20.0, -100.0], dtype=torch.float64)
+    mask = torch.tensor([True, True, True, True, False])
+    adv = group_advantages(rewards, torch.tensor([0, 0, 1, 1, 1]), scale="batch", baseline_mask=mask)
+    _, batch_std = _hand_mean_std([1.0, 3.0, 10.0, 20.0])  # -100 is not a statistics row
+    expected = [-1.0, 1.0, -5.0, 5.0, -115.0]
+    assert adv.tolist() == pytest.approx([e / (batch_std + 1e-4) for e in expected], rel=1e-12)
+
+
+def test_permutation_and_relabelling_equivariance():
+    gen = torch.Generator().manual_seed(0)
+    n = 40
+    rewards = torch.randn(n, generator=gen, dtype=torch.float64)
+    rewards[::7] = NAN
+    dense_ids = torch.randint(0, 5, (n,), generator=gen)
+    mask = torch.rand(n, generator=gen) < 0.7
+    for scale in ["group", "batch", "none"]:
+        base = group_advantages(rewards, dense_ids, scale=scale, baseline_mask=mask)
+        perm = torch.randperm(n, generator=gen)
+        # An injective, order-scrambling relabelling to negative and very large ids.
+        relabel = torch.tensor([10**15, -3, 77, -(10**12), 4])
+        shuffled = group_advantages(rewards[perm], relabel[dense_ids][perm], scale=scale, baseline_mask=mask[perm])
+        torch.testing.assert_close(shuffled, base[perm], rtol=1e-12, atol=1e-12)
+        assert base.abs().sum() > 0
+
+
+def test_empty_input():
+    adv = group_advantages(torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.long))
+    assert adv.shape == (0,) and adv.dtype == torch.float32
+
+
+def test_preserves_dtype_and_does_not_modify_inputs():
+    rewards = torch.tensor([0.0, 1.0, NAN, 2.0], dtype=torch.float32)
+    ids = torch.tensor([3, 3, 3, 3], dtype=torch.int32)
+    mask = torch.tensor([True, True, True, False])
+    snapshot = (rewards.clone(), ids.clone(), mask.clone())
+    adv = group_advantages(rewards, ids, baseline_mask=mask)
+    assert adv.dtype == torch.float32
+    assert adv.tolist() == pytest.approx(
+        [-0.5 / (math.sqrt(0.5) + 1e-4), 0.5 / (math.sqrt(0.5) + 1e-4), 0.0, 1.5 / (math.sqrt(0.5) + 1e-4)], rel=1e-6
+    )
+    assert torch.equal(rewards.isnan(), snapshot[0].isnan())
+    assert torch.equal(rewards.nan_to_num(), snapshot[0].nan_to_num())
+    assert torch.equal(ids, snapshot[1]) and torch.equal(mask, snapshot[2])
+
+
+def test_invalid_scale_raises():
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages(torch.zeros(2), torch.zeros(2, dtype=torch.long), scale="std")
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages(torch.zeros(2), torch.zeros(2, dtype=torch.long), scale=True)
+
+
+def test_invalid_shapes_and_dtypes_raise():
+    with pytest.raises(ValueError, match="group_ids"):
+        group_advantages(torch.zeros(3), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="group_ids"):
+        group_advantages(torch.zeros(2), torch.zeros(2))
+    with pytest.raises(ValueError, match="baseline_mask"):
+        group_advantages(torch.zeros(2), torch.zeros(2, dtype=torch.long), baseline_mask=torch.ones(2))
+    with pytest.raises(ValueError, match="rewards"):
+        group_advantages(torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+
+
+def test_negative_sample_rewards():
+    per_error = {"SyntaxError": -0.8, "TimeoutError": -1.0, "KeyError": -0.3}
+    result = negative_sample_rewards(
+        [["SyntaxError"], ["KeyError", "TimeoutError"], ["NameError"], [], ["NameError", "KeyError"]],
+        default=-0.5,
+        per_error=per_error,
+    )
+    assert result == [-0.8, -1.0, -0.5, -0.5, -0.3]
+    # A listed penalty milder than the default still wins over the default.
+    assert negative_sample_rewards([["KeyError"]], default=-0.5, per_error=per_error) == [-0.3]
+    assert negative_sample_rewards([["SyntaxError"], []], default=-0.25) == [-0.25, -0.25]
+    assert negative_sample_rewards([], default=-0.5, per_error=per_error) == []
+    assert all(isinstance(r, float) for r in negative_sample_rewards([["X"]], default=-1))

@@ -1,0 +1,111 @@
+"""Config validation: every bad value fails when the config is built — before any model loads — naming the field."""
+
+import dataclasses
+import warnings
+
+import pytest
+import yaml
+
+from trl_agentic import AgenticGRPOConfig
+from trl_agentic.cli import main as cli_main
+from trl_agentic.tasks import TaskArguments
+
+BASE = dict(output_dir="/tmp/trl-agentic-config-test", use_cpu=True, report_to="none")
+
+BAD_VALUES = [
+    ("max_tool_retries", -1),
+    ("max_tool_retries", 1.5),
+    ("max_infra_retries", -2),
+    ("max_negative_samples_per_group", -1),
+    ("max_snapshots_per_episode", -1),
+    ("max_tool_output_chars", 10),
+    ("tool_timeout", -1.0),
+    ("rollback_feedback", "loud"),
+    ("group_baseline", "everything"),
+    ("snapshot_downsample", "first"),
+    ("snapshot_advantage", "token"),
+    ("rollback_on_errors", ["NameError", ""]),
+    ("infra_error_patterns", [3]),
+    ("negative_reward_by_error", {"SyntaxError": "very bad"}),
+    ("negative_reward_by_error", "{not json"),
+    ("snapshot_reward_func", "no_colon_path"),
+    ("advantage_estimator", "ppo"),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD_VALUES, ids=[f"{f}={v!r}" for f, v in BAD_VALUES])
+def test_bad_value_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        AgenticGRPOConfig(**BASE, **{field: value})
+
+
+@pytest.mark.parametrize(
+    "combo,field",
+    [
+        (dict(enable_tool_rollback=True, rollback_on_errors=[]), "rollback_on_errors"),
+        (dict(rollback_feedback="hint", rollback_hint_template="no placeholder"), "rollback_hint_template"),
+    ],
+)
+def test_bad_combinations(combo, field):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        AgenticGRPOConfig(**BASE, **combo)
+
+
+def test_negatives_without_rollback_warns_seed_interaction_table():
+    with pytest.warns(UserWarning, match="save_negative_samples"):
+        AgenticGRPOConfig(**BASE, save_negative_samples=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AgenticGRPOConfig(**BASE, save_negative_samples=True, enable_tool_rollback=True)
+
+
+def test_defaults_are_valid_and_features_off():
+    config = AgenticGRPOConfig(**BASE)
+    assert not config.agentic_features_enabled
+    assert config.advantage_estimator == "grpo"
+
+
+def test_every_field_has_help():
+    for f in dataclasses.fields(AgenticGRPOConfig):
+        assert f.metadata.get("help"), f"{f.name} has no help text"
+    for f in dataclasses.fields(TaskArguments):
+        assert f.metadata.get("help"), f"{f.name} has no help text"
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        (["--max_tool_retries", "-3"], "max_tool_retries"),
+        (["--task", "chess"], "task"),
+        (["--num_train_tasks", "-5"], "num_train_tasks"),
+    ],
+)
+def test_cli_fails_before_any_model_loads(tmp_path, monkeypatch, override, field):
+    import transformers
+
+    import trl_agentic.models
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was validated")
+
+    monkeypatch.setattr(trl_agentic.models, "resolve_model_path", forbidden)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", forbidden)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), "use_cpu": True, "report_to": "none"}))
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        cli_main(["train", "--config", str(config), *override])
+
+
+def test_cli_choice_fields_fail_in_the_parser_naming_the_flag(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out")}))
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--config", str(config), "--group_baseline", "x"])
+    assert "--group_baseline" in capsys.readouterr().err
+
+
+def test_cli_rejects_unknown_yaml_keys(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"output_dir": str(tmp_path), "max_tool_retriez": 2}))
+    with pytest.raises((ValueError, SystemExit)):
+        cli_main(["train", "--config", str(config)])

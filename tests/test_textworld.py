@@ -1,0 +1,275 @@
+"""The household text world: scripted episodes, invalid actions, determinism, checkpoints and the tool schema."""
+
+import inspect
+
+import pytest
+from transformers.utils import get_json_schema
+
+from trl_agentic.envs.textworld import (
+    CONTAINERS,
+    EXITS,
+    TextWorldEnv,
+    TextWorldToolEnv,
+    make_textworld_tasks,
+)
+from trl_agentic.rlvcr.parsing import LEVEL_SYSTEM_PROMPT, ParsedStep, parse_step, render_step
+
+# Task 0 (checked by the first assertions of the scripted test): the agent starts in the bedroom, the coin lies in the
+# open box of the living room, the goal is the bedroom's drawer (closed at the start, holding an apple).
+SEED0_SCRIPT = [
+    "go hallway",
+    "go living room",
+    "take coin",
+    "go hallway",
+    "go bedroom",
+    "open drawer",
+    "put coin in drawer",
+]
+
+
+def tool_names(env_class) -> list[str]:
+    """The methods TRL's GRPOTrainer would expose as tools (same rule as its environment probe)."""
+    return [
+        name
+        for name, _ in inspect.getmembers(env_class, predicate=inspect.isfunction)
+        if name not in ("reset", "get_reward") and not name.startswith("_")
+    ]
+
+
+def test_scripted_episode_reaches_reward_one():
+    env = TextWorldEnv()
+    first = env.reset(task_seed=0)
+    assert env.goal == "put the coin in the drawer"
+    assert first.startswith("You are in the bedroom.\nContainers: drawer (closed).")
+    assert "Available actions: look, inventory, go hallway, open drawer." in first
+    assert env.contents["box"] == ["coin"] and env.contents["drawer"] == ["apple"]
+    observations = []
+    for action in SEED0_SCRIPT:
+        assert not env.done
+        assert env.get_reward() == 0.0
+        observations.append(env.step(action))
+    assert observations[2].startswith("You take the coin.")
+    assert observations[5].startswith("You open the drawer. It contains: apple.")
+    assert observations[-1] == "You put the coin in the drawer.\nTask complete!"
+    assert env.done and env.success
+    assert env.get_reward() == 1.0
+    assert env.steps == 7 and env.invalid_actions == 0
+    # After the end, actions change nothing and are not counted.
+    assert env.step("look") == "The episode is over."
+    assert env.steps == 7
+
+
+def test_step_cost_reward():
+    env = TextWorldEnv()
+    env.reset(task_seed=0, step_cost=0.05)
+    for action in SEED0_SCRIPT:
+        env.step(action)
+    assert env.get_reward() == pytest.approx(1.0 - 0.05 * 7)  # 0.65
+    env.reset(task_seed=0, step_cost=0.5)
+    for action in SEED0_SCRIPT:
+        env.step(action)
+    assert env.get_reward() == 0.0  # 1 - 3.5 is floored at 0
+
+
+@pytest.mark.parametrize("task_seed", range(40))
+def test_oracle_solves_every_task(task_seed):
+    env = TextWorldEnv()
+    env.reset(task_seed=task_seed)
+    # The generator never starts in a solved state and the object is never in the goal container.
+    assert env.goal_object not in env.contents[env.goal_container]
+    plan = env._oracle_actions()
+    assert 2 <= len(plan) <= 10
+    for action in plan:
+        assert action in env.admissible_actions  # the oracle only uses listed actions
+        env.step(action)
+    assert env.done and env.get_reward() == 1.0 and env.invalid_actions == 0
+
+
+def test_invalid_actions_change_nothing():
+    env = TextWorldEnv()
+    env.reset(task_seed=0, max_steps=50)  # bedroom; the drawer is closed
+    state = env._checkpoint()
+    cases = {
+        "": "the action is empty",
+        "fly away": "unknown action 'fly away'",
+        "go garden": "there is no room called 'garden'",
+        "go kitchen": "the kitchen is not adjacent to the bedroom",
+        "go bedroom": "you are already in the bedroom",
+        "open fridge": "there is no fridge in the bedroom",
+        "open sofa": "there is no container called 'sofa'",
+        "close drawer": "the drawer is already closed",
+        "take coin": "you see no coin here",
+        "take unicorn": "there is no object called 'unicorn'",
+        "put coin in drawer": "you are not carrying 'coin'",
+        "put coin": "use 'put <object> in <container>'",
+        "look around " * 20: "unknown action 'look around look around",
+    }
+    for number, (action, message) in enumerate(cases.items(), start=1):
+        observation = env.step(action)
+        assert observation.startswith("Nothing happens: "), (action, observation)
+        assert message in observation, (action, observation)
+        assert len(observation.split("\n")[0]) < 300  # huge actions are not echoed in full
+        assert env.invalid_actions == number and env.steps == number
+        changed = {k for k, v in env._checkpoint().items() if state[k] != v}
+        assert changed == {"steps", "invalid_actions"}, action
+    assert env.step(12345).startswith("Nothing happens: unknown action '12345'")  # not even a string
+
+
+def test_closed_container_hides_and_blocks():
+    env = TextWorldEnv()
+    env.reset(task_seed=0, max_steps=50)
+    # The closed drawer holds an apple that can be neither seen nor taken.
+    assert "apple" not in env.step("look")
+    assert env.step("take apple").startswith("Nothing happens: you see no apple here.")
+    assert env.step("take apple from drawer").startswith("Nothing happens: the drawer is closed.")
+    env.step("go hallway")
+    env.step("go living room")
+    env.step("take coin")
+    env.step("go hallway")
+    env.step("go bedroom")
+    assert env.step("put coin in drawer").startswith("Nothing happens: the drawer is closed.")
+    assert env.step("open drawer").startswith("You open the drawer.")
+    assert env.step("close drawer").startswith("You close the drawer.")
+    assert env.step("open drawer").startswith("You open the drawer.")
+    # The non-openable containers cannot be closed.
+    env2 = TextWorldEnv()
+    env2.reset(task_seed=2)  # starts in the bathroom, which has the open basket
+    assert env2.location == "bathroom"
+    assert env2.step("close basket").startswith("Nothing happens: the basket cannot be opened or closed.")
+
+
+def test_action_normalisation():
+    env = TextWorldEnv()
+    env.reset(task_seed=0)
+    assert env.step("Go to the Hallway.").startswith("You are in the hallway.")
+    assert env.step("  GO   living   ROOM ").startswith("You are in the living room.")
+    assert env.step("take the coin").startswith("You take the coin.")
+    assert (
+        env.step("inventory")
+        == "You are carrying: coin.\nAvailable actions: " + ", ".join(env.admissible_actions) + "."
+    )
+
+
+def test_runs_out_of_steps():
+    env = TextWorldEnv()
+    env.reset(task_seed=0, max_steps=3)
+    env.step("look")
+    env.step("look")
+    last = env.step("look")
+    assert last.endswith("The episode is over: you are out of steps.")
+    assert env.done and not env.success and env.get_reward() == 0.0
+    with pytest.raises(ValueError):
+        env.reset(max_steps=0)
+
+
+def test_show_actions_off():
+    env = TextWorldEnv()
+    first = env.reset(task_seed=0, show_actions=False)
+    assert "Available actions" not in first
+    assert "Available actions" not in env.step("look")
+
+
+def test_determinism():
+    actions = ["look", "go hallway", "open fridge", "go kitchen", "open fridge", "take apple", "go living room"]
+    runs = []
+    for _ in range(2):
+        env = TextWorldEnv()
+        runs.append([env.reset(task_seed=123)] + [env.step(a) for a in actions])
+    assert runs[0] == runs[1]
+    layouts = set()
+    for task_seed in range(20):
+        env = TextWorldEnv()
+        env.reset(task_seed=task_seed)
+        layouts.add((env.goal, env.location, str(env.floor), str(env.contents)))
+    assert len(layouts) > 10  # the seed matters
+    assert make_textworld_tasks(5, seed=7) == make_textworld_tasks(5, seed=7)
+    assert make_textworld_tasks(5, seed=7) != make_textworld_tasks(5, seed=8)
+
+
+def test_checkpoint_restore_round_trip():
+    env = TextWorldEnv()
+    env.reset(task_seed=0)
+    env.step("go hallway")
+    env.step("go living room")
+    checkpoint = env._checkpoint()
+    look = env.step("look")
+    future = [env.step(a) for a in SEED0_SCRIPT[2:]]
+    assert env.done and env.get_reward() == 1.0
+    # Back to the checkpoint: same state, same future; the checkpoint itself is not aliased by the env.
+    for _ in range(2):
+        env._restore(checkpoint)
+        assert env._checkpoint() == checkpoint
+        assert not env.done and env.steps == 2 and env.location == "living room"
+        assert env.step("look") == look
+        assert [env.step(a) for a in SEED0_SCRIPT[2:]] == future
+    assert checkpoint["contents"]["box"] == ["coin"] and checkpoint["inventory"] == []
+    # Restoring into a fresh environment works too.
+    other = TextWorldEnv()
+    other._restore(checkpoint)
+    assert other.step("look") == look
+
+
+def test_tool_schema_and_tool_env():
+    env = TextWorldEnv()
+    schema = get_json_schema(env.act)
+    function = schema["function"]
+    assert function["name"] == "act"
+    assert function["description"] == "Perform one action in the house and return what you observe."
+    assert function["parameters"]["required"] == ["action"]
+    assert function["parameters"]["properties"]["action"]["type"] == "string"
+    assert "put <object> in <container>" in function["parameters"]["properties"]["action"]["description"]
+    assert get_json_schema(TextWorldToolEnv().act) == schema
+    # Under TRL's environment probe the tool env exposes exactly one tool; the text env would expose two.
+    assert tool_names(TextWorldToolEnv) == ["act"]
+    assert tool_names(TextWorldEnv) == ["act", "step"]
+    tool_env = TextWorldToolEnv()
+    row = make_textworld_tasks(1, seed=3, tool_format=True)[0]
+    first = tool_env.reset(**row)  # TRL passes the whole row, prompt included
+    assert first.startswith("You are in the ")
+    checkpoint = tool_env._checkpoint()
+    for action in tool_env.world._oracle_actions():
+        tool_env.act(action)
+    assert tool_env.done and tool_env.get_reward() == 1.0
+    tool_env._restore(checkpoint)
+    assert not tool_env.done and tool_env.get_reward() == 0.0
+
+
+def test_make_textworld_tasks_rows():
+    rows = make_textworld_tasks(8, seed=0, max_steps=15)
+    assert len(rows) == 8
+    assert len({row["task_seed"] for row in rows}) == 8
+    env = TextWorldEnv()
+    for row in rows:
+        system, user = row["prompt"]
+        assert system["role"] == "system" and user["role"] == "user"
+        assert system["content"].startswith(LEVEL_SYSTEM_PROMPT)
+        assert system["content"].endswith(f"Your task is to: {row['goal']}.")
+        assert "at most 15 actions" in system["content"]
+        assert env.reset(**row).startswith("You are in the ")
+        assert env.goal == row["goal"] and env.max_steps == 15
+    tool_rows = make_textworld_tasks(2, seed=0, tool_format=True)
+    assert "<level>" not in tool_rows[0]["prompt"][0]["content"]
+    assert "`act` tool" in tool_rows[0]["prompt"][0]["content"]
+    assert [r["task_seed"] for r in tool_rows] == [r["task_seed"] for r in rows[:2]]
+
+
+def test_level_format_agent_loop():
+    """A scripted policy that answers in the level format, parsed like the RLVCR rollout would parse it."""
+    row = make_textworld_tasks(1, seed=11)[0]
+    env = TextWorldEnv()
+    env.reset(**row)
+    plan = env._oracle_actions()
+    for turn, action in enumerate(plan):
+        level = 1 + turn % 4
+        text = render_step(level, None if level == 1 else f"I should {action} now.", action)
+        parsed = parse_step(text)
+        assert isinstance(parsed, ParsedStep) and parsed.level == level
+        env.step(parsed.action)
+    assert env.get_reward() == 1.0
+
+
+def test_world_is_connected_and_consistent():
+    for room, exits in EXITS.items():
+        for other in exits:
+            assert room in EXITS[other]  # doors work both ways
+    assert {room for room, _ in CONTAINERS.values()} <= set(EXITS)

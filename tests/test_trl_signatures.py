@@ -1,0 +1,56 @@
+"""Guard: every private GRPOTrainer hook we override or call keeps the signature and contract we were written for.
+
+TRL gives no stability promise for these methods; if this test fails after a TRL upgrade, re-read the new code before
+changing the expected strings.
+"""
+
+import inspect
+
+import trl
+from trl import GRPOTrainer
+
+EXPECTED = {
+    # overridden
+    "_tool_call_loop": "(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields)",
+    "_calculate_rewards": "(self, inputs, prompts, completions, completion_ids_list)",
+    "_generate_and_score_completions": "(self, inputs: list[dict[str, torch.Tensor | typing.Any]]) -> dict[str, torch.Tensor | typing.Any]",
+    # called
+    "_generate_single_turn": "(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False)",
+    "_get_tool_suffix_ids": "(self, tool_messages)",
+    "_generate": "(self, prompts: list)",
+    "_compute_loss": "(self, model, inputs)",
+    "_prepare_inputs": "(self, generation_batch: dict[str, torch.Tensor | typing.Any]) -> dict[str, torch.Tensor | typing.Any]",
+}
+
+
+def test_trl_version_is_pinned():
+    assert trl.__version__ == "1.16.0"
+
+
+def test_private_signatures_unchanged():
+    actual = {name: str(inspect.signature(getattr(GRPOTrainer, name))) for name in EXPECTED}
+    assert actual == EXPECTED
+    params = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters
+    assert list(params)[:6] == ["self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size"]
+
+
+def test_tool_loop_contract_unchanged():
+    """`_generate` hands its `prompt_ids` list to the loop and returns that same list (snapshots rely on it), and the
+    loop returns the 7-tuple we produce."""
+    generate = inspect.getsource(GRPOTrainer._generate)
+    assert "prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields" in generate
+    assert (
+        "return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images"
+        in generate
+    )
+    loop = inspect.getsource(GRPOTrainer._tool_call_loop)
+    assert (
+        "return tool_mask, completions, completion_ids, logprobs, tool_call_count, tool_failure_count, tool_images"
+        in loop
+    )
+    scoring = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    # The batch augmentation re-derives the rewards exactly like this and relies on these output keys.
+    assert "rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)" in scoring
+    assert "rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids_list)" in scoring
+    assert '"num_items_in_batch": num_items_in_batch' in scoring
+    assert "vllm_importance_sampling_ratio = torch.exp(logps_diff)" in scoring

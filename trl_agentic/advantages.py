@@ -1,0 +1,157 @@
+"""GRPO advantages over groups of any size, and the rewards given to negative samples.
+
+`group_advantages` generalises the advantage computation of TRL 1.16's `GRPOTrainer` (fixed-size groups laid out as
+`rewards.view(-1, num_generations)`) to groups of varying size identified by arbitrary ids, with NaN (unscorable)
+rewards and an optional baseline mask. It is fully vectorised: per-group sums are segment reductions (`index_add`), so
+the cost does not grow with a Python loop over groups.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["group_advantages", "negative_sample_rewards"]
+
+_SCALES = ("group", "batch", "none")
+# Same epsilon as TRL's GRPOTrainer, so that full fixed-size groups reproduce its advantages.
+_EPS = 1e-4
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    *,
+    scale: str = "group",
+    baseline_mask: Tensor | None = None,
+) -> Tensor:
+    """
+    Compute GRPO advantages for rows grouped by arbitrary ids.
+
+    Each row's advantage is its reward minus the mean reward of its group, optionally divided by a standard deviation
+    plus `1e-4`, following TRL 1.16's `GRPOTrainer`. The group statistics (mean and unbiased std) are taken over the
+    group's *statistics rows*: the rows whose reward is not NaN and, when `baseline_mask` is given, whose mask is set.
+    Every non-NaN row of the group, in the baseline or not, is then scored against these statistics.
+
+    Special cases:
+        - A row with a NaN reward (unscorable) gets advantage 0.
+        - A group with fewer than two statistics rows has no usable spread, so all its rows get advantage 0 (TRL gets
+          the same result implicitly, as its `nanstd` of a single value is NaN and later zeroed by `nan_to_num`).
+
+    For full fixed-size groups (with or without NaN rows, no mask) this equals TRL's `rewards.view(-1, G)` computation
+    up to floating-point rounding: the std is evaluated in the same order as TRL's `nanstd` (mean of squared
+    deviations times `n / (n - 1)`), which makes the result bit-identical for small groups on CPU; larger groups may
+    differ by a few ulps because `torch.nanmean` sums in a different order than `index_add`.
+
+    Args:
+        rewards (`Tensor`):
+            Floating-point tensor of shape `(N,)` with one reward per row; NaN marks an unscorable row.
+        group_ids (`Tensor`):
+            Integer tensor of shape `(N,)`. Rows sharing an id form a group. Ids need not be contiguous, sorted or
+            non-negative.
+        scale (`str`, *optional*, defaults to `"group"`):
+            How to scale the centred rewards:
+            - `"group"`: divide by the unbiased std of the row's group statistics rows plus `1e-4`.
+            - `"batch"`: divide by the unbiased std of all statistics rows of the batch plus `1e-4` (TRL's
+              `nanstd(rewards)` over the whole batch).
+            - `"none"`: no division.
+        baseline_mask (`Tensor`, *optional*):
+            Boolean tensor of shape `(N,)`. When given, only rows where it is `True` (and the reward is not NaN) enter
+            the group mean and std, and the batch std for `scale="batch"`.
+
+    Returns:
+        `Tensor`: Advantages of shape `(N,)`, with the dtype and device of `rewards`. The inputs are not modified.
+
+    Raises:
+        ValueError: If `scale` is not one of `"group"`, `"batch"`, `"none"`, or if the shapes or dtypes are invalid.
+    """
+    if scale not in _SCALES:
+        raise ValueError(f"Invalid `scale`: {scale!r}. Must be one of {', '.join(repr(s) for s in _SCALES)}.")
+    if rewards.dim() != 1:
+        raise ValueError(f"`rewards` must be 1-D, got shape {tuple(rewards.shape)}.")
+    if not rewards.is_floating_point():
+        raise ValueError(f"`rewards` must be a floating-point tensor, got {rewards.dtype}.")
+    if group_ids.shape != rewards.shape:
+        raise ValueError(f"`group_ids` must have shape {tuple(rewards.shape)}, got {tuple(group_ids.shape)}.")
+    if group_ids.is_floating_point() or group_ids.is_complex():
+        raise ValueError(f"`group_ids` must be an integer tensor, got {group_ids.dtype}.")
+    if baseline_mask is not None:
+        if baseline_mask.shape != rewards.shape:
+            raise ValueError(
+                f"`baseline_mask` must have shape {tuple(rewards.shape)}, got {tuple(baseline_mask.shape)}."
+            )
+        if baseline_mask.dtype != torch.bool:
+            raise ValueError(f"`baseline_mask` must be a boolean tensor, got {baseline_mask.dtype}.")
+
+    if rewards.numel() == 0:
+        return torch.empty_like(rewards)
+
+    device, dtype = rewards.device, rewards.dtype
+    # Dense group index 0..G-1, whatever the original ids look like.
+    uniques, inverse = torch.unique(group_ids.to(device), return_inverse=True)
+    num_groups = uniques.numel()
+
+    valid = ~torch.isnan(rewards)
+    stats = valid if baseline_mask is None else valid & baseline_mask.to(device)
+    # Zero (not NaN) in the non-statistics rows, so that they add nothing to the segment sums.
+    stat_rewards = torch.where(stats, rewards, torch.zeros_like(rewards))
+
+    counts = torch.zeros(num_groups, dtype=torch.long, device=device).index_add_(0, inverse, stats.long())
+    sums = torch.zeros(num_groups, dtype=dtype, device=device).index_add_(0, inverse, stat_rewards)
+    # clamp avoids 0/0 for groups without statistics rows; those are zeroed at the end anyway.
+    means = sums / counts.clamp(min=1)
+    row_means = means[inverse]
+
+    advantages = rewards - row_means
+    if scale == "group":
+        centred = torch.where(stats, advantages, torch.zeros_like(advantages))
+        sq_sums = torch.zeros(num_groups, dtype=dtype, device=device).index_add_(0, inverse, centred * centred)
+        # Unbiased std sqrt(sum / (n - 1)), written in the operation order of TRL's `nanstd` to reproduce its bits.
+        # The correction is in the rewards' dtype: float32 as in TRL, and not rounded to float32 for float64 rewards.
+        correction = counts.to(dtype) / (counts - 1).clamp(min=1).to(dtype)
+        stds = torch.sqrt((sq_sums / counts.clamp(min=1)) * correction)
+        advantages = advantages / (stds[inverse] + _EPS)
+    elif scale == "batch":
+        n = stats.sum()
+        batch_mean = stat_rewards.sum() / n.clamp(min=1)
+        centred = torch.where(stats, rewards - batch_mean, torch.zeros_like(rewards))
+        correction = n.to(dtype) / (n - 1).clamp(min=1).to(dtype)
+        batch_std = torch.sqrt(((centred * centred).sum() / n.clamp(min=1)) * correction)
+        advantages = advantages / (batch_std + _EPS)
+
+    # NaN rows and groups with fewer than two statistics rows carry no learning signal.
+    keep = valid & (counts[inverse] >= 2)
+    return torch.where(keep, advantages, torch.zeros_like(advantages))
+
+
+def negative_sample_rewards(
+    error_types: list[list[str]], default: float, per_error: dict[str, float] | None = None
+) -> list[float]:
+    """
+    Compute the reward of each negative sample from the error types it triggered.
+
+    A negative sample's reward is the most negative (minimum) of the `per_error` rewards of those of its error types
+    that appear in `per_error`; when none does (or `per_error` is `None` or the sample has no error type), it is
+    `default`. Taking the minimum means that a sample combining several errors is penalised for its worst one.
+
+    Example:
+        `negative_sample_rewards([["SyntaxError"], ["KeyError", "TimeoutError"], []], -0.5, {"TimeoutError": -1.0})`
+        returns `[-0.5, -1.0, -0.5]`.
+
+    Args:
+        error_types (`list[list[str]]`):
+            For each negative sample, the names of its error types (e.g. `["SyntaxError"]`).
+        default (`float`):
+            Reward of a sample none of whose error types has an entry in `per_error`.
+        per_error (`dict[str, float]`, *optional*):
+            Reward for each error type name.
+
+    Returns:
+        `list[float]`: One reward per negative sample, in the order of `error_types`.
+    """
+    per_error = per_error or {}
+    rewards = []
+    for types in error_types:
+        matched = [float(per_error[name]) for name in types if name in per_error]
+        rewards.append(min(matched) if matched else float(default))
+    return rewards

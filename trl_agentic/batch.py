@@ -1,0 +1,378 @@
+"""The variable-group data path: rows with explicit group ids, advantages across processes, padded batches.
+
+`BatchAugmenter` runs after TRL's `_generate_and_score_completions` built the batch of regular rows (one per
+rollout, `num_generations` per prompt). It
+
+1. gathers, with variable counts per process, the extra rows of the rollout loop (negative samples, snapshot
+   segments) as small metadata, applies `max_negative_samples_per_group` globally, and gives every row a reward and
+   the `group_id` of its prompt group (unique across processes);
+2. calls the advantage estimator once on the gathered rewards/group ids (each process keeps its own rows);
+3. appends the local extra rows to the tensors (re-padding widths), computes their old/ref log-probs and vLLM
+   importance ratios like TRL does, zeroes rollouts lost to infrastructure failures, pads every process to the same
+   row count, a multiple of `steps_per_generation` (`split_tensor_dict` silently drops a remainder), with zero-weight
+   rows, and recomputes `num_items_in_batch`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import torch
+from accelerate.utils import gather, gather_object
+from trl.trainer.utils import use_adapter
+
+from .advantages import negative_sample_rewards
+from .estimators import AdvantageBatch
+from .rollout.types import ExtraRow, RowKind
+
+# Keys of TRL's output dict that are (B, T) per-token tensors, with their padding value.
+_TOKEN_KEYS = {
+    "completion_ids": None,  # pad token, set at run time
+    "completion_mask": 0,
+    "tool_mask": 1,  # TRL pads tool_mask with 1 (the completion mask hides it)
+    "old_per_token_logps": 0.0,
+    "ref_per_token_logps": 0.0,
+    "sampling_per_token_logps": 0.0,
+}
+
+
+def _pad_to(x: torch.Tensor, width: int, value, side: str) -> torch.Tensor:
+    if x.size(1) >= width:
+        return x
+    filler = x.new_full((x.size(0), width - x.size(1)), value)
+    return torch.cat([filler, x] if side == "left" else [x, filler], dim=1)
+
+
+def _stack(rows: list[list], width: int, value, side: str, dtype, device) -> torch.Tensor:
+    out = torch.full((len(rows), width), value, dtype=dtype, device=device)
+    for k, row in enumerate(rows):
+        if row:
+            values = torch.tensor(row, dtype=dtype, device=device)
+            if side == "left":
+                out[k, width - len(row) :] = values
+            else:
+                out[k, : len(row)] = values
+    return out
+
+
+def _round_up(x: int, multiple: int | None) -> int:
+    return x if not multiple else int(math.ceil(x / multiple) * multiple)
+
+
+def _import(path: str):
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class BatchAugmenter:
+    """Turns TRL's batch of regular rows plus the rollout loop's extra rows into the training batch.
+
+    Args:
+        trainer: The `AgenticGRPOTrainer` (for its config, accelerator, models and metric store).
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        args = trainer.args
+        self.segment_reward = _import(args.snapshot_reward_func) if args.snapshot_reward_func else None
+
+    def __call__(self, output: dict, inputs: list[dict], rewards_per_func: torch.Tensor, loop_result) -> dict:
+        t, args = self.trainer, self.trainer.args
+        if args.multi_objective_aggregation != "sum_then_normalize":
+            return output  # GDPO keeps TRL's advantages (the trainer refuses it with extra rows)
+        device = t.accelerator.device
+        mode = "train" if t.model.training else "eval"
+        group_size = t.num_generations if mode == "train" else t.num_generations_eval
+        num_local = output["prompt_ids"].size(0)
+        nproc, rank = t.accelerator.num_processes, t.accelerator.process_index
+        extras = loop_result.extra_rows if loop_result is not None else []
+        infra_local = loop_result.infra_failed if loop_result is not None else [False] * num_local
+
+        # 1. Rewards of the regular rows, aggregated as TRL does; infrastructure failures are unscorable.
+        unscorable = torch.isnan(rewards_per_func).all(dim=1)
+        rewards = (rewards_per_func * t.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        infra = gather(torch.tensor(infra_local, dtype=torch.bool, device=device))
+        rewards[infra] = torch.nan
+
+        # 2. Extra rows: metadata gathered with variable counts per process (small Python objects).
+        local_meta = [
+            (int(e.kind), rank * num_local + e.parent, e.error_types, self._segment_term(e, inputs)) for e in extras
+        ]
+        all_meta = gather_object([local_meta]) if nproc > 1 else [local_meta]
+        kinds = [int(RowKind.REGULAR)] * (num_local * nproc)
+        parents = list(range(num_local * nproc))
+        extra_rewards: list[float] = []
+        owners: list[int] = []
+        keep: list[bool] = []
+        neg_count: dict[int, int] = {}
+        for owner, metas in enumerate(all_meta):
+            for kind, parent, error_types, term in metas:
+                group = parent // group_size
+                ok = True
+                if kind == RowKind.NEGATIVE:  # the per-group cap holds across processes, in a fixed order
+                    ok = neg_count.get(group, 0) < args.max_negative_samples_per_group
+                    neg_count[group] = neg_count.get(group, 0) + ok
+                    value = negative_sample_rewards(
+                        [error_types], args.negative_sample_reward, args.negative_reward_by_error
+                    )[0]
+                else:  # snapshot: the episode's reward (StateLM), plus an optional per-segment term
+                    value = rewards[parent].item() + term
+                keep.append(ok)
+                if ok:
+                    kinds.append(kind)
+                    parents.append(parent)
+                    extra_rewards.append(value)
+                    owners.append(owner)
+        local_extras = [e for e, ok in zip(extras, self._own_keep(keep, all_meta, rank)) if ok]
+
+        all_rewards = torch.cat([rewards, torch.tensor(extra_rewards, dtype=rewards.dtype, device=device)])
+        kind_t = torch.tensor(kinds, device=device)
+        parent_t = torch.tensor(parents, device=device)
+        group_t = parent_t // group_size
+        regular = kind_t == RowKind.REGULAR
+        if args.group_baseline == "episodes":
+            baseline = regular
+        else:
+            baseline = regular | (kind_t == RowKind.NEGATIVE)
+            if args.snapshot_advantage == "row":
+                baseline = baseline | (kind_t == RowKind.SNAPSHOT)
+        first_extra = num_local * nproc + sum(1 for o in owners if o < rank)
+        local_index = torch.cat(
+            [
+                torch.arange(rank * num_local, (rank + 1) * num_local, device=device),
+                torch.arange(first_extra, first_extra + len(local_extras), device=device),
+            ]
+        )
+
+        # 3. Tensors: regular rows, then this process's extra rows, then padding rows.
+        batch = self._append_rows(output, local_extras, device)
+        if loop_result is not None and any(infra_local):
+            lost = torch.tensor(infra_local + [False] * len(local_extras), dtype=torch.bool, device=device)
+            batch["tool_mask"] = batch["tool_mask"].masked_fill(lost.unsqueeze(1), 0)
+        loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
+        estimator_batch = AdvantageBatch(
+            rewards=all_rewards,
+            group_ids=group_t,
+            baseline_mask=baseline,
+            row_kind=kind_t,
+            episode_ids=parent_t,
+            local_index=local_index,
+            prompt_ids=batch["prompt_ids"],
+            prompt_mask=batch["prompt_mask"],
+            completion_ids=batch["completion_ids"],
+            completion_mask=batch["completion_mask"],
+            tool_mask=batch["tool_mask"] if "tool_mask" in batch else torch.ones_like(batch["completion_mask"]),
+            loss_mask=loss_mask,
+            scale=t.scale_rewards,
+        )
+        advantages = t.advantage_estimator(estimator_batch, t)
+        if advantages.dim() == 2 and advantages.size(1) != batch["completion_ids"].size(1):
+            raise ValueError(
+                f"The advantage estimator returned shape {tuple(advantages.shape)}; token-level advantages must have "
+                f"width {batch['completion_ids'].size(1)}."
+            )
+        batch["advantages"] = advantages.to(device=device, dtype=torch.float32)
+        batch["group_id"] = group_t[local_index]
+        batch["row_kind"] = kind_t[local_index]
+
+        counts = [num_local + sum(1 for o in owners if o == q) for q in range(nproc)]
+        target = _round_up(max(counts), args.steps_per_generation if mode == "train" else None)
+        batch = self._pad_rows(batch, target)
+        loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
+        batch["num_items_in_batch"] = t.accelerator.gather(loss_mask.sum()).sum()
+        self._log_metrics(mode, batch, loop_result, group_t, kind_t)
+        return batch
+
+    # ------------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _own_keep(keep: list[bool], all_meta: list[list], rank: int) -> list[bool]:
+        start = sum(len(m) for m in all_meta[:rank])
+        return keep[start : start + len(all_meta[rank])]
+
+    def _segment_term(self, row: ExtraRow, inputs: list[dict]) -> float:
+        if row.kind != RowKind.SNAPSHOT or self.segment_reward is None:
+            return 0.0
+        info = {
+            "prompt_ids": row.prompt_ids,
+            "completion_ids": row.completion_ids,
+            "tool_mask": row.tool_mask,
+            "segment_index": row.segment_index,
+            "tokens_freed": row.tokens_freed,
+            "row": inputs[row.parent] if row.parent < len(inputs) else {},
+        }
+        return float(self.segment_reward(info))
+
+    def _append_rows(self, output: dict, rows: list[ExtraRow], device) -> dict:
+        if not rows:
+            return dict(output)
+        t = self.trainer
+        pad_id = t._tokenizer.pad_token_id
+        multiple = t.pad_to_multiple_of
+        prompt_w = _round_up(max(output["prompt_ids"].size(1), max(len(r.prompt_ids) for r in rows)), multiple)
+        comp_w = _round_up(max(output["completion_ids"].size(1), max(len(r.completion_ids) for r in rows)), multiple)
+        long = torch.long
+        ext = {
+            "prompt_ids": _stack([r.prompt_ids for r in rows], prompt_w, pad_id, "left", long, device),
+            "prompt_mask": _stack([[1] * len(r.prompt_ids) for r in rows], prompt_w, 0, "left", long, device),
+            "completion_ids": _stack([r.completion_ids for r in rows], comp_w, pad_id, "right", long, device),
+            "completion_mask": _stack([[1] * len(r.completion_ids) for r in rows], comp_w, 0, "right", long, device),
+            "tool_mask": _stack([r.tool_mask for r in rows], comp_w, 1, "right", long, device),
+        }
+        if "old_per_token_logps" in output:
+            ext["old_per_token_logps"] = t._logps_for_rows(
+                t.model, ext["prompt_ids"], ext["prompt_mask"], ext["completion_ids"], ext["completion_mask"]
+            )
+        if "ref_per_token_logps" in output:
+            ext["ref_per_token_logps"] = self._ref_logps(ext)
+        if "sampling_per_token_logps" in output:
+            ext["sampling_per_token_logps"] = _stack(
+                [r.logprobs or [0.0] * len(r.completion_ids) for r in rows],
+                comp_w,
+                0.0,
+                "right",
+                torch.float32,
+                device,
+            )
+        if "importance_sampling_ratio" in output:
+            ext["importance_sampling_ratio"] = self._is_ratio(ext, output["importance_sampling_ratio"].size(1) == 1)
+
+        merged = {}
+        for key, value in output.items():
+            if key in ("prompt_ids", "prompt_mask"):
+                fill = pad_id if key == "prompt_ids" else 0
+                merged[key] = torch.cat([_pad_to(value, prompt_w, fill, "left"), ext[key]])
+            elif key in _TOKEN_KEYS:
+                fill = pad_id if key == "completion_ids" else _TOKEN_KEYS[key]
+                merged[key] = torch.cat([_pad_to(value, comp_w, fill, "right"), ext[key].to(value.dtype)])
+            elif key == "importance_sampling_ratio":
+                width = value.size(1) if value.size(1) == 1 else comp_w
+                merged[key] = torch.cat([_pad_to(value, width, 1.0, "right"), _pad_to(ext[key], width, 1.0, "right")])
+            elif key in ("advantages", "num_items_in_batch"):
+                merged[key] = value  # recomputed by the caller
+            else:
+                raise NotImplementedError(f"Extra rows cannot be combined with the batch key {key!r} (multimodal?).")
+        return merged
+
+    @torch.no_grad()
+    def _ref_logps(self, ext: dict) -> torch.Tensor:
+        t = self.trainer
+        args = (ext["prompt_ids"], ext["prompt_mask"], ext["completion_ids"], ext["completion_mask"])
+        if t.ref_model is not None:
+            return t._logps_for_rows(t.ref_model, *args)
+        model = t.accelerator.unwrap_model(t.model)
+        with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+            return t._logps_for_rows(t.model, *args)
+
+    def _is_ratio(self, ext: dict, sequence_level: bool) -> torch.Tensor:
+        # Same formula as TRL 1.16's vLLM importance-sampling correction (grpo_trainer.py, "importance sampling").
+        t = self.trainer
+        mask = ext["completion_mask"] * ext["tool_mask"]
+        diff = torch.nan_to_num((ext["old_per_token_logps"] - ext["sampling_per_token_logps"]) * mask, nan=0.0)
+        if sequence_level:
+            diff = diff.sum(dim=-1, keepdim=True)
+        ratio = torch.exp(diff)
+        low, high = t.vllm_importance_sampling_clip_min, t.vllm_importance_sampling_clip_max
+        if t.vllm_importance_sampling_mode in ("sequence_truncate", "token_truncate"):
+            return torch.clamp(ratio, min=low, max=high)
+        low = -math.inf if low is None else low
+        high = math.inf if high is None else high
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+    @staticmethod
+    def _pad_rows(batch: dict, target: int) -> dict:
+        rows = batch["prompt_ids"].size(0)
+        if rows >= target:
+            return batch
+        extra = target - rows
+        padded = {}
+        for key, value in batch.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                padded[key] = value
+                continue
+            filler = value[:1].expand(extra, *value.shape[1:]).clone()
+            if key in ("completion_mask", "tool_mask", "advantages"):
+                filler.zero_()  # zero weight: no token of a padding row reaches the loss
+            elif key == "row_kind":
+                filler.fill_(int(RowKind.PADDING))
+            elif key == "group_id":
+                filler.fill_(-1)
+            padded[key] = torch.cat([value, filler])
+        return padded
+
+    def _log_metrics(self, mode: str, batch: dict, loop_result, group_t: torch.Tensor, kind_t: torch.Tensor) -> None:
+        t = self.trainer
+        metrics = t._metrics[mode]
+        device = t.accelerator.device
+        kinds, adv = batch["row_kind"], batch["advantages"]
+        adv_row = adv if adv.dim() == 1 else adv.mean(dim=1)
+        negative = kinds == RowKind.NEGATIVE
+        stats = loop_result.stats if loop_result is not None else None
+        local = torch.tensor(
+            [
+                negative.sum().item(),
+                adv_row[negative].sum().item() if negative.any() else 0.0,
+                (kinds == RowKind.SNAPSHOT).sum().item(),
+                *(
+                    [
+                        stats.rollback_attempts,
+                        stats.rollback_recovered,
+                        stats.rollback_exhausted,
+                        stats.negatives_saved,
+                        stats.infra_retries,
+                        stats.snapshots,
+                        stats.tokens_freed,
+                        stats.malformed_calls,
+                        sum(loop_result.num_segments),
+                        len(loop_result.num_segments),
+                        stats.regenerated_tokens,
+                        stats.failed_turn_tokens,
+                    ]
+                    if stats is not None
+                    else [0] * 12
+                ),
+            ],
+            dtype=torch.float64,
+            device=device,
+        )
+        total = t.accelerator.reduce(local, reduction="sum").tolist()
+        (
+            neg_rows,
+            neg_adv,
+            snap_rows,
+            attempts,
+            recovered,
+            exhausted,
+            saved,
+            infra_retries,
+            snapshots,
+            freed,
+            malformed,
+            segments,
+            episodes,
+            regen_tokens,
+            failed_tokens,
+        ) = total
+        sizes = torch.bincount(group_t - group_t.min()) if group_t.numel() else torch.zeros(1)
+        sizes = sizes[sizes > 0].float()
+        metrics["groups/size_mean"].append(sizes.mean().item())
+        metrics["groups/size_max"].append(sizes.max().item())
+        args = t.args
+        if args.enable_tool_rollback:
+            metrics["rollback/attempts"].append(attempts)
+            metrics["rollback/recovered_ratio"].append(recovered / attempts if attempts else 0.0)
+            metrics["rollback/exhausted"].append(exhausted)
+            metrics["rollback/regenerated_tokens_per_failed_token"].append(
+                regen_tokens / failed_tokens if failed_tokens else 0.0
+            )
+            metrics["negatives/saved"].append(saved)
+            metrics["negatives/rows"].append(neg_rows)
+            metrics["negatives/mean_advantage"].append(neg_adv / neg_rows if neg_rows else 0.0)
+            metrics["infra/retries"].append(infra_retries)
+        if t.tools:
+            metrics["tools/malformed_calls"].append(malformed)
+        if args.enable_context_snapshots:
+            metrics["snapshots/rows"].append(snap_rows)
+            metrics["snapshots/per_episode_mean"].append(snapshots / episodes if episodes else 0.0)
+            metrics["context/tokens_freed"].append(freed)

@@ -1,0 +1,456 @@
+"""`AgenticGRPOConfig`: TRL's `GRPOConfig` plus the fields of every trl-agentic feature.
+
+Validation happens in `__post_init__`, i.e. when the config is built (from Python or from a YAML file by
+`TrlParser`), so a bad value fails before any model is loaded, with a `ValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+# The seed's default list (seed 000): model errors that trigger a rollback.
+DEFAULT_ROLLBACK_ON_ERRORS = [
+    "ImportError",
+    "ModuleNotFoundError",
+    "SyntaxError",
+    "IndentationError",
+    "NameError",
+    "TypeError",
+    "IndexError",
+    "worker_timeout",
+]
+
+# Failures of the tool infrastructure rather than of the model's call: retried, never trained on.
+DEFAULT_INFRA_ERROR_PATTERNS = [
+    "SandboxTimeout",
+    "SandboxCrashed",
+    "SandboxMemoryError",
+    "SandboxInfraError",
+    "ToolTimeout",
+    "BrokenPipeError",
+    "ConnectionError",
+]
+
+_CHOICES = {
+    "rollback_feedback": ("none", "hint"),
+    "group_baseline": ("all_rows", "episodes"),
+    "snapshot_downsample": ("last", "random_plus_last"),
+    "snapshot_advantage": ("episode", "row"),
+    "rlvcr_mode": ("copo", "additive"),
+    "rlvcr_norm_mode": ("mean_norm", "mean_std_norm"),
+    "rlvcr_expand_steps": ("successful_varied", "varied", "all"),
+    "tracin_selection": ("positive", "top_fraction", "threshold"),
+}
+
+
+@dataclass
+class AgenticGRPOConfig(GRPOConfig):
+    r"""
+    Configuration class for [`AgenticGRPOTrainer`].
+
+    Every field of [`~trl.GRPOConfig`] is accepted unchanged; the fields below switch on and tune the agentic
+    features. With all of them at their defaults the trainer behaves exactly like [`~trl.GRPOTrainer`].
+
+    Parameters:
+        > Tool rollback and negative samples (seeds 000/001)
+
+        enable_tool_rollback (`bool`, *optional*, defaults to `False`):
+            On a tool error matching `rollback_on_errors`, restore the environment to the checkpoint taken before the
+            call, truncate the trajectory to the start of the failed turn and regenerate that turn.
+        max_tool_retries (`int`, *optional*, defaults to `3`):
+            Maximum number of regenerations per tool-call position (assistant turn). After that the error is kept and
+            shown to the model, and the rollout continues.
+        rollback_on_errors (`list[str]`, *optional*):
+            Patterns (plain substrings, case-sensitive) matched against the exception type, the exception text and
+            the tool's returned text. Defaults to the seed's list.
+        rollback_feedback (`str`, *optional*, defaults to `"none"`):
+            What the model sees before it retries: `"none"` restores the trajectory exactly to the checkpoint and
+            re-samples; `"hint"` inserts `rollback_hint_template` as environment tokens (masked from the loss) that
+            stay in the trajectory.
+        rollback_hint_template (`str`, *optional*):
+            Text of the hint inserted with `rollback_feedback="hint"`; `{error}` is replaced by the error message.
+        infra_error_patterns (`list[str]`, *optional*):
+            Patterns of infrastructure failures (sandbox timeouts, dead interpreter, out-of-memory). They are retried
+            without creating a negative sample and are never trained on. Checked before `rollback_on_errors`.
+        max_infra_retries (`int`, *optional*, defaults to `2`):
+            Re-executions of a tool call that failed for an infrastructure reason. If it still fails the rollout is
+            kept out of the loss and out of the group statistics.
+        save_negative_samples (`bool`, *optional*, defaults to `False`):
+            Save the failed trajectory before each rollback as an extra training row of the same group, with reward
+            `negative_sample_reward`. Requires `enable_tool_rollback`.
+        max_negative_samples_per_group (`int`, *optional*, defaults to `1`):
+            Maximum number of negative rows added to one prompt group.
+        negative_sample_reward (`float`, *optional*, defaults to `-0.5`):
+            Reward of a negative row.
+        negative_reward_by_error (`dict[str, float]`, *optional*):
+            Reward per error type (e.g. `{"SyntaxError": -1.0, "ImportError": -0.3}`); the most negative matching
+            entry wins, `negative_sample_reward` otherwise.
+        group_baseline (`str`, *optional*, defaults to `"all_rows"`):
+            Which rows enter a group's mean and std: `"all_rows"` (seed: negatives and snapshots counted) or
+            `"episodes"` (only the regular rollouts; negatives and snapshots are scored against them).
+        tool_timeout (`float`, *optional*, defaults to `60.0`):
+            Wall-clock limit in seconds for one call of a plain Python tool; a call past it is reported to the model
+            as a `ToolTimeout` error (an infrastructure failure). `0` disables the limit.
+        max_tool_output_chars (`int`, *optional*, defaults to `4000`):
+            Tool results longer than this are truncated (with a marker) before they reach the model.
+
+        > Context snapshots (seed 004)
+
+        enable_context_snapshots (`bool`, *optional*, defaults to `False`):
+            Give the model the `delete_context` tool. Each call closes the current trajectory as a training row,
+            replaces the deleted messages by `context_stub_text` and continues from the re-rendered, shorter prompt.
+        max_snapshots_per_episode (`int`, *optional*, defaults to `4`):
+            Maximum number of closed segments of one rollout kept as training rows (the final segment is always
+            kept).
+        snapshot_downsample (`str`, *optional*, defaults to `"last"`):
+            Which segments are kept when there are more: `"last"` (the most recent ones) or `"random_plus_last"` (the
+            most recent one plus a random choice of the others).
+        context_stub_text (`str`, *optional*, defaults to `"[deleted]"`):
+            Text that replaces the content of each deleted message.
+        snapshot_advantage (`str`, *optional*, defaults to `"episode"`):
+            `"episode"`: one advantage per rollout, computed over the group's rollouts and copied to all its
+            segments; `"row"`: every segment is a group member (seed).
+        snapshot_reward_func (`str`, *optional*):
+            Import path `"package.module:function"` of a per-segment reward term added to the episode reward of each
+            segment, called as `f(segment_info: dict) -> float`.
+
+        > Advantages
+
+        advantage_estimator (`str`, *optional*, defaults to `"grpo"`):
+            `"grpo"` (GRPO over variable-size groups, `trl_agentic.advantages.group_advantages`) or an import path
+            `"package.module:function"` of an estimator (see `trl_agentic.estimators`). A callable can also be passed
+            to the trainer as `advantage_estimator=`. `"rlvcr"` selects the RLVCR / CoPO thinking-level estimator.
+
+        > RLVCR / CoPO thinking levels (seed 002, arXiv 2602.12662)
+
+        rlvcr_mode (`str`, *optional*, defaults to `"copo"`):
+            `"copo"` (the paper: `A_l = A_episode * w_l`, confidence weights) or `"additive"` (the seed: trajectory
+            advantage + `rlvcr_step_advantage_w` × thinking advantage on the step's tokens).
+        rlvcr_step_advantage_w (`float`, *optional*, defaults to `1.0`):
+            Weight of the thinking advantage in `"additive"` mode (the seed's `step_advantage_w`).
+        rlvcr_norm_mode (`str`, *optional*, defaults to `"mean_norm"`):
+            Normalisation of the thinking reward within the 4 levels in `"additive"` mode: `"mean_norm"` or
+            `"mean_std_norm"`.
+        rlvcr_alpha (`float`, *optional*, defaults to `0.0`):
+            Weight of the thinking-length term `0.5 - min(1, cost/cost_max)` in the additive thinking reward.
+        rlvcr_cost_max (`float`, *optional*, defaults to `250.0`):
+            Thinking-token count at which the length term saturates.
+        rlvcr_k (`float`, *optional*, defaults to `2.0`):
+            Temperature `k` of the CoPO weights `exp(k c~_l) / mean exp(k c~)`.
+        rlvcr_expand (`bool`, *optional*, defaults to `False`):
+            In `"copo"` mode, add the 3 alternative-level rows of each expanded step to the batch as extra rows of the
+            same group.
+        rlvcr_expand_steps (`str`, *optional*, defaults to `"successful_varied"`):
+            Which steps are expanded: `"successful_varied"` (steps of successful rollouts in groups whose rewards
+            differ: the paper), `"varied"` (any rollout of such groups) or `"all"`.
+        rlvcr_level_tag / rlvcr_think_tag / rlvcr_action_tag (`str`, *optional*):
+            Tag names of the step format `<level>k</level><think>…</think><action>…</action>`.
+        rlvcr_level_prompt_template (`str`, *optional*):
+            Level-forcing prompt used to generate alternative thinking (`{history}`, `{level}`, `{action}`
+            placeholders); the built-in templates when unset.
+        rlvcr_max_thinking_tokens (`int`, *optional*, defaults to `128`):
+            Maximum tokens of one generated alternative thinking.
+        rlvcr_score_batch_size (`int`, *optional*, defaults to `16`):
+            Rows per forward pass when scoring the action under the 4 thinking contexts.
+
+        > TracIn-filtered training (seed 003)
+
+        tracin_enabled (`bool`, *optional*, defaults to `False`):
+            Score every training row by its influence on a validation gradient (LoRA ghost hooks) and train only on
+            the selected rows. Requires a PEFT LoRA model.
+        tracin_val_num_generations (`int`, *optional*, defaults to `4`):
+            Completions per validation prompt (at least 2, otherwise every validation advantage is zero).
+        tracin_val_batch_size (`int`, *optional*, defaults to `4`):
+            Validation prompts per refresh of the validation gradient (per process).
+        tracin_val_refresh_steps (`int`, *optional*, defaults to `1`):
+            Recompute the validation gradient every this many optimizer steps.
+        tracin_selection (`str`, *optional*, defaults to `"positive"`):
+            `"positive"` (score > 0, the seed), `"top_fraction"` or `"threshold"`.
+        tracin_top_fraction (`float`, *optional*, defaults to `0.5`):
+            Fraction of rows kept by `"top_fraction"`.
+        tracin_threshold (`float`, *optional*, defaults to `0.0`):
+            Score threshold of `"threshold"`.
+        tracin_min_selected (`int`, *optional*, defaults to `1`):
+            If fewer rows are selected (over all processes), the top-scoring ones are taken instead.
+    """
+
+    # --- rollback and negatives -------------------------------------------------------------------------------
+    enable_tool_rollback: bool = field(
+        default=False,
+        metadata={
+            "help": "Restore the environment and regenerate the turn when a tool error matches `rollback_on_errors`."
+        },
+    )
+    max_tool_retries: int = field(default=3, metadata={"help": "Maximum regenerations per tool-call position."})
+    rollback_on_errors: list[str] = field(
+        default_factory=lambda: list(DEFAULT_ROLLBACK_ON_ERRORS),
+        metadata={
+            "help": "Error patterns (substrings of exception type, exception text or tool output) that trigger a rollback."
+        },
+    )
+    rollback_feedback: str = field(
+        default="none",
+        metadata={
+            "help": "What the model sees before a retry: 'none' (exact restore) or 'hint' (masked error hint).",
+            "choices": ["none", "hint"],
+        },
+    )
+    rollback_hint_template: str = field(
+        default="Your previous tool call failed with: {error}. Write a corrected call.",
+        metadata={"help": "Hint text for rollback_feedback='hint'; '{error}' is replaced by the error message."},
+    )
+    infra_error_patterns: list[str] = field(
+        default_factory=lambda: list(DEFAULT_INFRA_ERROR_PATTERNS),
+        metadata={"help": "Infrastructure error patterns: retried without a negative sample, never trained on."},
+    )
+    max_infra_retries: int = field(
+        default=2, metadata={"help": "Re-executions of a tool call after an infrastructure failure."}
+    )
+    save_negative_samples: bool = field(
+        default=False, metadata={"help": "Save failed trajectories before a rollback as negative training rows."}
+    )
+    max_negative_samples_per_group: int = field(
+        default=1, metadata={"help": "Maximum number of negative rows added to one prompt group."}
+    )
+    negative_sample_reward: float = field(default=-0.5, metadata={"help": "Reward of a negative row."})
+    negative_reward_by_error: dict[str, float] | None = field(
+        default=None,
+        metadata={"help": "Reward per error type, e.g. {'SyntaxError': -1.0}; the most negative match wins."},
+    )
+    group_baseline: str = field(
+        default="all_rows",
+        metadata={
+            "help": "Rows in a group's mean/std: 'all_rows' (seed) or 'episodes' (regular rollouts only).",
+            "choices": ["all_rows", "episodes"],
+        },
+    )
+    tool_timeout: float = field(
+        default=60.0, metadata={"help": "Wall-clock limit (s) of one plain Python tool call; 0 disables it."}
+    )
+    max_tool_output_chars: int = field(
+        default=4000, metadata={"help": "Truncate tool results longer than this many characters."}
+    )
+    # --- context snapshots ------------------------------------------------------------------------------------
+    enable_context_snapshots: bool = field(
+        default=False,
+        metadata={"help": "Enable the delete_context tool: each call closes a segment as a training row."},
+    )
+    max_snapshots_per_episode: int = field(
+        default=4, metadata={"help": "Maximum closed segments of one rollout kept as training rows."}
+    )
+    snapshot_downsample: str = field(
+        default="last",
+        metadata={
+            "help": "Which segments are kept: 'last' or 'random_plus_last'.",
+            "choices": ["last", "random_plus_last"],
+        },
+    )
+    context_stub_text: str = field(
+        default="[deleted]", metadata={"help": "Text that replaces the content of each deleted message."}
+    )
+    snapshot_advantage: str = field(
+        default="episode",
+        metadata={
+            "help": "'episode' (one advantage per rollout, copied to its segments) or 'row' (seed).",
+            "choices": ["episode", "row"],
+        },
+    )
+    snapshot_reward_func: str | None = field(
+        default=None,
+        metadata={
+            "help": "Import path 'pkg.module:function' of a per-segment reward term added to the episode reward."
+        },
+    )
+    # --- advantages -------------------------------------------------------------------------------------------
+    advantage_estimator: str = field(
+        default="grpo",
+        metadata={
+            "help": "Advantage estimator: 'grpo' (variable-group GRPO) or an import path 'pkg.module:function'."
+        },
+    )
+
+    # --- RLVCR ---------------------------------------------------------------------------------------------------
+    rlvcr_mode: str = field(
+        default="copo",
+        metadata={
+            "help": "'copo' (paper, multiplicative weights) or 'additive' (seed).",
+            "choices": ["copo", "additive"],
+        },
+    )
+    rlvcr_step_advantage_w: float = field(
+        default=1.0, metadata={"help": "Weight of the thinking advantage (additive mode)."}
+    )
+    rlvcr_norm_mode: str = field(
+        default="mean_norm",
+        metadata={
+            "help": "Thinking-reward normalisation (additive): 'mean_norm' or 'mean_std_norm'.",
+            "choices": ["mean_norm", "mean_std_norm"],
+        },
+    )
+    rlvcr_alpha: float = field(default=0.0, metadata={"help": "Weight of the thinking-length term (additive mode)."})
+    rlvcr_cost_max: float = field(
+        default=250.0, metadata={"help": "Thinking tokens at which the length term saturates."}
+    )
+    rlvcr_k: float = field(default=2.0, metadata={"help": "Temperature k of the CoPO confidence weights."})
+    rlvcr_expand: bool = field(
+        default=False, metadata={"help": "CoPO: add the 3 alternative-level rows of expanded steps to the batch."}
+    )
+    rlvcr_expand_steps: str = field(
+        default="successful_varied",
+        metadata={
+            "help": "Which steps expand: 'successful_varied' (paper), 'varied' or 'all'.",
+            "choices": ["successful_varied", "varied", "all"],
+        },
+    )
+    rlvcr_level_tag: str = field(default="level", metadata={"help": "Tag name of the thinking level."})
+    rlvcr_think_tag: str = field(default="think", metadata={"help": "Tag name of the thinking block."})
+    rlvcr_action_tag: str = field(default="action", metadata={"help": "Tag name of the action block."})
+    rlvcr_level_prompt_template: str | None = field(
+        default=None, metadata={"help": "Level-forcing prompt ({history}, {level}, {action}); built-in when unset."}
+    )
+    rlvcr_max_thinking_tokens: int = field(
+        default=128, metadata={"help": "Maximum tokens of one alternative thinking."}
+    )
+    rlvcr_score_batch_size: int = field(default=16, metadata={"help": "Rows per scoring forward pass."})
+    # --- TracIn --------------------------------------------------------------------------------------------------
+    tracin_enabled: bool = field(
+        default=False,
+        metadata={"help": "Train only on rows whose LoRA influence on a validation gradient is selected."},
+    )
+    tracin_val_num_generations: int = field(default=4, metadata={"help": "Completions per validation prompt (>= 2)."})
+    tracin_val_batch_size: int = field(default=4, metadata={"help": "Validation prompts per refresh (per process)."})
+    tracin_val_refresh_steps: int = field(
+        default=1, metadata={"help": "Recompute the validation gradient every N steps."}
+    )
+    tracin_selection: str = field(
+        default="positive",
+        metadata={
+            "help": "'positive' (seed), 'top_fraction' or 'threshold'.",
+            "choices": ["positive", "top_fraction", "threshold"],
+        },
+    )
+    tracin_top_fraction: float = field(default=0.5, metadata={"help": "Fraction kept by 'top_fraction'."})
+    tracin_threshold: float = field(default=0.0, metadata={"help": "Score threshold of 'threshold'."})
+    tracin_min_selected: int = field(default=1, metadata={"help": "Fallback: at least this many rows (top scores)."})
+
+    # Fields whose dict values arrive as JSON strings from the command line.
+    _VALID_DICT_FIELDS = [*GRPOConfig._VALID_DICT_FIELDS, "negative_reward_by_error"]
+
+    def __post_init__(self):
+        # Our checks first: they are cheap, and a bad value must fail before anything else happens.
+        self._validate_agentic_fields()
+        super().__post_init__()
+
+    @property
+    def agentic_features_enabled(self) -> bool:
+        """Whether any feature that adds rows, changes the rollout loop, the advantages or the training step is on."""
+        return (
+            self.enable_tool_rollback
+            or self.enable_context_snapshots
+            or self.tracin_enabled
+            or self.advantage_estimator != "grpo"
+        )
+
+    def _validate_agentic_fields(self) -> None:
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"`{name}` must be one of {list(choices)}, got {value!r}.")
+        for name in (
+            "max_tool_retries",
+            "max_infra_retries",
+            "max_negative_samples_per_group",
+            "max_tool_output_chars",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"`{name}` must be a non-negative integer, got {value!r}.")
+        if self.max_tool_output_chars < 64:
+            raise ValueError(f"`max_tool_output_chars` must be at least 64, got {self.max_tool_output_chars}.")
+        if not isinstance(self.max_snapshots_per_episode, int) or self.max_snapshots_per_episode < 0:
+            raise ValueError(
+                f"`max_snapshots_per_episode` must be a non-negative integer, got {self.max_snapshots_per_episode!r}."
+            )
+        if self.tool_timeout is None or self.tool_timeout < 0:
+            raise ValueError(f"`tool_timeout` must be >= 0 (0 disables it), got {self.tool_timeout!r}.")
+        for name in ("rollback_on_errors", "infra_error_patterns"):
+            patterns = getattr(self, name)
+            if isinstance(patterns, str):  # a single pattern from the command line
+                patterns = [patterns]
+                setattr(self, name, patterns)
+            if not all(isinstance(p, str) and p for p in patterns):
+                raise ValueError(f"`{name}` must be a list of non-empty strings, got {patterns!r}.")
+        if self.enable_tool_rollback and not self.rollback_on_errors:
+            raise ValueError("`rollback_on_errors` is empty but `enable_tool_rollback=True`: nothing would roll back.")
+        if "{error}" not in self.rollback_hint_template and self.rollback_feedback == "hint":
+            raise ValueError("`rollback_hint_template` must contain '{error}' when `rollback_feedback='hint'`.")
+        if isinstance(self.negative_reward_by_error, str):  # JSON from the command line
+            try:
+                self.negative_reward_by_error = json.loads(self.negative_reward_by_error)
+            except ValueError as e:
+                raise ValueError(f"`negative_reward_by_error` is not valid JSON: {e}") from e
+        if self.negative_reward_by_error is not None:
+            if not isinstance(self.negative_reward_by_error, dict) or not all(
+                isinstance(k, str) and isinstance(v, int | float) for k, v in self.negative_reward_by_error.items()
+            ):
+                raise ValueError(
+                    f"`negative_reward_by_error` must map error type names to numbers, got {self.negative_reward_by_error!r}."
+                )
+        if self.snapshot_reward_func is not None and ":" not in self.snapshot_reward_func:
+            raise ValueError(
+                f"`snapshot_reward_func` must be an import path 'package.module:function', got {self.snapshot_reward_func!r}."
+            )
+        if not isinstance(self.advantage_estimator, str) or not (
+            self.advantage_estimator in ("grpo", "rlvcr") or ":" in self.advantage_estimator
+        ):
+            raise ValueError(
+                f"`advantage_estimator` must be 'grpo', 'rlvcr' or an import path 'package.module:function', "
+                f"got {self.advantage_estimator!r}."
+            )
+        for name in ("rlvcr_level_tag", "rlvcr_think_tag", "rlvcr_action_tag"):
+            tag = getattr(self, name)
+            if not isinstance(tag, str) or not tag.strip() or any(c in tag for c in "<>/ "):
+                raise ValueError(
+                    f"`{name}` must be a non-empty tag name without '<', '>', '/' or spaces, got {tag!r}."
+                )
+        if len({self.rlvcr_level_tag, self.rlvcr_think_tag, self.rlvcr_action_tag}) < 3:
+            raise ValueError("`rlvcr_level_tag`, `rlvcr_think_tag` and `rlvcr_action_tag` must be different.")
+        if self.rlvcr_level_prompt_template is not None and "{action}" not in self.rlvcr_level_prompt_template:
+            raise ValueError(
+                "`rlvcr_level_prompt_template` must contain '{action}' (the thinking justifies the action)."
+            )
+        for name in ("rlvcr_cost_max", "rlvcr_k"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"`{name}` must be positive, got {getattr(self, name)!r}.")
+        for name in (
+            "rlvcr_max_thinking_tokens",
+            "rlvcr_score_batch_size",
+            "tracin_val_batch_size",
+            "tracin_val_refresh_steps",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        if not isinstance(self.tracin_val_num_generations, int) or self.tracin_val_num_generations < 2:
+            raise ValueError(
+                f"`tracin_val_num_generations` must be an integer >= 2 (with 1 every validation advantage is 0), "
+                f"got {self.tracin_val_num_generations!r}."
+            )
+        if not 0 < self.tracin_top_fraction <= 1:
+            raise ValueError(f"`tracin_top_fraction` must be in (0, 1], got {self.tracin_top_fraction!r}.")
+        if not isinstance(self.tracin_min_selected, int) or self.tracin_min_selected < 0:
+            raise ValueError(
+                f"`tracin_min_selected` must be a non-negative integer, got {self.tracin_min_selected!r}."
+            )
+        # Seed 000 "Parameter Interactions": negatives need rollback.
+        if self.save_negative_samples and not self.enable_tool_rollback:
+            warnings.warn(
+                "`save_negative_samples=True` has no effect without `enable_tool_rollback=True`: no negative samples "
+                "will be saved (seed 000, 'Parameter Interactions').",
+                UserWarning,
+                stacklevel=3,
+            )

@@ -1,0 +1,72 @@
+"""Generate `docs/configuration.md` from the help texts of the config dataclasses.
+
+Run `python -m trl_agentic.docgen` after changing a field; `tests/test_docs.py` fails when the file is stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from pathlib import Path
+
+from trl import GRPOConfig
+
+from .config import AgenticGRPOConfig
+from .tasks import TaskArguments
+
+HEADER = """# Configuration reference
+
+Generated from the dataclass help texts by `python -m trl_agentic.docgen` (do not edit by hand).
+Every field of TRL's [`GRPOConfig`](https://huggingface.co/docs/trl/grpo_trainer) and `trl.ModelConfig` is accepted
+too; only the fields trl-agentic adds are listed here. Set them in the YAML file given to
+`trl-agentic train --config`, as `--field value` flags, or as keyword arguments of `AgenticGRPOConfig`.
+"""
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return repr(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        return repr(f.default_factory())
+    return "required"
+
+
+def _type_name(hint) -> str:
+    # From resolved hints, not `Field.type`: argument parsers rewrite `Field.type` in place.
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
+def _table(cls, fields) -> list[str]:
+    hints = typing.get_type_hints(cls)
+    lines = ["| field | type | default | description |", "| --- | --- | --- | --- |"]
+    for f in fields:
+        kind = _type_name(hints[f.name])
+        help_text = f.metadata.get("help", "").replace("|", "\\|")
+        choices = f.metadata.get("choices")
+        if choices:
+            help_text += f" Choices: {', '.join(f'`{c}`' for c in choices)}."
+        lines.append(f"| `{f.name}` | `{kind}` | `{_default(f)}` | {help_text} |")
+    return lines
+
+
+def render() -> str:
+    base = {f.name for f in dataclasses.fields(GRPOConfig)}
+    ours = [f for f in dataclasses.fields(AgenticGRPOConfig) if f.name not in base]
+    out = [HEADER, "## `AgenticGRPOConfig` (trainer)", ""]
+    out += _table(AgenticGRPOConfig, ours)
+    out += ["", "## `TaskArguments` (`trl-agentic train` only)", ""]
+    out += _table(TaskArguments, dataclasses.fields(TaskArguments))
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    path = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    path.write_text(render())
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

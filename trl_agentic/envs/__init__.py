@@ -1,0 +1,23 @@
+"""Tool environments for TRL's `environment_factory`, with the checkpoint protocol used for rollback."""
+
+from .calculator import SYSTEM_PROMPT, CalculatorEnv, answer_reward, make_arithmetic_tasks, tool_use_reward
+from .errors import SandboxCrashed, SandboxInfraError, SandboxMemoryError, SandboxTimeout
+from .protocol import check_checkpointable, checkpoint_env, restore_env, tool_methods
+from .python_sandbox import PythonSandboxEnv
+
+__all__ = [
+    "SYSTEM_PROMPT",
+    "CalculatorEnv",
+    "PythonSandboxEnv",
+    "SandboxCrashed",
+    "SandboxInfraError",
+    "SandboxMemoryError",
+    "SandboxTimeout",
+    "answer_reward",
+    "check_checkpointable",
+    "checkpoint_env",
+    "make_arithmetic_tasks",
+    "restore_env",
+    "tool_methods",
+    "tool_use_reward",
+]

@@ -1,0 +1,432 @@
+"""Arithmetic word problems solved with a calculator tool: the environment, a task generator and reward functions."""
+
+import ast
+import math
+import operator
+import random
+import re
+from collections.abc import Callable
+from typing import Any
+
+SYSTEM_PROMPT = (
+    "Solve the math problem. Use the `calculate` tool for the arithmetic, then give the final answer on its own "
+    'line as "Answer: <number>".'
+)
+TOOL_USE_BONUS = 0.1
+
+# Bounds that keep every evaluation fast, whatever the model sends.
+_MAX_EXPRESSION_CHARS = 500
+_MAX_NODES = 200
+_MAX_BITS = 4096  # about 1233 decimal digits
+_BINARY_OPERATORS: dict[type, Callable] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY_OPERATORS: dict[type, Callable] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+_SYMBOLS = {ast.BitXor: "^", ast.BitAnd: "&", ast.BitOr: "|", ast.LShift: "<<", ast.RShift: ">>", ast.MatMult: "@"}
+_ALLOWED = "only numbers, parentheses and the operators + - * / // % ** are allowed"
+
+
+def _check_size(value: int | float) -> int | float:
+    if isinstance(value, int) and value.bit_length() > _MAX_BITS:
+        raise ValueError(f"Result too large (more than {_MAX_BITS} bits).")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("Result too large (not a finite number).")
+    if isinstance(value, complex):
+        raise ValueError("The result is not a real number.")
+    return value
+
+
+def _evaluate_node(node: ast.AST) -> int | float:
+    if isinstance(node, ast.Constant):
+        if type(node.value) in (int, float):  # not bool, complex or str
+            return _check_size(node.value)
+        raise ValueError(f"Unsupported constant {node.value!r}: {_ALLOWED}.")
+    if isinstance(node, ast.BinOp):
+        operator_type = type(node.op)
+        if operator_type not in _BINARY_OPERATORS:
+            symbol = _SYMBOLS.get(operator_type, operator_type.__name__)
+            hint = " (use ** for powers)" if symbol == "^" else ""
+            raise ValueError(f"Unsupported operator {symbol!r}{hint}: {_ALLOWED}.")
+        left, right = _evaluate_node(node.left), _evaluate_node(node.right)
+        if operator_type is ast.Pow:
+            # Check before computing: 2 ** 10 ** 10 must fail instantly, not after minutes of work. The result has
+            # at least (bits(left) - 1) * right bits; float powers are O(1) and overflow on their own.
+            if isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+                if (abs(left).bit_length() - 1) * abs(right) > _MAX_BITS:
+                    raise ValueError(f"Result too large (more than {_MAX_BITS} bits).")
+        if operator_type in (ast.Div, ast.FloorDiv, ast.Mod) and right == 0:
+            raise ZeroDivisionError("division by zero")
+        try:
+            return _check_size(_BINARY_OPERATORS[operator_type](left, right))
+        except OverflowError:
+            raise ValueError("Result too large.") from None
+        except ZeroDivisionError:  # e.g. 0 ** -1
+            raise ZeroDivisionError("division by zero") from None
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY_OPERATORS:
+        return _UNARY_OPERATORS[type(node.op)](_evaluate_node(node.operand))
+    if isinstance(node, ast.Name):
+        raise ValueError(f"Unknown name {node.id!r}: {_ALLOWED}.")
+    if isinstance(node, ast.Call):
+        raise ValueError(f"Function calls are not supported: {_ALLOWED}.")
+    raise ValueError(f"Unsupported syntax {type(node).__name__}: {_ALLOWED}.")
+
+
+def evaluate_expression(expression: str) -> int | float:
+    """
+    Safely evaluates an arithmetic expression (no names, calls or attribute access; bounded size and exponents).
+
+    Args:
+        expression (`str`):
+            For example `"(12 + 7) * 3"`. `×`, `÷` and `−` are accepted for `*`, `/` and `-`.
+
+    Returns:
+        `int` or `float`: The value (`/` always gives a `float`).
+
+    Raises:
+        `ValueError`: If the expression is malformed, uses anything but arithmetic, or its result is too large.
+        `ZeroDivisionError`: On division or modulo by zero.
+    """
+    if not isinstance(expression, str):
+        raise ValueError(f"The expression must be a string, got {type(expression).__name__}.")
+    text = expression.strip().replace("×", "*").replace("÷", "/").replace("−", "-")
+    if not text:
+        raise ValueError("Empty expression.")
+    if len(text) > _MAX_EXPRESSION_CHARS:
+        raise ValueError(f"Expression too long ({len(text)} characters, at most {_MAX_EXPRESSION_CHARS}).")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"Invalid expression {expression!r}: {exc.msg}.") from None
+    except ValueError as exc:  # e.g. an integer literal with too many digits
+        raise ValueError(f"Invalid expression {expression!r}: {exc}.") from None
+    if sum(1 for _ in ast.walk(tree)) > _MAX_NODES:
+        raise ValueError(f"Expression too complex (more than {_MAX_NODES} syntax nodes).")
+    return _evaluate_node(tree.body)
+
+
+def format_number(value: int | float) -> str:
+    """
+    Formats a calculator result: integers (and integral floats) without `.0`, other floats with 12 significant digits.
+
+    Args:
+        value (`int` or `float`):
+            The number to format.
+
+    Returns:
+        `str`: E.g. `"42"` for `42.0`, `"0.333333333333"` for `1 / 3`.
+    """
+    if isinstance(value, float):
+        if value.is_integer() and abs(value) < 2**53:
+            return str(int(value))
+        return f"{value:.12g}"
+    return str(value)
+
+
+class CalculatorEnv:
+    """
+    TRL environment with one tool, `calculate`, for arithmetic word problems (see `make_arithmetic_tasks`).
+
+    Invalid expressions raise `ValueError` and division by zero raises `ZeroDivisionError`: these are the model's
+    errors, which the trainer shows to the model as tool errors. The counters `calls` and `failures` (reset with the
+    episode) are there for metrics.
+    """
+
+    def __init__(self):
+        self.answer: str | None = None
+        self.calls = 0
+        self.failures = 0
+
+    def reset(self, **row) -> None:
+        """
+        Starts an episode: stores the row's `answer` (if any) and zeroes the counters.
+
+        Args:
+            **row: The dataset row.
+        """
+        self.answer = row.get("answer")
+        self.calls = 0
+        self.failures = 0
+
+    def calculate(self, expression: str) -> str:
+        """
+        Evaluate an arithmetic expression and return its value.
+
+        Supports numbers, parentheses and the operators + - * / // % ** (for example "(12 + 7) * 3").
+
+        Args:
+            expression: The arithmetic expression to evaluate, for example "(12 + 7) * 3".
+
+        Returns:
+            The value of the expression.
+        """
+        self.calls += 1
+        try:
+            return format_number(evaluate_expression(expression))
+        except Exception:
+            self.failures += 1
+            raise
+
+
+# ------------------------------------------------------------------------------------------------------- task generator
+
+_NAMES = ["Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Isla", "Jonas", "Kira", "Liam", "Maya"]
+_ITEMS = ["notebooks", "pens", "mugs", "plants", "books", "lamps", "scarves", "puzzles", "candles", "backpacks"]
+_THINGS = ["marbles", "stickers", "stamps", "cards", "shells", "coins", "beads", "pencils"]
+_DIFFICULTIES = ("easy", "medium", "hard")
+
+
+def _shopping(rng: random.Random, difficulty: str) -> tuple[str, str]:
+    name, (item1, item2) = rng.choice(_NAMES), rng.sample(_ITEMS, 2)
+    if difficulty == "easy":
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        if rng.random() < 0.5:
+            return (
+                f"{name} spends ${a} on {item1} and ${b} on {item2}. How many dollars does {name} spend?",
+                f"{a} + {b}",
+            )
+        a, b = max(a, b) + 10, min(a, b)
+        return f"{name} has ${a} and spends ${b} on {item1}. How many dollars does {name} have left?", f"{a} - {b}"
+    if difficulty == "medium":
+        q, p, fee = rng.randint(11, 99), rng.randint(12, 999), rng.randint(100, 999)
+        question = f"{name} buys {q} {item1} at ${p} each and pays a ${fee} delivery fee. How many dollars is that?"
+        return question, f"{q} * {p} + {fee}"
+    q1, p1, q2, p2 = rng.randint(11, 99), rng.randint(12, 999), rng.randint(11, 99), rng.randint(12, 999)
+    question = f"{name} buys {q1} {item1} at ${p1} each and {q2} {item2} at ${p2} each. How many dollars is that?"
+    return question, f"{q1} * {p1} + {q2} * {p2}"
+
+
+def _travel(rng: random.Random, difficulty: str) -> tuple[str, str]:
+    if difficulty == "easy":
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        if rng.random() < 0.5:
+            return (
+                f"A train travels {a} km before noon and {b} km after noon. How many km does it travel?",
+                f"{a} + {b}",
+            )
+        a, b = max(a, b) + 10, min(a, b)
+        return f"A trail is {a} km long. After hiking {b} km, how many km are left?", f"{a} - {b}"
+    if difficulty == "medium":
+        v, t, d = rng.randint(40, 130), rng.randint(11, 30), rng.randint(100, 999)
+        question = f"A bus drives {t} hours at {v} km per hour, then {d} km more. How many km does it drive in total?"
+        return question, f"{v} * {t} + {d}"
+    t, v, back, stops = rng.randint(11, 30), rng.randint(40, 130), rng.randint(100, 999), rng.randint(2, 9)
+    question = (
+        f"A truck makes {stops} trips. On each trip it drives {t} hours at {v} km per hour, then {back} km back. "
+        "How many km does it drive in total?"
+    )
+    return question, f"{stops} * ({t} * {v} + {back})"
+
+
+def _sharing(rng: random.Random, difficulty: str) -> tuple[str, str]:
+    name, thing = rng.choice(_NAMES), rng.choice(_THINGS)
+    if difficulty == "easy":
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        if rng.random() < 0.5:
+            return f"{name} has {a} {thing} and gets {b} more. How many {thing} does {name} have now?", f"{a} + {b}"
+        a, b = max(a, b) + 10, min(a, b)
+        return f"{name} has {a} {thing} and gives away {b}. How many {thing} does {name} have now?", f"{a} - {b}"
+    if difficulty == "medium":
+        bags, per = rng.randint(11, 99), rng.randint(12, 250)
+        given = rng.randint(10, min(999, bags * per - 1))
+        question = f"{name} has {bags} bags of {per} {thing} and gives away {given} {thing}. How many are left?"
+        return question, f"{bags} * {per} - {given}"
+    while True:  # rejection sampling keeps the answer an integer
+        trays, per, classes, kept = rng.randint(11, 60), rng.randint(12, 99), rng.randint(3, 12), rng.randint(10, 999)
+        if trays * per > kept and (trays * per - kept) % classes == 0:
+            break
+    question = (
+        f"A baker makes {trays} trays of {per} cookies, keeps {kept} cookies, and shares the rest equally among "
+        f"{classes} classes. How many cookies does each class get?"
+    )
+    return question, f"({trays} * {per} - {kept}) / {classes}"
+
+
+def _area(rng: random.Random, difficulty: str) -> tuple[str, str]:
+    if difficulty == "easy":
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        if rng.random() < 0.5:
+            return f"Two gardens measure {a} and {b} square meters. What is their total area?", f"{a} + {b}"
+        a, b = max(a, b) + 10, min(a, b)
+        return f"A park covers {a} square meters and a pond {b} of them. How many are land?", f"{a} - {b}"
+    if difficulty == "medium":
+        length, width = rng.randint(11, 99), rng.randint(11, 99)
+        rug = rng.randint(10, min(999, length * width - 1))
+        question = (
+            f"A hall is {length} m long and {width} m wide, and a rug covers {rug} square meters. "
+            "How many square meters of floor are not covered?"
+        )
+        return question, f"{length} * {width} - {rug}"
+    l1, w1, l2, w2 = rng.randint(11, 99), rng.randint(11, 99), rng.randint(11, 99), rng.randint(11, 99)
+    question = (
+        f"A house has a {l1} m by {w1} m hall and a {l2} m by {w2} m garage. "
+        "What is their combined area in square meters?"
+    )
+    return question, f"{l1} * {w1} + {l2} * {w2}"
+
+
+def _savings(rng: random.Random, difficulty: str) -> tuple[str, str]:
+    name = rng.choice(_NAMES)
+    if difficulty == "easy":
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        if rng.random() < 0.5:
+            return f"{name} saves ${a} in May and ${b} in June. How many dollars does {name} save?", f"{a} + {b}"
+        a, b = max(a, b) + 10, min(a, b)
+        return f"{name} has ${a} saved and spends ${b}. How many dollars are left?", f"{a} - {b}"
+    if difficulty == "medium":
+        wage, hours, rent = rng.randint(12, 99), rng.randint(11, 99), rng.randint(100, 999)
+        rent = min(rent, wage * hours - 1)
+        question = f"{name} earns ${wage} an hour for {hours} hours and pays ${rent} rent. How many dollars are left?"
+        return question, f"{wage} * {hours} - {rent}"
+    weeks, pay, spent, bonus = rng.randint(11, 52), rng.randint(200, 999), rng.randint(100, 199), rng.randint(100, 999)
+    question = (
+        f"{name} earns ${pay} a week and spends ${spent} a week. After {weeks} weeks {name} also gets a ${bonus} "
+        f"bonus. How many dollars has {name} saved?"
+    )
+    return question, f"{weeks} * ({pay} - {spent}) + {bonus}"
+
+
+_TEMPLATES = (_shopping, _travel, _sharing, _area, _savings)
+
+
+def make_arithmetic_tasks(n: int, seed: int, difficulty: str = "medium") -> list[dict]:
+    """
+    Generates arithmetic word problems (shopping, travel, sharing, areas, savings), deterministically from `seed`.
+
+    Difficulty sets the operand sizes and the number of operations: `"easy"` is one `+`/`-` on two 2-digit numbers,
+    `"medium"` two operations including a `*` on 2-3 digit numbers, `"hard"` three operations (products, sums and an
+    exact division). Every answer is a non-negative integer.
+
+    Args:
+        n (`int`):
+            Number of tasks.
+        seed (`int`):
+            Random seed: the same `(n, seed, difficulty)` always gives the same tasks.
+        difficulty (`str`, *optional*, defaults to `"medium"`):
+            `"easy"`, `"medium"` or `"hard"`.
+
+    Returns:
+        `list[dict]`: Tasks with a conversational `prompt` (system prompt + question), the `answer` as a decimal
+        string (e.g. `"1234"`, a string so the dataset column has one type) and the ground-truth `expression`.
+    """
+    if difficulty not in _DIFFICULTIES:
+        raise ValueError(f"`difficulty` must be one of {_DIFFICULTIES}, got {difficulty!r}.")
+    if n < 0:
+        raise ValueError(f"`n` must be non-negative, got {n}.")
+    rng = random.Random(seed)
+    tasks = []
+    for _ in range(n):
+        question, expression = rng.choice(_TEMPLATES)(rng, difficulty)
+        value = evaluate_expression(expression)
+        assert value == int(value) and value >= 0, (expression, value)  # the templates guarantee this
+        tasks.append(
+            {
+                "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
+                "answer": str(int(value)),
+                "expression": expression,
+            }
+        )
+    return tasks
+
+
+# ------------------------------------------------------------------------------------------------------ reward functions
+
+_ANSWER_PATTERN = re.compile(r"answer\s*[:=]\s*[*$\s]*(-?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE)
+_NUMBER_PATTERN = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content blocks: [{"type": "text", "text": ...}, ...]
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return ""
+
+
+def _final_assistant_text(completion: Any) -> str:
+    if isinstance(completion, str):
+        return completion
+    for message in reversed(completion):
+        if message.get("role") == "assistant":
+            return _text(message.get("content"))
+    return ""
+
+
+def extract_answer(text: str) -> float | None:
+    """
+    Parses the final answer of a completion: the last `"Answer: <number>"`, else the last number in the text.
+
+    Args:
+        text (`str`):
+            The final assistant message.
+
+    Returns:
+        `float` or `None`: The number (thousands separators allowed), or `None` if there is none.
+    """
+    matches = _ANSWER_PATTERN.findall(text) or _NUMBER_PATTERN.findall(text)
+    if not matches:
+        return None
+    try:
+        return float(matches[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def answer_reward(completions: list, answer: list, **kwargs) -> list[float]:
+    """
+    TRL reward function: 1.0 if the final answer equals the ground truth, else 0.0.
+
+    The final answer is read from the *last* assistant message only (a completion that ends on a tool call scores 0),
+    as `"Answer: <number>"`, falling back to the last number in that message.
+
+    Args:
+        completions (`list`):
+            One message list per completion (plain strings are accepted too).
+        answer (`list`):
+            The ground-truth answers (the dataset's `answer` column), as strings or numbers.
+        **kwargs: Other dataset columns and trainer arguments (ignored).
+
+    Returns:
+        `list[float]`: One reward per completion.
+    """
+    rewards = []
+    for completion, truth in zip(completions, answer, strict=True):
+        predicted = extract_answer(_final_assistant_text(completion))
+        try:
+            expected = float(str(truth).replace(",", ""))
+        except ValueError:
+            expected = None
+        correct = predicted is not None and expected is not None and math.isclose(predicted, expected, abs_tol=1e-6)
+        rewards.append(1.0 if correct else 0.0)
+    return rewards
+
+
+def tool_use_reward(completions: list, **kwargs) -> list[float]:
+    """
+    TRL reward function: a small bonus (`TOOL_USE_BONUS`, 0.1) for completions with at least one successful tool call.
+
+    A tool message counts as successful unless its content is an error as TRL renders it (`"{'error': ...}"`, what the
+    trainer sends back when the tool raised). Meant to be combined with `answer_reward` early in training.
+
+    Args:
+        completions (`list`):
+            One message list per completion (plain strings get 0).
+        **kwargs: Dataset columns and trainer arguments (ignored).
+
+    Returns:
+        `list[float]`: `TOOL_USE_BONUS` or 0.0 per completion.
+    """
+    rewards = []
+    for completion in completions:
+        messages = [] if isinstance(completion, str) else completion
+        success = any(
+            message.get("role") == "tool" and not _text(message.get("content")).startswith("{'error'")
+            for message in messages
+        )
+        rewards.append(TOOL_USE_BONUS if success else 0.0)
+    return rewards

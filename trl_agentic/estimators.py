@@ -1,0 +1,93 @@
+"""Pluggable advantage estimators: the contract, the default GRPO estimator and name resolution.
+
+An estimator is a callable `estimator(batch: AdvantageBatch, trainer) -> Tensor` returning the advantages of this
+process's rows, shape `(B,)` or `(B, T)` (token-level). `batch` carries the group statistics inputs for the whole
+generation batch (all processes, gathered) and the local token tensors. Select one with
+`AgenticGRPOConfig.advantage_estimator` (`"grpo"`, an import path `"package.module:function"`) or pass a callable
+to the trainer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from .advantages import group_advantages
+
+
+@dataclass
+class AdvantageBatch:
+    """Inputs of an advantage estimator.
+
+    Attributes:
+        rewards: `(N,)` reward of every row of the generation batch on all processes (NaN = unscorable).
+        group_ids: `(N,)` prompt-group id of every row (unique across processes).
+        baseline_mask: `(N,)` rows that enter the group statistics (`group_baseline`, snapshot policy).
+        row_kind: `(N,)` `RowKind` of every row.
+        episode_ids: `(N,)` index of the rollout each row belongs to (snapshots and negatives share their parent's).
+        local_index: `(B,)` positions of this process's rows in the `(N,)` arrays, in local row order.
+        prompt_ids: `(B, P)` local prompt tokens (left-padded) and `prompt_mask` their attention mask.
+        completion_ids: `(B, T)` local completion tokens (right-padded) and `completion_mask` their attention mask.
+        tool_mask: `(B, T)` 1 on model-generated tokens, 0 on environment tokens (tool results, hints).
+        loss_mask: `(B, T)` local trainable-token mask (`completion_mask * tool_mask`, zero for lost rollouts).
+        scale: TRL's `scale_rewards` (`"group"`, `"batch"` or `"none"`).
+    """
+
+    rewards: Tensor
+    group_ids: Tensor
+    baseline_mask: Tensor
+    row_kind: Tensor
+    episode_ids: Tensor
+    local_index: Tensor
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    tool_mask: Tensor
+    loss_mask: Tensor
+    scale: str
+
+
+Estimator = Callable[[AdvantageBatch, object], Tensor]
+
+
+def grpo_estimator(batch: AdvantageBatch, trainer=None) -> Tensor:
+    """GRPO over variable-size groups: `group_advantages` on the gathered rewards, then this process's rows."""
+    advantages = group_advantages(batch.rewards, batch.group_ids, scale=batch.scale, baseline_mask=batch.baseline_mask)
+    return advantages[batch.local_index]
+
+
+BUILTIN_ESTIMATORS: dict[str, Estimator | str] = {
+    "grpo": grpo_estimator,
+    "rlvcr": "trl_agentic.rlvcr.estimator:rlvcr_estimator",  # imported on first use
+}
+
+
+def resolve_estimator(spec: str | Callable) -> Estimator:
+    """Turn `"grpo"`, `"package.module:function"` or a callable into an estimator callable.
+
+    Raises:
+        ValueError: Unknown name or import path that does not resolve to a callable.
+    """
+    if callable(spec):
+        return spec
+    if spec in BUILTIN_ESTIMATORS:
+        spec = BUILTIN_ESTIMATORS[spec]
+        if callable(spec):
+            return spec
+    if isinstance(spec, str) and ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"`advantage_estimator`: cannot import {spec!r} ({e}).") from e
+        if not callable(fn):
+            raise ValueError(f"`advantage_estimator`: {spec!r} is not callable.")
+        return fn
+    raise ValueError(
+        f"`advantage_estimator` must be one of {sorted(BUILTIN_ESTIMATORS)} or an import path "
+        f"'package.module:function', got {spec!r}."
+    )

@@ -1,0 +1,51 @@
+"""RLVCR / CoPO building blocks: pure advantage formulas and the multi-level thinking step format."""
+
+from .formulas import (
+    THINKING_ADVANTAGE_MODES,
+    action_confidence,
+    chosen_level_values,
+    combine_additive,
+    combine_copo,
+    copo_weights,
+    thinking_advantages,
+)
+from .parsing import (
+    DEFAULT_TAGS,
+    LEVEL1_THINK,
+    LEVEL_FORCING_TEMPLATES,
+    LEVEL_NAMES,
+    LEVEL_SYSTEM_PROMPT,
+    PARSE_ERROR_REASONS,
+    ParsedStep,
+    StepParseError,
+    StepTags,
+    cut_before_action,
+    level_forcing_prompt,
+    parse_step,
+    render_prefix,
+    render_step,
+)
+
+__all__ = [
+    "DEFAULT_TAGS",
+    "LEVEL1_THINK",
+    "LEVEL_FORCING_TEMPLATES",
+    "LEVEL_NAMES",
+    "LEVEL_SYSTEM_PROMPT",
+    "PARSE_ERROR_REASONS",
+    "THINKING_ADVANTAGE_MODES",
+    "ParsedStep",
+    "StepParseError",
+    "StepTags",
+    "action_confidence",
+    "chosen_level_values",
+    "combine_additive",
+    "combine_copo",
+    "copo_weights",
+    "cut_before_action",
+    "level_forcing_prompt",
+    "parse_step",
+    "render_prefix",
+    "render_step",
+    "thinking_advantages",
+]

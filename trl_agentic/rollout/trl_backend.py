@@ -1,0 +1,93 @@
+"""`RolloutBackend` on top of a live `GRPOTrainer`: TRL's own generation, parsing and templating."""
+
+from __future__ import annotations
+
+import torch
+from trl.chat_template_utils import parse_response
+
+from .parsing import parse_tool_calls
+
+
+def _has_response_parser(tokenizer) -> bool:
+    return (
+        getattr(tokenizer, "response_template", None) is not None
+        or getattr(tokenizer, "response_schema", None) is not None
+    )
+
+
+class TrainerBackend:
+    """Adapter giving `AgenticRolloutLoop` access to a trainer's generation engine (transformers or vLLM).
+
+    Args:
+        trainer: The running `AgenticGRPOTrainer`.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.tokenizer = trainer._tokenizer
+        self.max_completion_length = trainer.max_completion_length
+        if trainer.use_vllm and trainer.vllm_mode == "colocate":
+            self.max_model_len = trainer.vllm_generation.llm.llm_engine.model_config.max_model_len
+        else:
+            config = trainer.model.config.text_config if trainer._is_vlm else trainer.model.config
+            self.max_model_len = config.max_position_embeddings
+        self.max_iterations = trainer.max_tool_calling_iterations
+        self.multi_process = trainer.accelerator.num_processes > 1
+
+    def _tools_for(self, row: int):
+        t = self.trainer
+        if t.environment_factories is not None:
+            return t._env_tools[t._batch_environments[row]]
+        return t.tools
+
+    def generate(self, contexts):
+        # One batched call for every queued rollout; num_generations=1 because each context is its own history.
+        return self.trainer._generate_single_turn(contexts, None, {}, num_generations=1)
+
+    def parse(self, ids, prefix, row):
+        if _has_response_parser(self.tokenizer):
+            return parse_response(self.tokenizer, ids, prefix=prefix, tools=self._tools_for(row))
+        parsed = parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=True))
+        message = {"role": "assistant", "content": parsed.content}
+        if parsed.calls:
+            message["tool_calls"] = parsed.calls
+        return message
+
+    def decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def tool_suffix_ids(self, tool_messages):
+        return self.trainer._get_tool_suffix_ids(tool_messages)
+
+    def _render(self, messages, add_generation_prompt, tools=None):
+        t = self.trainer
+        ids = t.processing_class.apply_chat_template(
+            messages,
+            tools=tools or None,
+            chat_template=t.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            **t.chat_template_kwargs,
+        )
+        return list(ids[0]) if ids and isinstance(ids[0], list) else list(ids)
+
+    def hint_ids(self, hint):
+        # Close the (empty) assistant turn with EOS, then a user message with the hint and a new assistant header:
+        # rendered by the chat template itself, so it works for any template that supports a user turn here.
+        prefix_msgs = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": ""}]
+        prefix = self._render(prefix_msgs, add_generation_prompt=False)
+        full = self._render(prefix_msgs + [{"role": "user", "content": hint}], add_generation_prompt=True)
+        eos = self.tokenizer.eos_token_id
+        cut = max((k for k, tok in enumerate(prefix) if tok == eos), default=len(prefix) - 1) + 1
+        if full[:cut] != prefix[:cut]:
+            raise ValueError("The chat template does not render a hint message as a prefix extension.")
+        return [eos, *full[cut:]]
+
+    def render_prompt(self, messages, row):
+        return self._render(messages, add_generation_prompt=True, tools=self._tools_for(row))
+
+    def any_rank(self, flag):
+        accelerator = self.trainer.accelerator
+        value = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
+        return bool(accelerator.reduce(value, reduction="sum").item() > 0)

@@ -1,0 +1,85 @@
+"""Plain data produced by the rollout loop: extra training rows and per-rollout bookkeeping.
+
+The loop returns TRL's usual per-rollout lists for the *primary* row of each rollout (the last segment) and, beside
+them, a list of `ExtraRow`s (negative samples and closed snapshot segments). Nothing here holds tensors or models, so
+the trainer can gather these objects across processes with `gather_object`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class RowKind(IntEnum):
+    """Kind of a training row, stored in the batch as the `row_kind` tensor."""
+
+    REGULAR = 0
+    NEGATIVE = 1
+    SNAPSHOT = 2
+    PADDING = 3  # zero-weight row added so that every rank has the same, divisible number of rows
+
+
+@dataclass
+class ExtraRow:
+    """A training row produced by the loop besides a rollout's final segment.
+
+    Attributes:
+        kind: `RowKind.NEGATIVE` (a failed attempt saved before a rollback) or `RowKind.SNAPSHOT` (a segment closed
+            by `delete_context`).
+        parent: Index of the rollout this row comes from, in the local generation batch.
+        prompt_ids / completion_ids / tool_mask / logprobs: Same meaning as TRL's per-rollout lists. `tool_mask` is 1
+            on model-generated tokens and 0 on environment tokens; `logprobs` are the sampling log-probs (None when
+            the backend gives none, e.g. transformers generation).
+        segment_index: Position of a snapshot segment in its rollout (0 = first).
+        error_types / error_messages / tool_calls / tool_position: Why a negative sample failed (seed 000 fields);
+            `tool_position` is the assistant turn index (`turn_k`).
+        tokens_freed: For a snapshot: prompt tokens removed by the deletion that closed it.
+    """
+
+    kind: RowKind
+    parent: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    tool_mask: list[int]
+    logprobs: list[float] | None
+    segment_index: int = 0
+    error_types: list[str] = field(default_factory=list)
+    error_messages: list[str] = field(default_factory=list)
+    tool_calls: list[dict] = field(default_factory=list)
+    tool_position: int = 0
+    tokens_freed: int = 0
+    messages: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class LoopStats:
+    """Counters of one call of the rollout loop (local to this process)."""
+
+    tool_calls: int = 0
+    tool_failures: int = 0  # exceptions, unknown tools, malformed calls, error texts returned by tools
+    malformed_calls: int = 0
+    rollback_attempts: int = 0
+    rollback_recovered: int = 0  # rollbacks whose regenerated turn ran its tools without error
+    rollback_exhausted: int = 0  # positions where the retry budget ran out and the error was kept
+    negatives_saved: int = 0
+    infra_retries: int = 0
+    infra_failed_rollouts: int = 0
+    snapshots: int = 0  # segments closed by delete_context (before downsampling)
+    snapshot_rows: int = 0  # segments kept as training rows
+    tokens_freed: int = 0
+    generation_calls: int = 0
+    dummy_generation_calls: int = 0
+    regenerated_tokens: int = 0  # tokens generated again for rolled-back turns
+    failed_turn_tokens: int = 0  # tokens of the failed turns that were rolled back
+
+
+@dataclass
+class LoopResult:
+    """What the loop returns besides TRL's 7-tuple (see `AgenticRolloutLoop.run`)."""
+
+    extra_rows: list[ExtraRow]
+    infra_failed: list[bool]
+    num_segments: list[int]
+    stats: LoopStats
+    rollback_log: list[list[dict]]  # per rollout: one entry per rollback (turn, error types) for reports

@@ -1,0 +1,153 @@
+"""`AgenticGRPOTrainer`: TRL's `GRPOTrainer` with rollback, negative samples, snapshots and pluggable advantages."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import torch
+from trl import GRPOTrainer
+
+from .batch import BatchAugmenter
+from .config import AgenticGRPOConfig
+from .envs.protocol import check_checkpointable
+from .estimators import resolve_estimator
+from .rollout.context import delete_context
+from .rollout.loop import AgenticRolloutLoop, LoopConfig
+from .rollout.trl_backend import TrainerBackend
+
+
+class AgenticGRPOTrainer(GRPOTrainer):
+    """
+    GRPO trainer for agentic tool use, built on [`~trl.GRPOTrainer`].
+
+    With every feature of [`AgenticGRPOConfig`] off it trains exactly like `GRPOTrainer` (tested). The features:
+
+    - multi-turn tool rollouts with environment checkpoints, rollback-and-retry on tool errors and negative samples
+      (`enable_tool_rollback`, `save_negative_samples`);
+    - a `delete_context` tool that turns one rollout into several training rows (`enable_context_snapshots`);
+    - GRPO advantages over variable-size groups across processes, with a pluggable estimator
+      (`advantage_estimator`).
+
+    Overridden `GRPOTrainer` methods (all private in TRL 1.16, guarded by `tests/test_trl_signatures.py`):
+
+    - `_tool_call_loop`: replaced by `trl_agentic.rollout.loop.AgenticRolloutLoop` (same inputs and 7-tuple);
+    - `_calculate_rewards`: calls TRL's and keeps the gathered rewards for the batch augmentation;
+    - `_generate_and_score_completions`: calls TRL's, then `trl_agentic.batch.BatchAugmenter` appends the extra
+      rows, recomputes the advantages over explicit group ids and the loss normaliser, and pads every process to the
+      same divisible row count.
+
+    Args:
+        model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
+        callbacks, optimizers, peft_config, tools, environment_factory, rollout_func:
+            As in [`~trl.GRPOTrainer`]. `model` may also be a built-in short name such as `"smollm2-135m"`.
+        advantage_estimator (`Callable`, *optional*):
+            An estimator callable, taking precedence over `args.advantage_estimator`.
+    """
+
+    _tag_names = ["trl", "grpo", "trl-agentic"]
+    _name = "AgenticGRPO"
+
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: AgenticGRPOConfig | None = None,
+        *,
+        advantage_estimator: Callable | None = None,
+        tools=None,
+        environment_factory=None,
+        **kwargs,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = AgenticGRPOConfig(f"{str(name).split('/')[-1]}-AgenticGRPO")
+        elif not isinstance(args, AgenticGRPOConfig):
+            raise TypeError(f"`args` must be an AgenticGRPOConfig, got {type(args).__name__}.")
+        if isinstance(model, str):
+            from .models import resolve_model_path
+
+            model = resolve_model_path(model)
+        if args.enable_context_snapshots:
+            if environment_factory is None and not tools:
+                raise ValueError(
+                    "`enable_context_snapshots=True` needs a multi-turn tool setup: pass `tools` or "
+                    "`environment_factory` (the `delete_context` tool is added to them)."
+                )
+            tools = [*(tools or []), delete_context]
+        if args.agentic_features_enabled and args.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError(
+                "`multi_objective_aggregation` must be 'sum_then_normalize' when rollback or snapshots are on: "
+                "negative and snapshot rows have a single reward, not one per reward function."
+            )
+        super().__init__(
+            model,
+            reward_funcs if reward_funcs is not None else [],
+            args=args,
+            tools=tools,
+            environment_factory=environment_factory,
+            **kwargs,
+        )
+        if args.enable_tool_rollback and self.environment_factories is not None:
+            for pool in self._environment_pool.values():
+                check_checkpointable(pool[0])
+        self.advantage_estimator = resolve_estimator(advantage_estimator or args.advantage_estimator)
+        self._loop_config = LoopConfig.from_args(args)
+        self._rng = random.Random(args.seed)
+        self._augmenter = BatchAugmenter(self)
+        self._last_rewards_per_func = None
+        self._last_loop_result = None
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        if images is not None or multimodal_fields:
+            if self.args.agentic_features_enabled:
+                raise NotImplementedError("trl-agentic's tool loop does not handle images; use text environments.")
+            return super()._tool_call_loop(
+                prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+            )
+        num_local = len(prompt_ids)
+        base = self.accelerator.process_index * num_local
+        group_size = self.num_generations if self.model.training else self.num_generations_eval
+        loop = AgenticRolloutLoop(
+            TrainerBackend(self), self._loop_config, async_loop=getattr(self, "async_loop", None), rng=self._rng
+        )
+        trl_tuple, result = loop.run(
+            prompts,
+            prompt_ids,
+            completion_ids,
+            completions,
+            logprobs,
+            self._sync_tool_dicts,
+            self._async_tool_dicts,
+            self.environments,
+            group_ids=[(base + i) // group_size for i in range(num_local)],
+        )
+        self._last_loop_result = result
+        return trl_tuple
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._last_rewards_per_func = rewards_per_func  # gathered over processes: (N_global, n_funcs)
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        self._last_loop_result = None
+        self._last_rewards_per_func = None
+        output = super()._generate_and_score_completions(inputs)
+        return self._augmenter(output, inputs, self._last_rewards_per_func, self._last_loop_result)
+
+    @torch.no_grad()
+    def _logps_for_rows(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        """Per-token log-probs of extra rows, computed exactly as TRL computes its old/ref log-probs."""
+        from trl.models.utils import disable_gradient_checkpointing
+
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        mode = "train" if self.model.training else "eval"
+        batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, completion_ids.size(1), batch_size=batch_size
+            )
+        return logps
