@@ -23,7 +23,7 @@ from accelerate.utils import gather, gather_object
 from trl.trainer.utils import use_adapter
 
 from .advantages import negative_sample_rewards
-from .estimators import AdvantageBatch
+from .estimators import AdvantageBatch, EstimatorResult
 from .rollout.types import ExtraRow, RowKind
 
 # Keys of TRL's output dict that are (B, T) per-token tensors, with their padding value.
@@ -167,7 +167,11 @@ class BatchAugmenter:
             loss_mask=loss_mask,
             scale=t.scale_rewards,
         )
-        advantages = t.advantage_estimator(estimator_batch, t)
+        result = t.advantage_estimator(estimator_batch, t)
+        if isinstance(result, EstimatorResult):
+            advantages, est_rows, est_adv = result.advantages, list(result.extra_rows), result.extra_advantages
+        else:
+            advantages, est_rows, est_adv = result, [], None
         if advantages.dim() == 2 and advantages.size(1) != batch["completion_ids"].size(1):
             raise ValueError(
                 f"The advantage estimator returned shape {tuple(advantages.shape)}; token-level advantages must have "
@@ -176,9 +180,13 @@ class BatchAugmenter:
         batch["advantages"] = advantages.to(device=device, dtype=torch.float32)
         batch["group_id"] = group_t[local_index]
         batch["row_kind"] = kind_t[local_index]
+        if est_rows:
+            batch = self._append_estimator_rows(batch, est_rows, est_adv, device)
 
-        counts = [num_local + sum(1 for o in owners if o == q) for q in range(nproc)]
-        target = _round_up(max(counts), args.steps_per_generation if mode == "train" else None)
+        # Every process ends with the same number of rows, a multiple of steps_per_generation.
+        local_rows = torch.tensor([batch["prompt_ids"].size(0)], device=device)
+        most = int(t.accelerator.reduce(local_rows, reduction="max").item()) if nproc > 1 else int(local_rows.item())
+        target = _round_up(most, args.steps_per_generation if mode == "train" else None)
         batch = self._pad_rows(batch, target)
         loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
         batch["num_items_in_batch"] = t.accelerator.gather(loss_mask.sum()).sum()
@@ -249,11 +257,33 @@ class BatchAugmenter:
             elif key == "importance_sampling_ratio":
                 width = value.size(1) if value.size(1) == 1 else comp_w
                 merged[key] = torch.cat([_pad_to(value, width, 1.0, "right"), _pad_to(ext[key], width, 1.0, "right")])
-            elif key in ("advantages", "num_items_in_batch"):
-                merged[key] = value  # recomputed by the caller
+            elif key in ("advantages", "num_items_in_batch", "group_id", "row_kind"):
+                merged[key] = value  # recomputed or extended by the caller
             else:
                 raise NotImplementedError(f"Extra rows cannot be combined with the batch key {key!r} (multimodal?).")
         return merged
+
+    def _append_estimator_rows(self, batch: dict, rows: list[ExtraRow], advantages, device) -> dict:
+        """Append rows created by the advantage estimator (members of their parent's group) with their advantages."""
+        if advantages is None or advantages.size(0) != len(rows):
+            raise ValueError("An EstimatorResult with extra rows needs one advantage per extra row.")
+        parents = torch.tensor([r.parent for r in rows], device=device)
+        group_id, row_kind = batch["group_id"], batch["row_kind"]
+        old = batch["advantages"]
+        batch = self._append_rows(batch, rows, device)
+        width = batch["completion_ids"].size(1)
+        advantages = advantages.to(device=device, dtype=torch.float32)
+        if old.dim() == 2 or advantages.dim() == 2:  # token-level: both to (rows, width)
+            old = _pad_to(old, width, 0.0, "right") if old.dim() == 2 else old[:, None].expand(-1, width)
+            advantages = (
+                _pad_to(advantages, width, 0.0, "right")
+                if advantages.dim() == 2
+                else advantages[:, None].expand(-1, width)
+            )
+        batch["advantages"] = torch.cat([old, advantages])
+        batch["group_id"] = torch.cat([group_id, group_id[parents]])
+        batch["row_kind"] = torch.cat([row_kind, torch.full_like(parents, int(RowKind.EXPANSION))])
+        return batch
 
     @torch.no_grad()
     def _ref_logps(self, ext: dict) -> torch.Tensor:

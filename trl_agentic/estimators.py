@@ -1,7 +1,7 @@
 """Pluggable advantage estimators: the contract, the default GRPO estimator and name resolution.
 
-An estimator is a callable `estimator(batch: AdvantageBatch, trainer) -> Tensor` returning the advantages of this
-process's rows, shape `(B,)` or `(B, T)` (token-level). `batch` carries the group statistics inputs for the whole
+An estimator is a callable `estimator(batch: AdvantageBatch, trainer) -> Tensor | EstimatorResult` returning the
+advantages of this process's rows, shape `(B,)` or `(B, T)` (token-level), optionally with extra rows. `batch` carries the group statistics inputs for the whole
 generation batch (all processes, gathered) and the local token tensors. Select one with
 `AgenticGRPOConfig.advantage_estimator` (`"grpo"`, an import path `"package.module:function"`) or pass a callable
 to the trainer.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -51,7 +51,23 @@ class AdvantageBatch:
     scale: str
 
 
-Estimator = Callable[[AdvantageBatch, object], Tensor]
+@dataclass
+class EstimatorResult:
+    """What an estimator returns when it also adds rows (e.g. RLVCR's alternative thinking levels).
+
+    Attributes:
+        advantages: `(B,)` or `(B, T)` advantages of this process's existing rows.
+        extra_rows: New rows (`trl_agentic.rollout.types.ExtraRow`, `parent` = local row index) appended to the batch
+            as members of their parent's group.
+        extra_advantages: Their advantages, `(K,)` or `(K, T')`; token-level ones are re-padded with the batch.
+    """
+
+    advantages: Tensor
+    extra_rows: list = field(default_factory=list)
+    extra_advantages: Tensor | None = None
+
+
+Estimator = Callable[[AdvantageBatch, object], "Tensor | EstimatorResult"]
 
 
 def grpo_estimator(batch: AdvantageBatch, trainer=None) -> Tensor:

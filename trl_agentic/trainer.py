@@ -15,9 +15,10 @@ from .estimators import resolve_estimator
 from .rollout.context import delete_context
 from .rollout.loop import AgenticRolloutLoop, LoopConfig
 from .rollout.trl_backend import TrainerBackend
+from .tracin.trainer_mixin import TracInMixin
 
 
-class AgenticGRPOTrainer(GRPOTrainer):
+class AgenticGRPOTrainer(TracInMixin, GRPOTrainer):
     """
     GRPO trainer for agentic tool use, built on [`~trl.GRPOTrainer`].
 
@@ -43,6 +44,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
             As in [`~trl.GRPOTrainer`]. `model` may also be a built-in short name such as `"smollm2-135m"`.
         advantage_estimator (`Callable`, *optional*):
             An estimator callable, taking precedence over `args.advantage_estimator`.
+        tracin_eval_dataset (`Dataset`, *optional*):
+            Validation prompts of the TracIn filter (`args.tracin_enabled`); the eval dataset when unset.
     """
 
     _tag_names = ["trl", "grpo", "trl-agentic"]
@@ -55,6 +58,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         args: AgenticGRPOConfig | None = None,
         *,
         advantage_estimator: Callable | None = None,
+        tracin_eval_dataset=None,
         tools=None,
         environment_factory=None,
         **kwargs,
@@ -97,6 +101,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self._augmenter = BatchAugmenter(self)
         self._last_rewards_per_func = None
         self._last_loop_result = None
+        self._init_tracin(tracin_eval_dataset)
 
     # ------------------------------------------------------------------------------------------------------------
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):

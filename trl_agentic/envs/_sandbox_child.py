@@ -143,7 +143,7 @@ def _supervise(config: dict, isolation: dict) -> None:
     while True:
         for fd, _ in poller.poll(100):
             if fd == hangup_fd:
-                _end_all(isolation)
+                _end_all(isolation, config["cgroup"])
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -153,7 +153,7 @@ def _supervise(config: dict, isolation: dict) -> None:
                 break
             if pid == interpreter:
                 _report_death(report_fd, capture_fd, status)
-                _end_all(isolation)
+                _end_all(isolation, config["cgroup"])
 
 
 def _report_death(report_fd: int, capture_fd: int, status: int) -> None:
@@ -185,11 +185,21 @@ def _children() -> list[int]:
     return children
 
 
-def _end_all(isolation: dict) -> None:
+def _cgroup_members(cgroup: str) -> list[int]:
+    try:
+        with open(os.path.join(cgroup, "cgroup.procs")) as f:
+            return [int(line) for line in f if line.strip()]
+    except OSError:
+        return []
+
+
+def _end_all(isolation: dict, cgroup: str | None) -> None:
     if isolation["pid_namespace"]:
         os._exit(0)  # pid 1 exiting: the kernel SIGKILLs everything else in the namespace
-    # No pid namespace: kill our children until none is left. As subreaper we inherit every orphaned descendant (even
-    # after setsid), a child's pid cannot be reused before we reap it, and reaping here leaves no zombie to init.
+    # No pid namespace. The cgroup lists every sandbox process at once, however deep or setsid'ed (a fork bomb dies in
+    # one round); as subreaper we also inherit every orphaned descendant, so our children cover the no-cgroup case.
+    # Reaping them here leaves no zombie for init to collect.
+    protected = {os.getpid(), os.getppid()}
     for _ in range(1000):
         while True:
             try:
@@ -197,11 +207,15 @@ def _end_all(isolation: dict) -> None:
                     break
             except ChildProcessError:
                 break
-        children = _children()
-        if not children:
+        members = _cgroup_members(cgroup) if isolation["process_limit"] == "cgroup" else []
+        victims = (set(members) | set(_children())) - protected
+        if not victims:
             os._exit(0)
-        for pid in children:
-            os.kill(pid, signal.SIGKILL)
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         select.select([], [], [], 0.002)
     os.killpg(0, signal.SIGKILL)
 

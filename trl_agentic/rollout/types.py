@@ -18,6 +18,7 @@ class RowKind(IntEnum):
     NEGATIVE = 1
     SNAPSHOT = 2
     PADDING = 3  # zero-weight row added so that every rank has the same, divisible number of rows
+    EXPANSION = 4  # row added by an advantage estimator (e.g. an RLVCR alternative thinking level)
 
 
 @dataclass
