@@ -14,6 +14,8 @@ EXPECTED = {
     "_tool_call_loop": "(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields)",
     "_calculate_rewards": "(self, inputs, prompts, completions, completion_ids_list)",
     "_generate_and_score_completions": "(self, inputs: list[dict[str, torch.Tensor | typing.Any]]) -> dict[str, torch.Tensor | typing.Any]",
+    "_save_checkpoint": "(self, model, trial)",
+    "_load_optimizer_and_scheduler": "(self, checkpoint)",
     # called
     "_generate_single_turn": "(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False)",
     "_get_tool_suffix_ids": "(self, tool_messages)",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from collections.abc import Callable
 
@@ -12,10 +14,21 @@ from .batch import BatchAugmenter
 from .config import AgenticGRPOConfig
 from .envs.protocol import check_checkpointable
 from .estimators import resolve_estimator
+from .model_card import card_section, feature_tags
 from .rollout.context import delete_context
 from .rollout.loop import AgenticRolloutLoop, LoopConfig
 from .rollout.trl_backend import TrainerBackend
 from .tracin.trainer_mixin import TracInMixin
+
+STATE_FILE = "trl_agentic_state.json"
+
+
+def _jsonable(value):
+    return [_jsonable(v) for v in value] if isinstance(value, tuple | list) else value
+
+
+def _tupled(value):
+    return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
 
 
 class AgenticGRPOTrainer(TracInMixin, GRPOTrainer):
@@ -36,7 +49,9 @@ class AgenticGRPOTrainer(TracInMixin, GRPOTrainer):
     - `_calculate_rewards`: calls TRL's and keeps the gathered rewards for the batch augmentation;
     - `_generate_and_score_completions`: calls TRL's, then `trl_agentic.batch.BatchAugmenter` appends the extra
       rows, recomputes the advantages over explicit group ids and the loss normaliser, and pads every process to the
-      same divisible row count.
+      same divisible row count;
+    - `_save_checkpoint` / `_load_optimizer_and_scheduler`: call TRL's and save/restore trl-agentic's own state;
+    - `create_model_card` (public): TRL's card plus the features used, their settings and citations.
 
     Args:
         model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
@@ -141,6 +156,35 @@ class AgenticGRPOTrainer(TracInMixin, GRPOTrainer):
         self._last_rewards_per_func = None
         output = super()._generate_and_score_completions(inputs)
         return self._augmenter(output, inputs, self._last_rewards_per_func, self._last_loop_result)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's model card plus a section naming the trl-agentic features, their settings and citations."""
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        super().create_model_card(
+            model_name=model_name, dataset_name=dataset_name, tags=tags + feature_tags(self.args)
+        )
+        if self.is_world_process_zero():
+            path = os.path.join(self.args.output_dir, "README.md")
+            if os.path.exists(path):
+                with open(path, "a") as f:
+                    f.write(card_section(self.args))
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        # Our own state beside TRL's: the snapshot-downsampling RNG (everything else is rebuilt deterministically).
+        if self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            with open(os.path.join(folder, STATE_FILE), "w") as f:
+                json.dump({"rng": _jsonable(self._rng.getstate())}, f)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, STATE_FILE) if checkpoint is not None else None
+        if path is not None and os.path.exists(path):
+            with open(path) as f:
+                state = json.load(f)
+            self._rng.setstate(_tupled(state["rng"]))
 
     @torch.no_grad()
     def _logps_for_rows(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
