@@ -1,0 +1,112 @@
+"""A deterministic tiny-model run with rollback, negatives and snapshots, used by the kill-and-resume test.
+
+usage: python resumable_run.py MODEL_DIR OUTPUT_DIR MAX_STEPS [RESUME_CHECKPOINT]
+Writes OUTPUT_DIR/losses-<pid>.jsonl with one {"step", "loss"} line per optimizer step.
+"""
+
+import json
+import os
+import sys
+
+import torch
+from datasets import Dataset
+from transformers import AutoTokenizer, TrainerCallback
+
+from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+
+
+class Env:
+    def reset(self, **kwargs):
+        self.total = 0
+
+    def add(self, n: int) -> str:
+        """
+        Add a number.
+
+        Args:
+            n: The number.
+        """
+        if n % 3 == 0:
+            raise NameError(f"name 'n{n}' is not defined")  # a model error: rollback + negative
+        self.total += n
+        return "ok " + "lorem ipsum " * 20  # long, so deleting it frees context
+
+
+def reward(environments, **kwargs):
+    return [float(e.total % 5) for e in environments]
+
+
+def call(name, **arguments):
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call><|im_end|>"
+
+
+class Script:
+    """Random choices from torch's RNG, which checkpoints save and resume restores."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __call__(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        out = []
+        for ids in prompt_ids:
+            text = self.tok.decode(ids)
+            rounds = text.count("<tool_response>")
+            draw = int(torch.randint(0, 6, (1,)).item())
+            if rounds >= 2:
+                out.append(f"Done {draw}.<|im_end|>")
+            elif rounds == 1 and draw == 0 and "[deleted]" not in text:
+                out.append(call("delete_context", message_ids=[2]))
+            else:
+                out.append(call("add", n=draw + 1))
+        return [self.tok.encode(s, add_special_tokens=False) for s in out], None
+
+
+class LossFile(TrainerCallback):
+    def __init__(self, path):
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": state.global_step, "loss": logs["loss"]}) + "\n")
+
+
+def main():
+    model_dir, out, max_steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    resume = sys.argv[4] if len(sys.argv) > 4 else None
+    prompts = [[{"role": "user", "content": f"Task {i}: add numbers."}] for i in range(8)]
+    args = AgenticGRPOConfig(
+        output_dir=out,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        seed=7,
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4096,
+        learning_rate=5e-2,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        data_seed=7,
+        enable_tool_rollback=True,
+        save_negative_samples=True,
+        max_tool_retries=2,
+        max_negative_samples_per_group=2,
+        enable_context_snapshots=True,
+    )
+    trainer = AgenticGRPOTrainer(
+        model=model_dir,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        environment_factory=Env,
+        callbacks=[LossFile(os.path.join(out, f"losses-{os.getpid()}.jsonl"))],
+    )
+    trainer._generate_single_turn = Script(AutoTokenizer.from_pretrained(model_dir))
+    trainer.train(resume_from_checkpoint=resume)
+
+
+if __name__ == "__main__":
+    main()
