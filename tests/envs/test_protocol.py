@@ -113,6 +113,10 @@ def test_every_tool_has_a_valid_json_schema(factory):
             parameters = schema["parameters"]
             assert "self" not in parameters["properties"]
             assert set(parameters["required"]) == set(parameters["properties"])
+            # Docstring indentation must not leak into what the model reads.
+            descriptions = [schema["description"], schema.get("return", {}).get("description", "")]
+            descriptions += [spec["description"] for spec in parameters["properties"].values()]
+            assert not any("\n " in text for text in descriptions), descriptions
             for spec in parameters["properties"].values():
                 assert spec["type"] == "string" or spec["type"] == "integer"
                 assert spec["description"]

@@ -29,7 +29,7 @@ def make_env():
 
 
 class SandboxProcesses:
-    """Finds every live process belonging to one sandbox, however it got there.
+    """Finds every process (zombies included) belonging to one sandbox, however it got there.
 
     A process belongs to the sandbox if it is in its session, in its pid namespace, in its cgroup, or runs with the
     sandbox's working directory as command-line marker or cwd (a user subprocess that called `setsid()`).
@@ -61,9 +61,12 @@ class SandboxProcesses:
 
     def live(self) -> set[int]:
         found = {int(pid) for pid in os.listdir("/proc") if pid.isdigit() and self._belongs(pid)}
-        if self.cgroup is not None and os.path.isdir(self.cgroup):
-            with open(os.path.join(self.cgroup, "cgroup.procs")) as f:
-                found |= {int(line) for line in f if line.strip()}
+        if self.cgroup is not None:
+            try:
+                with open(os.path.join(self.cgroup, "cgroup.procs")) as f:
+                    found |= {int(line) for line in f if line.strip()}
+            except FileNotFoundError:
+                pass  # removed with the sandbox
         return found
 
     def settle(self, expected: int, timeout: float = 2.0) -> set[int]:
@@ -88,6 +91,14 @@ def test_state_persists_and_outputs_are_captured(make_env):
         "from a child process\nCompletedProcess(args=['echo', 'from a child process'], returncode=0)"
     )
     assert env.python("input()") == "EOFError: EOF when reading a line"  # stdin is /dev/null, not the protocol pipe
+
+
+def test_exited_children_are_reaped_without_breaking_popen(make_env):
+    env = make_env()
+    env.python("import os, subprocess, time\np = subprocess.Popen(['sh', '-c', 'exit 7'])")
+    time.sleep(0.3)  # it exits between cells, where the sandbox reaps children (zombies count against the budget)
+    assert env.python("p.poll(), p.wait()") == "(7, 7)"  # the reaper handed the real exit code to the Popen
+    assert env.python("pid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)[0] == pid") == "True"
 
 
 def test_model_errors_are_returned_as_text(make_env):
@@ -130,6 +141,7 @@ def test_fork_bomb_is_stopped_without_stray_processes(make_env, use_namespaces):
     env = make_env(timeout=1.0, max_processes=16, use_namespaces=use_namespaces)
     env.python("import os")
     processes = SandboxProcesses(env)
+    assert len(processes.live()) == 3  # before: launcher, supervisor, interpreter
     assert env.isolation["pid_namespace"] is use_namespaces
     limited = env.isolation["process_limit"] is not None
 
@@ -159,8 +171,11 @@ def test_persistent_fork_bomb_that_escapes_its_session_is_killed(make_env, use_n
 
     def watch():
         while not done.is_set():
-            with open(os.path.join(processes.cgroup, "cgroup.procs")) as f:
-                peak.append(sum(1 for _ in f))
+            try:
+                with open(os.path.join(processes.cgroup, "cgroup.procs")) as f:
+                    peak.append(sum(1 for _ in f))
+            except FileNotFoundError:
+                return  # the timeout already removed the sandbox and its cgroup
             time.sleep(0.02)
 
     watcher = threading.Thread(target=watch)
@@ -257,6 +272,30 @@ def test_each_episode_gets_a_fresh_directory_removed_at_reset(make_env):
     new_workdir = env.python("import os\nprint(os.getcwd())")
     assert new_workdir != workdir
     assert env.python("os.listdir('.')") == "[]"
+
+
+def test_filesystem_is_read_only_outside_the_workdir(make_env):
+    env = make_env()
+    assert env.python("import os\nopen('mine.txt', 'w').write('ok')") == "2"
+    assert env.isolation["filesystem"] == "read-only"
+    host_probe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_write_probe.txt")
+    try:
+        for path in (host_probe, "/tmp/trl_agentic_write_probe.txt"):
+            assert env.python(f"open({path!r}, 'w')") == f"OSError: [Errno 30] Read-only file system: {path!r}"
+            assert not os.path.exists(path)
+    finally:
+        for path in (host_probe, "/tmp/trl_agentic_write_probe.txt"):
+            if os.path.exists(path):
+                os.remove(path)
+    # Nor can it leave its cgroup, or change files through a subprocess.
+    text = env.python("open('/sys/fs/cgroup/pids/cgroup.procs', 'w').write(str(os.getpid()))")
+    assert text.startswith("OSError: [Errno 30] Read-only file system")
+    text = env.python(f"import subprocess\nsubprocess.run(['touch', {host_probe!r}], capture_output=True).returncode")
+    assert text == "1" and not os.path.exists(host_probe)
+    # A private /dev/shm keeps multiprocessing working.
+    assert env.python("import multiprocessing as mp\nq = mp.Queue()\nq.put(7)\nq.get(timeout=5)") == "7"
+    assert env.python("open('/dev/shm/scratch', 'w').write('x')") == "1"
+    assert not os.path.exists("/dev/shm/scratch")
 
 
 def test_checkpoint_and_restore_replay_successful_cells(make_env):

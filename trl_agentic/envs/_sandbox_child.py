@@ -8,9 +8,14 @@ Three processes, all in the session the parent created (so the parent can `killp
 
 - launcher: joins the `pids` cgroup, unshares the network and pid namespaces, forks the supervisor and waits for it.
 - supervisor (pid 1 of the new pid namespace): forks the interpreter, reaps orphans, reports the interpreter's death,
-  and ends everything when the parent closes the command pipe. As pid 1 its exit makes the kernel kill every process
-  left in the namespace, including ones that called `setsid()`.
+  and ends everything when the parent closes the command pipe (or dies). As pid 1 its exit makes the kernel kill every
+  process left in the namespace, including ones that called `setsid()`. Without a pid namespace it is a child
+  subreaper instead and kills the cgroup's processes and its own children until none is left.
 - interpreter: redirects fds 1/2 to a capture file, applies rlimits, drops capabilities, and runs the cells.
+
+The process budget is the `pids` cgroup the parent created (see `pids_cgroup.py`) or, for non-root users without
+one, `RLIMIT_NPROC`. The network is cut by an empty network namespace or, failing that, by disabling `socket.socket`.
+A private mount namespace makes the whole filesystem read-only except the working directory and a private /dev/shm.
 
 Commands: `{"code": str}`. Responses: `{"ready": true, "isolation": {...}}` once, then one
 `{"text": str, "error_type": str | null}` per command, or a final `{"dead": true, ...}` from the supervisor.
@@ -29,6 +34,7 @@ import signal
 import sys
 import traceback
 
+CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
@@ -37,6 +43,10 @@ PR_CAPBSET_DROP = 24
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
+AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 0x1
+# mount_setattr(2) (Linux 5.12+) has this number in the x86_64 table and the generic one (arm64, riscv, ...) alike.
+SYS_MOUNT_SETATTR = {"x86_64": 442, "aarch64": 442, "riscv64": 442}.get(os.uname().machine)
 MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "out of memory")
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -68,8 +78,67 @@ def _write_message(fd: int, message: dict) -> None:
 # ----------------------------------------------------------------------------------------------------------- launcher
 
 
+class _MountAttr(ctypes.Structure):
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
+
+
+def _mount(source: str | None, target: str, fs_type: str | None, flags: int, data: str | None = None) -> bool:
+    encode = lambda text: None if text is None else text.encode()  # noqa: E731
+    return _libc.mount(encode(source), encode(target), encode(fs_type), ctypes.c_ulong(flags), encode(data)) == 0
+
+
+def _set_read_only(path: str, read_only: bool, recursive: bool) -> bool:
+    if SYS_MOUNT_SETATTR is None:
+        return False
+    attr = _MountAttr(attr_set=MOUNT_ATTR_RDONLY) if read_only else _MountAttr(attr_clr=MOUNT_ATTR_RDONLY)
+    flags = AT_RECURSIVE if recursive else 0
+    result = _libc.syscall(
+        ctypes.c_long(SYS_MOUNT_SETATTR),
+        ctypes.c_int(AT_FDCWD),
+        path.encode(),
+        ctypes.c_uint(flags),
+        ctypes.byref(attr),
+        ctypes.c_size_t(ctypes.sizeof(attr)),
+    )
+    return result == 0
+
+
+def _read_only_filesystem(workdir: str, shm_mb: int) -> bool:
+    """In a private mount namespace, makes every mount read-only except the sandbox's directory and a fresh /dev/shm.
+
+    The interpreter runs as root (minus capabilities): without this it could still modify any file root owns, and
+    write itself out of its cgroup.
+    """
+    if not _unshare(CLONE_NEWNS) or not _mount(None, "/", None, MS_REC | MS_PRIVATE):  # nothing propagates to the host
+        return False
+    if not _mount(workdir, workdir, None, MS_BIND):  # its own mount, so it can stay writable
+        return False
+    os.chdir(workdir)  # our cwd still points into the mount below the bind mount
+    # multiprocessing needs a writable /dev/shm; a private tmpfs is freed with the namespace.
+    shm = _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={shm_mb}m,mode=1777")
+    if not _set_read_only("/", True, recursive=True):
+        return False
+    if not _set_read_only(workdir, False, recursive=False):
+        _set_read_only("/", False, recursive=True)  # a sandbox that cannot write its own directory would not work
+        return False
+    if shm:
+        _set_read_only("/dev/shm", False, recursive=False)
+    return True
+
+
 def _launch(config: dict) -> None:
-    isolation = {"network": "allowed", "pid_namespace": False, "process_limit": None, "capabilities": "kept"}
+    isolation = {
+        "network": "allowed",
+        "pid_namespace": False,
+        "process_limit": None,
+        "filesystem": "writable",
+        "capabilities": "unchanged",
+    }
     if config["cgroup"] and _write_file(os.path.join(config["cgroup"], "cgroup.procs"), str(os.getpid())):
         isolation["process_limit"] = "cgroup"
 
@@ -85,6 +154,8 @@ def _launch(config: dict) -> None:
         netns = config["use_namespaces"] and _unshare(CLONE_NEWNET)
         isolation["network"] = "namespace" if netns else "socket-disabled"
     isolation["pid_namespace"] = bool(config["use_namespaces"] and _unshare(CLONE_NEWPID))
+    if config["use_namespaces"] and _read_only_filesystem(config["workdir"], config["max_file_mb"]):
+        isolation["filesystem"] = "read-only"  # except the working directory and /dev/shm
 
     if isolation["process_limit"] is None and os.getuid() != 0:
         # RLIMIT_NPROC counts all tasks of the uid, so allow what already runs plus the sandbox's budget.
@@ -224,7 +295,8 @@ def _end_all(isolation: dict, cgroup: str | None) -> None:
 
 
 def _drop_capabilities() -> bool:
-    # Root without capabilities cannot setns() back to the host network, mount, or raise rlimits again.
+    # Root without capabilities cannot setns() back to the host network, mount, read other processes' memory or
+    # environment, or raise rlimits again. (In a user namespace, a non-root process holds capabilities there too.)
     for cap in range(64):
         _prctl(PR_CAPBSET_DROP, cap)
 
@@ -320,7 +392,7 @@ def _interpret(config: dict, isolation: dict, capture_fd: int) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if isolation["network"] == "socket-disabled":
         _disable_sockets()
-    if os.geteuid() == 0 and _drop_capabilities():
+    if _drop_capabilities():
         isolation["capabilities"] = "dropped"
 
     my_pid = os.getpid()

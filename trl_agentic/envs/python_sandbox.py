@@ -11,7 +11,9 @@ class PythonSandboxEnv:
     Use it as `GRPOTrainer(..., environment_factory=PythonSandboxEnv)` (or a `functools.partial` to change limits).
     Each episode (between two `reset` calls) gets a fresh interpreter in a fresh temporary directory, started lazily
     on the first tool call, with a minimal environment (none of the trainer's variables), an address-space limit, a
-    process budget and, unless `allow_network=True`, no network.
+    process budget, a read-only view of the rest of the filesystem and, unless `allow_network=True`, no network. What
+    the machine allowed is reported by `isolation` (see `_sandbox_child.py` for the mechanisms and their fallbacks).
+    This contains accidents and runaway code; it is not hardened against deliberately malicious code.
 
     Errors are split in two kinds:
 
@@ -36,12 +38,13 @@ class PythonSandboxEnv:
         allow_network (`bool`, *optional*, defaults to `False`):
             Whether user code may use the network.
         max_processes (`int`, *optional*, defaults to `32`):
-            Process/thread budget of user code (enforced by a `pids` cgroup when available, see `pids_cgroup.py`).
+            How many processes/threads user code may run at once (enforced by a `pids` cgroup when available, see
+            `pids_cgroup.py`).
         max_file_mb (`int`, *optional*, defaults to `64`):
             Largest file (and total output of one call) user code may write, in MiB.
         use_namespaces (`bool`, *optional*, defaults to `True`):
-            Isolate network and processes with Linux namespaces when permitted; otherwise sockets are disabled in
-            Python and processes are ended by process group.
+            Isolate network, processes and the filesystem with Linux namespaces when permitted; otherwise sockets are
+            disabled in Python, the filesystem stays writable and processes are ended through the cgroup.
     """
 
     def __init__(
@@ -99,7 +102,7 @@ class PythonSandboxEnv:
             code: The Python code to run.
 
         Returns:
-            The printed output (stdout and stderr), followed by the error message if the code raised.
+            The printed output (stdout and stderr), then the error message if the code raised, or "(no output)".
         """
         try:
             result = self._interpreter().run(code, self.timeout)

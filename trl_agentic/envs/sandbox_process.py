@@ -50,11 +50,11 @@ def _teardown(popen: subprocess.Popen, workdir: str, cgroup: str | None, owner_p
     try:
         popen.wait(timeout=2.0)
     except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(popen.pid, signal.SIGKILL)  # last resort; harmless when the group is already gone
-    except (ProcessLookupError, PermissionError):
-        pass
+        # Last resort. The launcher is not reaped yet, so its pid (our process group id) cannot have been reused.
+        try:
+            os.killpg(popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     if cgroup is not None:
         # Processes that left our session with setsid() are still in the cgroup (the pid namespace, when there is one,
         # already ended them). The cgroup caps their number, so a few rounds of SIGKILL catch a fork bomb too.
@@ -80,9 +80,9 @@ class SandboxProcess:
     """
     One isolated, persistent Python interpreter running in a subprocess.
 
-    The process gets its own temporary working directory (also `HOME` and `TMPDIR`), a minimal environment, an address
-    space limit, a file size limit, no network and a process budget (see `_sandbox_child.py` for how each is enforced
-    and `isolation` for what was actually available). It is started by the constructor and torn down by `close`, or
+    The process gets its own temporary working directory (also `HOME` and `TMPDIR`, the only writable place), a
+    minimal environment, an address space limit, a file size limit, no network and a process budget (see
+    `_sandbox_child.py` for how each is enforced and `isolation` for what was actually available). It is started by the constructor and torn down by `close`, or
     when the handle is garbage collected, or at interpreter exit.
 
     Args:
@@ -93,12 +93,13 @@ class SandboxProcess:
         allow_network (`bool`, *optional*, defaults to `False`):
             Whether user code may open network connections.
         max_processes (`int`, *optional*, defaults to `32`):
-            How many processes/threads user code may run at once (the interpreter included).
+            How many processes/threads user code may run at once, besides the sandbox's own three.
         max_file_mb (`int`, *optional*, defaults to `64`):
             `RLIMIT_FSIZE`: the largest file user code may write, which also bounds the captured output.
         use_namespaces (`bool`, *optional*, defaults to `True`):
-            Use Linux network and pid namespaces when permitted. With `False` (or when unsharing fails), network is
-            blocked at the Python `socket` level only and processes are ended by process group.
+            Use Linux network, pid and mount namespaces when permitted. With `False` (or when unsharing fails), network
+            is blocked at the Python `socket` level only, the filesystem stays writable, and processes are ended
+            through the cgroup and by the supervisor, a child subreaper.
         startup_timeout (`float`, *optional*, defaults to `10.0`):
             Seconds to wait for the interpreter to report ready.
     """
@@ -124,7 +125,7 @@ class SandboxProcess:
             "max_file_mb": max_file_mb,
             "use_namespaces": use_namespaces,
             "cgroup": self.cgroup,
-            "workdir": self.workdir,  # unused by the child; makes its command line unique and easy to find
+            "workdir": self.workdir,  # the one writable place; also makes the command line unique and easy to find
         }
         try:
             self._popen = subprocess.Popen(
@@ -209,7 +210,11 @@ class SandboxProcess:
                 self.close()
                 raise SandboxCrashed("the interpreter sent an oversized message")
         line, self._buffer = self._buffer.split(b"\n", 1)
-        message = json.loads(line)
+        try:
+            message = json.loads(line)
+        except ValueError:
+            self.close()
+            raise SandboxCrashed(f"the interpreter sent a malformed message: {line[:200]!r}") from None
         if message.get("dead"):
             self.close()
             error = SandboxMemoryError if message["memory"] else SandboxCrashed
