@@ -72,6 +72,9 @@ class LoopStats:
     generation_calls: int = 0
     dummy_generation_calls: int = 0
     regenerated_tokens: int = 0  # tokens generated again for rolled-back turns
+    loop_seconds: float = 0.0  # wall time of the whole loop
+    generate_seconds: float = 0.0  # ...spent in the generation backend
+    tool_seconds: float = 0.0  # ...spent running tools (the rest is the loop's own overhead)
     failed_turn_tokens: int = 0  # tokens of the failed turns that were rolled back
 
 

@@ -1,0 +1,441 @@
+"""Benchmark: one TracIn-filtered GRPO step against one plain GRPO step on the same batch.
+
+The embedded SmolLM2-135M with LoRA (r=16, all linear layers) on CPU, one synthetic batch per (completion length,
+batch size): random prompt and completion tokens, random advantages, no generation (generation is identical in both
+and would drown the comparison). A "step" is the loss, its backward and an AdamW step, as `training_step` does.
+Modes, all on the same trainer and batch:
+
+- `plain`: TRL's `GRPOTrainer._compute_loss`, backward, optimizer step.
+- `fused`: the TracIn step used when `steps_per_generation == 1` (one forward, one backward, the selected rows'
+  gradient applied through the surrogate loss).
+- `two_pass`: the general TracIn design (a scoring pass over the rows, then the masked plain step).
+- `val`: one refresh of the validation gradient V (forward and backward over a validation batch of the same shape),
+  amortised over `tracin_val_refresh_steps` steps in the report.
+- `seed`: the seed's design kept as a reference: capture activations and gradients of every training row, a
+  validation forward/backward every step, inner products from the stored tensors, then a separate training
+  forward/backward on the selected rows.
+
+Times are medians over interleaved repeats in one process (the modes alternate, so a shared, noisy machine slows
+them alike). Peak memory is the peak RSS of a fresh subprocess per (configuration, mode) running the mode's steps,
+reported as the whole process and as the increase over the RSS after set-up (model, optimizer and batch loaded).
+
+Run `python -m trl_agentic.bench.tracin` (or `make bench`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+MODES = ("plain", "fused", "two_pass", "val", "seed")
+STEP_MODES = ("plain", "fused", "two_pass", "seed")
+
+
+@dataclass
+class BenchSettings:
+    """What to run.
+
+    Args:
+        model: Builtin model name or path.
+        lora_r: LoRA rank (alpha = 2r, all linear layers, no dropout).
+        prompt_length: Prompt tokens per row.
+        completion_lengths: Completion lengths to sweep.
+        batch_sizes: Rows per step to sweep (the validation batch has as many rows).
+        repeats: Timed steps per mode (after one warm-up step).
+        memory_steps: Steps per memory subprocess.
+        threads: torch intra-op threads.
+        refresh_steps: `tracin_val_refresh_steps` values for the amortised ratio.
+        memory: Whether to run the memory subprocesses.
+    """
+
+    model: str = "smollm2-135m"
+    lora_r: int = 16
+    prompt_length: int = 64
+    completion_lengths: list[int] = field(default_factory=lambda: [64, 128])
+    batch_sizes: list[int] = field(default_factory=lambda: [4, 8])
+    repeats: int = 5
+    memory_steps: int = 2
+    threads: int = 2
+    refresh_steps: list[int] = field(default_factory=lambda: [1, 4, 16])
+    memory: bool = True
+
+
+# ----------------------------------------------------------------------------------------------------------- set-up
+
+
+def build_trainer(settings: BenchSettings, batch_size: int, output_dir: str):
+    """An `AgenticGRPOTrainer` with TracIn on (every mode runs on it) and its AdamW optimizer."""
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from ..config import AgenticGRPOConfig
+    from ..models import resolve_model_path
+    from ..trainer import AgenticGRPOTrainer
+
+    prompts = Dataset.from_dict({"prompt": ["Hello"] * 8})
+    args = AgenticGRPOConfig(
+        output_dir=output_dir,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        seed=0,
+        per_device_train_batch_size=batch_size,
+        num_generations=4,
+        max_completion_length=max(settings.completion_lengths),
+        gradient_checkpointing=False,
+        learning_rate=1e-5,
+        save_strategy="no",
+        tracin_enabled=True,
+        tracin_val_num_generations=4,
+        tracin_val_batch_size=batch_size // 4,
+    )
+    trainer = AgenticGRPOTrainer(
+        model=resolve_model_path(settings.model),
+        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+        args=args,
+        train_dataset=prompts,
+        tracin_eval_dataset=prompts,
+        peft_config=LoraConfig(
+            r=settings.lora_r, lora_alpha=2 * settings.lora_r, lora_dropout=0.0, target_modules="all-linear"
+        ),
+    )
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop, read by `_compute_loss`
+    trainer.model.train()
+    # PEFT starts B at zero; move it so that scores, selection and the lora_A terms are not trivially zero.
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(1e-3 * torch.randn(param.shape, generator=generator))
+    return trainer
+
+
+def make_batch(trainer, batch_size: int, prompt_length: int, completion_length: int, seed: int) -> dict:
+    """A generation batch as `_generate_and_score_completions` returns it (one group per 4 rows)."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = trainer.model.config.vocab_size
+    completion_mask = torch.ones(batch_size, completion_length, dtype=torch.long)
+    # Ragged completions: every other row stops early, as real completions do.
+    for row in range(1, batch_size, 2):
+        completion_mask[row, completion_length // 2 + row :] = 0
+    advantages = torch.randn(batch_size, generator=generator)
+    return {
+        "prompt_ids": torch.randint(3, vocab, (batch_size, prompt_length), generator=generator),
+        "prompt_mask": torch.ones(batch_size, prompt_length, dtype=torch.long),
+        "completion_ids": torch.randint(3, vocab, (batch_size, completion_length), generator=generator),
+        "completion_mask": completion_mask,
+        "advantages": advantages - advantages.view(-1, 4).mean(1).repeat_interleave(4),
+        "num_items_in_batch": completion_mask.sum(),
+        "group_id": torch.arange(batch_size) // 4,
+        "row_kind": torch.zeros(batch_size, dtype=torch.long),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------- modes
+
+
+def _optimizer_step(trainer, loss) -> None:
+    trainer.accelerator.backward(loss)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def plain_step(trainer, batch: dict, val_batch: dict) -> None:
+    from trl import GRPOTrainer
+
+    _optimizer_step(trainer, GRPOTrainer._compute_loss(trainer, trainer.model, batch))
+
+
+def fused_step(trainer, batch: dict, val_batch: dict) -> None:
+    _optimizer_step(trainer, trainer._tracin_fused_loss(trainer.model, batch))
+
+
+def two_pass_step(trainer, batch: dict, val_batch: dict) -> None:
+    from trl import GRPOTrainer
+
+    masked = dict(batch)
+    trainer._tracin_filter_buffer([masked])
+    _optimizer_step(trainer, GRPOTrainer._compute_loss(trainer, trainer.model, masked))
+
+
+def val_refresh(trainer, batch: dict, val_batch: dict) -> None:
+    from ..tracin.trainer_mixin import _is_zero
+
+    direction = trainer._tracin_validation_gradient(val_batch)
+    trainer._tracin.direction, trainer._tracin.direction_is_zero = direction, _is_zero(direction)
+
+
+class SeedGhost:
+    """The seed's three-pass design (reference only): store every row's LoRA activations and gradients.
+
+    Part I records `x`, `h` (forward of `lora_A`) and `g_h`, `g_o` (full backward of `lora_B`) of every training
+    row with an ordinary backward whose parameter gradients are then discarded; part II does the same on the
+    validation batch; part III rebuilds per-row gradients from the stored tensors and takes their inner products
+    with the summed validation gradient; part IV trains on the rows with a positive score with a third forward and
+    backward.
+    """
+
+    def __init__(self, trainer):
+        from ..tracin.layers import find_lora_layers
+
+        self.trainer = trainer
+        self.recording = False
+        self.buffers: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        self.handles = []
+        for ref in find_lora_layers(trainer.model):
+            self.handles.append(ref.lora_A.register_forward_hook(self._forward(ref.name)))
+            self.handles.append(ref.lora_B.register_full_backward_hook(self._backward(ref.name)))
+
+    def _forward(self, name):
+        def hook(module, args, output):
+            if self.recording:
+                self.buffers[name]["x"].append(args[0].detach().clone())
+                self.buffers[name]["h"].append(output.detach().clone())
+
+        return hook
+
+    def _backward(self, name):
+        def hook(module, grad_input, grad_output):
+            if self.recording:
+                self.buffers[name]["g_h"].append(grad_input[0].detach().clone())
+                self.buffers[name]["g_o"].append(grad_output[0].detach().clone())
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _capture(self, batch: dict) -> dict[str, dict[str, torch.Tensor]]:
+        from trl import GRPOTrainer
+
+        trainer = self.trainer
+        self.buffers.clear()
+        self.recording = True
+        loss = GRPOTrainer._compute_loss(trainer, trainer.model, batch)
+        trainer.accelerator.backward(loss)
+        self.recording = False
+        trainer.optimizer.zero_grad(set_to_none=True)  # the seed's "ghost mode": gradients only for the hooks
+        return {name: {k: torch.cat(v) for k, v in tensors.items()} for name, tensors in self.buffers.items()}
+
+    def step(self, batch: dict, val_batch: dict) -> torch.Tensor:
+        from trl import GRPOTrainer
+
+        train = self._capture(batch)  # part I
+        val = self._capture(val_batch)  # part II
+        scores = torch.zeros(batch["prompt_ids"].size(0))
+        for name, t in train.items():  # part III
+            v = val[name]
+            val_A = torch.einsum("nsr,nsd->rd", v["g_h"], v["x"])
+            val_B = torch.einsum("nso,nsr->or", v["g_o"], v["h"])
+            train_A = torch.einsum("nsr,nsd->nrd", t["g_h"], t["x"])
+            train_B = torch.einsum("nso,nsr->nor", t["g_o"], t["h"])
+            scores += (train_A * val_A).sum((1, 2)) + (train_B * val_B).sum((1, 2))
+        del train, val
+        selected = scores > 0  # part IV
+        masked = dict(batch)
+        masked["tool_mask"] = batch["completion_mask"] * selected.unsqueeze(1)
+        masked["num_items_in_batch"] = masked["tool_mask"].sum()
+        _optimizer_step(self.trainer, GRPOTrainer._compute_loss(self.trainer, self.trainer.model, masked))
+        return scores
+
+
+def run_mode(mode: str, trainer, batch: dict, val_batch: dict, seed: SeedGhost | None) -> None:
+    if mode == "seed":
+        seed.step(batch, val_batch)
+    else:
+        {"plain": plain_step, "fused": fused_step, "two_pass": two_pass_step, "val": val_refresh}[mode](
+            trainer, batch, val_batch
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------- measure
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def _setup(settings: BenchSettings, batch_size: int, length: int, output_dir: str):
+    torch.manual_seed(0)
+    trainer = build_trainer(settings, batch_size, output_dir)
+    batch = make_batch(trainer, batch_size, settings.prompt_length, length, seed=1)
+    val_batch = make_batch(trainer, batch_size, settings.prompt_length, length, seed=2)
+    return trainer, batch, val_batch
+
+
+def time_modes(settings: BenchSettings, batch_size: int, length: int, output_dir: str) -> dict[str, float]:
+    """Median seconds per mode, modes interleaved, in this process."""
+    trainer, batch, val_batch = _setup(settings, batch_size, length, output_dir)
+    seed = SeedGhost(trainer)
+    times: dict[str, list[float]] = defaultdict(list)
+    val_refresh(trainer, batch, val_batch)
+    for round_ in range(settings.repeats + 1):
+        # Rotate the order so that no mode always runs right after the same one.
+        order = MODES[round_ % len(MODES) :] + MODES[: round_ % len(MODES)]
+        for mode in order:
+            start = time.perf_counter()
+            run_mode(mode, trainer, batch, val_batch, seed)
+            if round_ > 0:  # round 0 warms up
+                times[mode].append(time.perf_counter() - start)
+    seed.remove()
+    return {mode: statistics.median(values) for mode, values in times.items()}
+
+
+def memory_child(settings: BenchSettings, mode: str, batch_size: int, length: int, output_dir: str) -> dict:
+    """Peak RSS of `memory_steps` steps of one mode (run in a fresh process)."""
+    trainer, batch, val_batch = _setup(settings, batch_size, length, output_dir)
+    seed = SeedGhost(trainer) if mode == "seed" else None
+    baseline = _rss_kb()
+    if mode in ("fused", "two_pass"):
+        val_refresh(trainer, batch, val_batch)  # V is part of TracIn's memory
+    for _ in range(settings.memory_steps):
+        run_mode(mode, trainer, batch, val_batch, seed)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"baseline_mb": baseline / 1024, "peak_mb": peak / 1024}
+
+
+def measure_memory(settings: BenchSettings, mode: str, batch_size: int, length: int, output_dir: str) -> dict:
+    command = [
+        sys.executable,
+        "-m",
+        "trl_agentic.bench.tracin",
+        "--memory-child",
+        json.dumps({"settings": asdict(settings), "mode": mode, "batch_size": batch_size, "length": length}),
+        "--output-dir",
+        output_dir,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"memory subprocess failed for {mode}:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run(settings: BenchSettings, output_dir: str, log=print) -> list[dict]:
+    """Every configuration: times (in-process) and peak memory (subprocesses)."""
+    torch.set_num_threads(settings.threads)
+    rows = []
+    for length in settings.completion_lengths:
+        for batch_size in settings.batch_sizes:
+            log(f"[tracin bench] completion length {length}, batch size {batch_size}: timing ...")
+            row = {
+                "length": length,
+                "batch_size": batch_size,
+                "time": time_modes(settings, batch_size, length, output_dir),
+            }
+            if settings.memory:
+                row["memory"] = {}
+                for mode in MODES:
+                    log(f"[tracin bench]   memory of {mode} ...")
+                    row["memory"][mode] = measure_memory(settings, mode, batch_size, length, output_dir)
+            log(f"[tracin bench]   {json.dumps(row)}")
+            rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------- report
+
+
+def _ratio(value: float, reference: float) -> str:
+    return f"{value / reference:.2f}"
+
+
+def render(settings: BenchSettings, rows: list[dict], command: str) -> str:
+    """Markdown tables of the results."""
+    lines = [
+        "## TracIn step vs plain GRPO step",
+        "",
+        f"Command: `{command}`. Model `{settings.model}` + LoRA r={settings.lora_r} (all linear layers), float32, "
+        f"CPU, {settings.threads} threads, prompt {settings.prompt_length} tokens, half the rows with shorter "
+        f"completions. Times: median of {settings.repeats} interleaved steps (loss, backward, AdamW step; no "
+        "generation). `val` = one refresh of the validation gradient on a validation batch of the same shape; "
+        "`fused + val/k` = the TracIn step with `tracin_val_refresh_steps=k`.",
+        "",
+    ]
+    refresh = settings.refresh_steps
+    header = ["completion", "batch", "plain (s)", "fused", "two-pass", "val", *[f"fused + val/{k}" for k in refresh]]
+    header.append("seed (3-pass)")
+    lines += ["Time, as a ratio to the plain step:", "", "| " + " | ".join(header) + " |"]
+    lines.append("|" + "---|" * len(header))
+    for row in rows:
+        t = row["time"]
+        cells = [str(row["length"]), str(row["batch_size"]), f"{t['plain']:.2f}"]
+        cells += [_ratio(t[m], t["plain"]) for m in ("fused", "two_pass", "val")]
+        cells += [_ratio(t["fused"] + t["val"] / k, t["plain"]) for k in refresh]
+        cells.append(_ratio(t["seed"], t["plain"]))
+        lines.append("| " + " | ".join(cells) + " |")
+    if rows and "memory" in rows[0]:
+        lines += [
+            "",
+            "Peak memory (fresh process per cell): peak RSS in MB, and in parentheses the ratio to the plain step of "
+            "the whole process / of the increase over the RSS after set-up (model, optimizer, batch loaded). TracIn "
+            "cells include one refresh of V in the same process.",
+            "",
+        ]
+        header = ["completion", "batch", "plain (MB)", "fused", "two-pass", "val", "seed (3-pass)"]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for row in rows:
+            m = row["memory"]
+            base = m["plain"]
+            plain_increase = max(base["peak_mb"] - base["baseline_mb"], 1e-9)
+            cells = [str(row["length"]), str(row["batch_size"]), f"{base['peak_mb']:.0f} (+{plain_increase:.0f})"]
+            for mode in ("fused", "two_pass", "val", "seed"):
+                peak, increase = m[mode]["peak_mb"], m[mode]["peak_mb"] - m[mode]["baseline_mb"]
+                cells.append(f"{peak:.0f} ({peak / base['peak_mb']:.2f} / {increase / plain_increase:.2f})")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trl_agentic.bench.tracin", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="Write the markdown report here (default: print it).")
+    parser.add_argument("--json", help="Also write the raw results as JSON here.")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-memory", action="store_true", help="Skip the peak-memory subprocesses.")
+    parser.add_argument("--output-dir", default="/tmp/trl_agentic_bench")
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        spec = json.loads(args.memory_child)
+        settings = BenchSettings(**spec["settings"])
+        torch.set_num_threads(settings.threads)
+        result = memory_child(settings, spec["mode"], spec["batch_size"], spec["length"], args.output_dir)
+        print(json.dumps(result))
+        return 0
+    settings = BenchSettings(
+        completion_lengths=args.lengths,
+        batch_sizes=args.batch_sizes,
+        repeats=args.repeats,
+        threads=args.threads,
+        memory=not args.no_memory,
+    )
+    rows = run(settings, args.output_dir, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    command = "python -m trl_agentic.bench.tracin " + " ".join(argv if argv is not None else sys.argv[1:])
+    report = render(settings, rows, command.strip())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": asdict(settings), "rows": rows}, f, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
