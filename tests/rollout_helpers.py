@@ -118,3 +118,61 @@ def run_loop(backend, first_turns, envs, config: LoopConfig, group_ids=None):
         group_ids=group_ids,
     )
     return prompts, prompt_ids, trl_tuple, result
+
+
+# --- context snapshots (tests/test_snapshots.py, tests/test_trainer_snapshots.py) ---------------------------------
+
+
+def calls(*pairs: tuple[str, dict]) -> str:
+    """One assistant turn with several tool calls: `calls(("add", {"n": 1}), ("delete_context", {...}))`."""
+    import json
+
+    blocks = "".join(f"<tool_call>{json.dumps({'name': n, 'arguments': a})}</tool_call>" for n, a in pairs)
+    return blocks + "<|im_end|>"
+
+
+class NoLogprobBackend(ScriptBackend):
+    """Like transformers generation in TRL: no sampling log-probs (`logprobs=None` everywhere)."""
+
+    def generate(self, contexts):
+        ids, _ = super().generate(contexts)
+        return ids, None
+
+
+class GiveUpParseBackend(ScriptBackend):
+    """Parses like TRL's `parse_response` on a turn with a malformed block: it gives up and returns plain text, so
+    the loop's own parser finds the valid calls next to the parse errors."""
+
+    def parse(self, ids, prefix, row):
+        message = super().parse(ids, prefix, row)
+        if parse_tool_calls(self.tok.decode(ids, skip_special_tokens=True)).errors:
+            message.pop("tool_calls", None)
+        return message
+
+
+def run_tools_loop(backend, first_turns, tools, config: LoopConfig, envs=None, logprobs=True, prompts=None):
+    """Run the loop with explicit per-rollout tool dicts. Returns `(prompts, prompt_ids, trl_tuple, result)`.
+
+    `prompts`, when given, replaces the default one-user-message conversation (rendered like `render_prompt`).
+    """
+    p, prompt_ids, completion_ids, completions, lps = start(backend, first_turns)
+    if prompts is not None:
+        p = [list(m) for m in prompts]
+        prompt_ids = [backend.render_prompt(m, i) for i, m in enumerate(p)]
+    loop = AgenticRolloutLoop(backend, config)
+    trl_tuple, result = loop.run(
+        p,
+        prompt_ids,
+        completion_ids,
+        completions,
+        lps if logprobs else None,
+        tools,
+        [{} for _ in tools],
+        envs,
+    )
+    return p, prompt_ids, trl_tuple, result
+
+
+def context_length_penalty(segment: dict) -> float:
+    """A per-segment reward term (`snapshot_reward_func`): -0.001 per token of the segment's prompt + completion."""
+    return -0.001 * (len(segment["prompt_ids"]) + len(segment["completion_ids"]))

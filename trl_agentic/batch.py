@@ -149,7 +149,9 @@ class BatchAugmenter:
         # 3. Tensors: regular rows, then this process's extra rows, then padding rows.
         batch = self._append_rows(output, local_extras, device)
         if loop_result is not None and any(infra_local):
-            lost = torch.tensor(infra_local + [False] * len(local_extras), dtype=torch.bool, device=device)
+            # A snapshot of a lost rollout is lost too (its reward is the rollout's NaN); a negative keeps its own.
+            lost_extras = [e.kind == RowKind.SNAPSHOT and infra_local[e.parent] for e in local_extras]
+            lost = torch.tensor(infra_local + lost_extras, dtype=torch.bool, device=device)
             batch["tool_mask"] = batch["tool_mask"].masked_fill(lost.unsqueeze(1), 0)
         loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
         estimator_batch = AdvantageBatch(
@@ -180,7 +182,15 @@ class BatchAugmenter:
         batch["advantages"] = advantages.to(device=device, dtype=torch.float32)
         batch["group_id"] = group_t[local_index]
         batch["row_kind"] = kind_t[local_index]
-        if est_rows:
+        # The episode (global rollout index) of every row and the row's segment in it (0 = first; a rollout's
+        # regular row is its last segment). is_snapshot is `row_kind == RowKind.SNAPSHOT`.
+        batch["episode_id"] = parent_t[local_index]
+        last_segments = [n - 1 for n in loop_result.num_segments] if loop_result is not None else [0] * num_local
+        batch["segment_index"] = torch.tensor(
+            last_segments + [e.segment_index for e in local_extras], dtype=torch.long, device=device
+        )
+        if est_rows or self._forwards_are_collective(batch):
+            # Even without rows of its own, a process joins the others' log-prob forward passes (see _append_rows).
             batch = self._append_estimator_rows(batch, est_rows, est_adv, device)
 
         # Every process ends with the same number of rows, a multiple of steps_per_generation.
@@ -212,14 +222,29 @@ class BatchAugmenter:
         }
         return float(self.segment_reward(info))
 
+    def _forwards_are_collective(self, output: dict) -> bool:
+        """Whether extra rows need model forward passes (old/ref log-probs) that every process must run alike.
+
+        Under ZeRO-3 every forward pass all-gathers the parameters (and a DeepSpeed reference model's), so a process
+        that skips one while another runs it hangs both. Plain DDP forwards are local, but the rule is kept for every
+        multi-process run: one code path, and a reference model can be DeepSpeed-wrapped under ZeRO-2 too.
+        """
+        needs_model = "old_per_token_logps" in output or "ref_per_token_logps" in output
+        return needs_model and self.trainer.accelerator.num_processes > 1
+
     def _append_rows(self, output: dict, rows: list[ExtraRow], device) -> dict:
-        if not rows:
-            return dict(output)
         t = self.trainer
+        forward_rows = len(rows)
+        if self._forwards_are_collective(output):
+            # Every process runs as many rows (so as many chunked forward passes) as the process with the most rows.
+            count = torch.tensor([len(rows)], device=device)
+            forward_rows = int(t.accelerator.reduce(count, reduction="max").item())
+        if not rows and not forward_rows:
+            return dict(output)
         pad_id = t._tokenizer.pad_token_id
         multiple = t.pad_to_multiple_of
-        prompt_w = _round_up(max(output["prompt_ids"].size(1), max(len(r.prompt_ids) for r in rows)), multiple)
-        comp_w = _round_up(max(output["completion_ids"].size(1), max(len(r.completion_ids) for r in rows)), multiple)
+        prompt_w = _round_up(max([output["prompt_ids"].size(1)] + [len(r.prompt_ids) for r in rows]), multiple)
+        comp_w = _round_up(max([output["completion_ids"].size(1)] + [len(r.completion_ids) for r in rows]), multiple)
         long = torch.long
         ext = {
             "prompt_ids": _stack([r.prompt_ids for r in rows], prompt_w, pad_id, "left", long, device),
@@ -228,12 +253,19 @@ class BatchAugmenter:
             "completion_mask": _stack([[1] * len(r.completion_ids) for r in rows], comp_w, 0, "right", long, device),
             "tool_mask": _stack([r.tool_mask for r in rows], comp_w, 1, "right", long, device),
         }
+        forward = self._with_filler_rows(ext, output, forward_rows, prompt_w, comp_w, pad_id)
         if "old_per_token_logps" in output:
             ext["old_per_token_logps"] = t._logps_for_rows(
-                t.model, ext["prompt_ids"], ext["prompt_mask"], ext["completion_ids"], ext["completion_mask"]
-            )
+                t.model,
+                forward["prompt_ids"],
+                forward["prompt_mask"],
+                forward["completion_ids"],
+                forward["completion_mask"],
+            )[: len(rows)]
         if "ref_per_token_logps" in output:
-            ext["ref_per_token_logps"] = self._ref_logps(ext)
+            ext["ref_per_token_logps"] = self._ref_logps(forward)[: len(rows)]
+        if not rows:
+            return dict(output)
         if "sampling_per_token_logps" in output:
             ext["sampling_per_token_logps"] = _stack(
                 [r.logprobs or [0.0] * len(r.completion_ids) for r in rows],
@@ -257,7 +289,7 @@ class BatchAugmenter:
             elif key == "importance_sampling_ratio":
                 width = value.size(1) if value.size(1) == 1 else comp_w
                 merged[key] = torch.cat([_pad_to(value, width, 1.0, "right"), _pad_to(ext[key], width, 1.0, "right")])
-            elif key in ("advantages", "num_items_in_batch", "group_id", "row_kind"):
+            elif key in ("advantages", "num_items_in_batch", "group_id", "row_kind", "episode_id", "segment_index"):
                 merged[key] = value  # recomputed or extended by the caller
             else:
                 raise NotImplementedError(f"Extra rows cannot be combined with the batch key {key!r} (multimodal?).")
@@ -265,10 +297,13 @@ class BatchAugmenter:
 
     def _append_estimator_rows(self, batch: dict, rows: list[ExtraRow], advantages, device) -> dict:
         """Append rows created by the advantage estimator (members of their parent's group) with their advantages."""
+        if not rows:
+            return self._append_rows(batch, rows, device)  # only joins the other processes' forward passes
         if advantages is None or advantages.size(0) != len(rows):
             raise ValueError("An EstimatorResult with extra rows needs one advantage per extra row.")
         parents = torch.tensor([r.parent for r in rows], device=device)
         group_id, row_kind = batch["group_id"], batch["row_kind"]
+        episode_id, segment_index = batch["episode_id"], batch["segment_index"]
         old = batch["advantages"]
         batch = self._append_rows(batch, rows, device)
         width = batch["completion_ids"].size(1)
@@ -283,7 +318,26 @@ class BatchAugmenter:
         batch["advantages"] = torch.cat([old, advantages])
         batch["group_id"] = torch.cat([group_id, group_id[parents]])
         batch["row_kind"] = torch.cat([row_kind, torch.full_like(parents, int(RowKind.EXPANSION))])
+        batch["episode_id"] = torch.cat([episode_id, episode_id[parents]])
+        batch["segment_index"] = torch.cat([segment_index, segment_index[parents]])
         return batch
+
+    @staticmethod
+    def _with_filler_rows(ext: dict, output: dict, rows: int, prompt_w: int, comp_w: int, pad_id: int) -> dict:
+        """`ext`'s model inputs grown to `rows` rows with copies of the batch's first row (their outputs are dropped)."""
+        missing = rows - ext["prompt_ids"].size(0)
+        if missing <= 0:
+            return ext
+        filler = {
+            "prompt_ids": _pad_to(output["prompt_ids"][:1], prompt_w, pad_id, "left"),
+            "prompt_mask": _pad_to(output["prompt_mask"][:1], prompt_w, 0, "left"),
+            "completion_ids": _pad_to(output["completion_ids"][:1], comp_w, pad_id, "right"),
+            "completion_mask": _pad_to(output["completion_mask"][:1], comp_w, 0, "right"),
+        }
+        return {
+            key: torch.cat([ext[key], filler[key].to(ext[key].dtype).expand(missing, -1)])
+            for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+        }
 
     @torch.no_grad()
     def _ref_logps(self, ext: dict) -> torch.Tensor:
@@ -326,7 +380,7 @@ class BatchAugmenter:
                 filler.zero_()  # zero weight: no token of a padding row reaches the loss
             elif key == "row_kind":
                 filler.fill_(int(RowKind.PADDING))
-            elif key == "group_id":
+            elif key in ("group_id", "episode_id", "segment_index"):
                 filler.fill_(-1)
             padded[key] = torch.cat([value, filler])
         return padded

@@ -21,7 +21,9 @@ generation can be a collective (ZeRO-3 gathers, vLLM server mode).
 from __future__ import annotations
 
 import copy
+import json
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -147,6 +149,7 @@ class AgenticRolloutLoop:
             `(trl_tuple, result)` where `trl_tuple` is TRL's `(tool_mask, completions, completion_ids, logprobs,
             tool_call_count, tool_failure_count, tool_images)` for the primary rows, and `result` a `LoopResult`.
         """
+        started = time.perf_counter()
         backend = self.backend
         n = len(prompt_ids)
         stats = LoopStats()
@@ -207,6 +210,7 @@ class AgenticRolloutLoop:
             if logprobs is not None:
                 logprobs[i] = r.logprobs
         tool_mask = [r.tool_mask for r in rollouts]
+        stats.loop_seconds = time.perf_counter() - started
         trl_tuple = (
             tool_mask,
             completions,
@@ -282,11 +286,16 @@ class AgenticRolloutLoop:
 
         r.completion_msgs.extend(tool_messages)
         r.prompt_msgs.extend(tool_messages)
-        delete_call = next(
-            (c for c, o in zip(calls, outcomes) if o.name == DELETE_CONTEXT_TOOL and not o.failed), None
-        )
-        if delete_call is not None and self._snapshot(i, r, delete_call, stats):
-            return
+        if cfg.enable_context_snapshots:
+            # Parse-error outcomes come first: the calls' own outcomes (and tool messages) are the last len(calls).
+            first = len(outcomes) - len(calls)
+            deletes = [
+                (c, m)
+                for c, o, m in zip(calls, outcomes[first:], tool_messages[first:])
+                if o.name == DELETE_CONTEXT_TOOL and not o.failed
+            ]
+            if deletes and self._snapshot(i, r, deletes, tool_messages, stats):
+                return
         suffix = backend.tool_suffix_ids(tool_messages)
         context = r.prompt_ids + r.completion_ids + suffix
         if len(context) - len(r.prompt_ids) > backend.max_completion_length or len(context) >= backend.max_model_len:
@@ -321,6 +330,7 @@ class AgenticRolloutLoop:
                 if cfg.enable_context_snapshots and name == DELETE_CONTEXT_TOOL:
                     outcomes.append(self._check_delete(r, call))
                     continue
+                started = time.perf_counter()
                 outcomes.append(
                     run_tool_call(
                         call,
@@ -333,6 +343,7 @@ class AgenticRolloutLoop:
                         async_loop=self.async_loop,
                     )
                 )
+                stats.tool_seconds += time.perf_counter() - started
             if not any(o.category == "infra" for o in outcomes) or attempt >= cfg.max_infra_retries:
                 return outcomes
             attempt += 1
@@ -342,9 +353,8 @@ class AgenticRolloutLoop:
 
     def _check_delete(self, r: _Rollout, call: dict) -> ToolOutcome:
         cfg = self.config
-        args = call.get("function", {}).get("arguments") or {}
         try:
-            _, deleted = apply_deletion(r.prompt_msgs, args.get("message_ids"), cfg.context_stub_text)
+            _, deleted = apply_deletion(r.prompt_msgs, _message_ids(call), cfg.context_stub_text)
         except (TypeError, ValueError) as e:
             return ToolOutcome(
                 name=DELETE_CONTEXT_TOOL,
@@ -428,18 +438,27 @@ class AgenticRolloutLoop:
         r.regenerating = True
         r.context = r.prompt_ids + r.completion_ids
 
-    def _snapshot(self, i, r, delete_call, stats) -> bool:
-        """Close the segment and restart from the re-rendered conversation. Returns False if it cannot be done."""
+    def _snapshot(self, i, r, deletes, tool_messages, stats) -> bool:
+        """Close the segment and restart from the re-rendered conversation. Returns False if it cannot be done.
+
+        `deletes` holds the successful `delete_context` calls of this turn with their tool messages; all of them are
+        applied (each was validated against the same conversation, so their union is valid too).
+        """
         cfg, backend = self.config, self.backend
-        args = delete_call["function"].get("arguments") or {}
-        # The deletion applies to the conversation as the model saw it when it made the call.
-        new_msgs, _ = apply_deletion(r.prompt_msgs, args.get("message_ids"), cfg.context_stub_text)
+        ids = sorted({m for call, _ in deletes for m in _as_list(_message_ids(call))})
+        # The conversation now ends with this turn's tool results; the indices refer to the messages before them.
+        new_msgs, _ = apply_deletion(r.prompt_msgs, ids, cfg.context_stub_text)
         new_prompt = backend.render_prompt(new_msgs, i)
         if len(new_prompt) >= backend.max_model_len - 1:
-            return False  # nothing gained: continue the segment as usual
+            # No room to generate even after the deletion: keep the segment, and do not tell the model otherwise.
+            for _, message in deletes:
+                message["content"] = "Context not deleted: the shortened conversation is still too long."
+            return False
         stats.snapshots += 1
-        freed = len(r.prompt_ids) + len(r.completion_ids) - len(new_prompt)
-        stats.tokens_freed += max(freed, 0)
+        # Freed = the context the next turn would have had (segment + tool results) minus the one it gets.
+        suffix = backend.tool_suffix_ids(tool_messages)
+        freed = max(len(r.prompt_ids) + len(r.completion_ids) + len(suffix) - len(new_prompt), 0)
+        stats.tokens_freed += freed
         r.snapshots.append(
             ExtraRow(
                 kind=RowKind.SNAPSHOT,
@@ -449,8 +468,9 @@ class AgenticRolloutLoop:
                 tool_mask=r.tool_mask,
                 logprobs=r.logprobs,
                 segment_index=r.segment_index,
-                tokens_freed=max(freed, 0),
-                messages=copy.deepcopy(r.prompt_msgs),
+                tokens_freed=freed,
+                # The conversation this segment's tokens render (up to the delete call, before its tool results).
+                messages=copy.deepcopy(r.prompt_msgs[: len(r.prompt_msgs) - len(tool_messages)]),
             )
         )
         r.prompt_ids, r.completion_ids, r.tool_mask = new_prompt, [], []
@@ -477,7 +497,9 @@ class AgenticRolloutLoop:
             return
         contexts = [rollouts[i].context for i in queued]
         stats.generation_calls += 1
+        started = time.perf_counter()
         new_ids, new_logprobs = backend.generate(contexts)
+        stats.generate_seconds += time.perf_counter() - started
         for j, i in enumerate(queued):
             r = rollouts[i]
             context, r.context = r.context, None
@@ -513,3 +535,22 @@ class AgenticRolloutLoop:
             return snapshots[-k:]
         others = sorted(self.rng.sample(range(len(snapshots) - 1), k - 1))
         return [snapshots[j] for j in others] + [snapshots[-1]]
+
+
+def _message_ids(call: dict):
+    """The `message_ids` argument of a `delete_context` call (raises TypeError when the arguments are not an object)."""
+    args = call.get("function", {}).get("arguments") if isinstance(call, dict) else None
+    if isinstance(args, str):  # some response parsers keep the arguments as a JSON string
+        try:
+            args = json.loads(args) if args.strip() else None
+        except ValueError:
+            pass  # not JSON: refused below as a non-object
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise TypeError("the arguments of delete_context must be a JSON object with a 'message_ids' list")
+    return args.get("message_ids")
+
+
+def _as_list(message_ids) -> list:
+    return [message_ids] if isinstance(message_ids, int) else list(message_ids)

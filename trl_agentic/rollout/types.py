@@ -35,7 +35,8 @@ class ExtraRow:
         segment_index: Position of a snapshot segment in its rollout (0 = first).
         error_types / error_messages / tool_calls / tool_position: Why a negative sample failed (seed 000 fields);
             `tool_position` is the assistant turn index (`turn_k`).
-        tokens_freed: For a snapshot: prompt tokens removed by the deletion that closed it.
+        tokens_freed: For a snapshot: context tokens removed by the deletion that closed it (the next turn's context
+            before minus after).
     """
 
     kind: RowKind
