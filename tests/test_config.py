@@ -59,6 +59,11 @@ def test_negatives_without_rollback_warns_seed_interaction_table():
         AgenticGRPOConfig(**BASE, save_negative_samples=True, enable_tool_rollback=True)
 
 
+def test_episode_baseline_with_row_snapshots_warns():
+    with pytest.warns(UserWarning, match="snapshot_advantage='row'"):
+        AgenticGRPOConfig(**BASE, enable_context_snapshots=True, group_baseline="episodes", snapshot_advantage="row")
+
+
 def test_defaults_are_valid_and_features_off():
     config = AgenticGRPOConfig(**BASE)
     assert not config.agentic_features_enabled

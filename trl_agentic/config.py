@@ -446,6 +446,13 @@ class AgenticGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"`tracin_min_selected` must be a non-negative integer, got {self.tracin_min_selected!r}."
             )
+        if self.enable_context_snapshots and self.group_baseline == "episodes" and self.snapshot_advantage == "row":
+            warnings.warn(
+                "`group_baseline='episodes'` keeps snapshot segments out of the group statistics, so "
+                "`snapshot_advantage='row'` acts like 'episode' (segments are scored against the rollouts).",
+                UserWarning,
+                stacklevel=3,
+            )
         # Seed 000 "Parameter Interactions": negatives need rollback.
         if self.save_negative_samples and not self.enable_tool_rollback:
             warnings.warn(
