@@ -15,6 +15,7 @@ EXPECTED = {
     "_calculate_rewards": "(self, inputs, prompts, completions, completion_ids_list)",
     "_generate_and_score_completions": "(self, inputs: list[dict[str, torch.Tensor | typing.Any]]) -> dict[str, torch.Tensor | typing.Any]",
     "_save_checkpoint": "(self, model, trial)",
+    # _compute_loss is overridden too (listed below with the called ones)
     "_load_optimizer_and_scheduler": "(self, checkpoint)",
     # called
     "_generate_single_turn": "(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False)",
