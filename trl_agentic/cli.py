@@ -8,7 +8,10 @@ validated while it is parsed, so a bad value fails before any model is loaded. W
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+import time
 
 USAGE = """usage: trl-agentic <command> [options]
 
@@ -29,35 +32,278 @@ def make_parser():
     return TrlParser((TaskArguments, AgenticGRPOConfig, ModelConfig), prog="trl-agentic train")
 
 
+def _stage(title: str) -> None:
+    print(f"\n=== {title} ===", flush=True)
+
+
+class _Clock:
+    """Wall and CPU time of the pipeline's stages (CPU time of this process, all threads)."""
+
+    def __init__(self):
+        self.stages: dict[str, dict[str, float]] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.stages[name] = {
+                "wall_s": round(time.perf_counter() - wall, 1),
+                "cpu_s": round(time.process_time() - cpu, 1),
+            }
+
+    def total(self) -> float:
+        return round(sum(s["wall_s"] for s in self.stages.values()), 1)
+
+
 def train(task_args, training_args, model_args):
-    """Build the task and the trainer, train, save (and push to the Hub when `push_to_hub`)."""
+    """Build the task and the trainer, train, save (and push to the Hub when `push_to_hub`).
+
+    With the `TaskArguments` stage options, the run is the quickstart pipeline: warm start (SFT) → held-out evaluation
+    → GRPO → held-out evaluation → adapter, `eval_results.json`, `curves.png`, `report.html`, `trajectories.jsonl`.
+    """
     from trl import get_peft_config
 
     from .models import resolve_model_path
     from .tasks import build_task
     from .trainer import AgenticGRPOTrainer
 
+    clock = _Clock()
     task = build_task(task_args)
-    model_path = resolve_model_path(model_args.model_name_or_path or DEFAULT_MODEL)
+    with clock("model"):
+        model_path = resolve_model_path(model_args.model_name_or_path or DEFAULT_MODEL)
+    peft_config = get_peft_config(model_args)
     model_init_kwargs = dict(training_args.model_init_kwargs or {})
     model_init_kwargs.setdefault("dtype", model_args.dtype)
     training_args.model_init_kwargs = model_init_kwargs
+    model, processing_class = model_path, None
+    eval_results: dict[str, dict] = {}
+    eval_records: dict[str, list[dict]] = {}
+    warmstart_info = None
+    main_process = _is_main_process()
+
+    if task_args.warmstart_steps or task_args.heldout_eval_base_model:
+        model, processing_class = _load(model_path, model_init_kwargs)
+    if task_args.heldout_eval and task_args.heldout_eval_base_model:
+        _stage("Held-out evaluation of the base model")
+        with clock("eval_base"):
+            _evaluate_into(
+                "base model", model, processing_class, task, task_args, training_args, eval_results, eval_records
+            )
+    if task_args.warmstart_steps:
+        from .warmstart import run_warmstart
+
+        _stage(
+            f"Stage 1/2: warm start — SFT on {task_args.warmstart_steps * task_args.warmstart_batch_size} synthetic "
+            f"tool-use traces ({task_args.warmstart_steps} steps, {task_args.warmstart_error_fraction:.0%} with a "
+            "rejected call first)"
+        )
+        with clock("warmstart"):
+            result = run_warmstart(
+                model,
+                processing_class,
+                list(task.warmstart_dataset),
+                environment_factory=task.environment_factory,
+                peft_config=peft_config,
+                output_dir=os.path.join(training_args.output_dir, "warmstart"),
+                max_steps=task_args.warmstart_steps,
+                batch_size=task_args.warmstart_batch_size,
+                learning_rate=task_args.warmstart_learning_rate,
+                error_fraction=task_args.warmstart_error_fraction,
+                seed=training_args.seed,
+                use_cpu=training_args.use_cpu,
+                trace_options=task.warmstart_options,
+                callbacks=None,
+                compact_progress=not training_args.disable_tqdm,
+            )
+        model, peft_config = result.model, None  # GRPO continues training the warm-start adapter
+        training_args.model_init_kwargs = None
+        losses = [e["loss"] for e in result.log_history if "loss" in e]
+        warmstart_info = {
+            "steps": task_args.warmstart_steps,
+            "traces": result.num_traces,
+            "faulty_traces": result.faulty_traces,
+            "first_loss": losses[0] if losses else None,
+            "final_loss": losses[-1] if losses else None,
+        }
+        print(f"Warm start done: loss {warmstart_info['first_loss']:.3f} -> {warmstart_info['final_loss']:.3f}.")
+
+    grpo_stage = "Stage 2/2: GRPO" if task_args.warmstart_steps else "GRPO"
     trainer = AgenticGRPOTrainer(
-        model=model_path,
+        model=model,
         reward_funcs=task.reward_funcs,
         args=training_args,
         train_dataset=task.train_dataset,
         eval_dataset=task.eval_dataset if training_args.eval_strategy != "no" else None,
         environment_factory=task.environment_factory,
         tools=task.tools or None,
-        peft_config=get_peft_config(model_args),
+        peft_config=peft_config,
+        processing_class=processing_class,
     )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    recorder = None
+    if task_args.write_report:
+        from .reporting import TrajectoryRecorder
+
+        recorder = TrajectoryRecorder(trainer.processing_class).attach(trainer)
+    if not training_args.disable_tqdm:
+        from .reporting import install_compact_progress
+
+        install_compact_progress(trainer)
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    before = "before GRPO" if task_args.warmstart_steps else "before training"
+    if task_args.heldout_eval:
+        _stage(f"Held-out evaluation {before} ({len(task.eval_dataset)} problems)")
+        with clock("eval_before"):
+            _evaluate_into(
+                before, policy, trainer.processing_class, task, task_args, training_args, eval_results, eval_records
+            )
+
+    _stage(
+        f"{grpo_stage} with the tool: {training_args.max_steps} steps x {_rollouts_per_step(training_args)} rollouts "
+        f"({training_args.num_generations} per problem), rollback "
+        f"{'on' if training_args.enable_tool_rollback else 'off'}, negative samples "
+        f"{'on' if training_args.save_negative_samples else 'off'}"
+    )
+    with clock("grpo"):
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
+
+    after = "after GRPO" if task_args.warmstart_steps else "after training"
+    if task_args.heldout_eval:
+        _stage(f"Held-out evaluation {after}")
+        with clock("eval_after"):
+            _evaluate_into(
+                after, policy, trainer.processing_class, task, task_args, training_args, eval_results, eval_records
+            )
+
+    if main_process and (task_args.heldout_eval or task_args.write_report):
+        _finish(trainer, task, task_args, training_args, clock, eval_results, eval_records, warmstart_info, recorder)
     if training_args.push_to_hub:
         trainer.push_to_hub()
     return trainer
+
+
+def _rollouts_per_step(args) -> int:
+    """Rollouts generated per optimizer step (TRL's generation batch; with `num_iterations=1`)."""
+    return args.per_device_train_batch_size * args.steps_per_generation * args.world_size
+
+
+def _is_main_process() -> bool:
+    from accelerate import PartialState
+
+    return PartialState().is_main_process
+
+
+def _load(model_path: str, model_init_kwargs: dict):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {k: v for k, v in model_init_kwargs.items() if k != "device_map"}
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left", truncation_side="left")
+    return AutoModelForCausalLM.from_pretrained(model_path, **kwargs), tokenizer
+
+
+def _evaluate_into(stage, model, tokenizer, task, task_args, training_args, results, records) -> None:
+    """Held-out evaluation on the main process (plain generation: no collectives), the others wait."""
+    from accelerate import PartialState
+
+    from .evaluation import evaluate_policy
+
+    state = PartialState()
+    if state.is_main_process:
+        result = evaluate_policy(
+            model,
+            tokenizer,
+            list(task.eval_dataset),
+            environment_factory=task.environment_factory,
+            reward_funcs=task.reward_funcs,
+            max_completion_length=training_args.max_completion_length,
+            max_tool_calling_iterations=training_args.max_tool_calling_iterations or 3,
+            batch_size=task_args.heldout_eval_batch_size,
+            temperature=task_args.heldout_eval_temperature,
+            seed=training_args.seed,
+            progress=not training_args.disable_tqdm,
+            desc=f"eval {stage}",
+        )
+        results[stage], records[stage] = result.metrics, result.records
+        m = result.metrics
+        print(
+            f"[{stage}] success {m['success_rate']:.1%} | problems with a successful tool call "
+            f"{m['tool_success_rate']:.1%} | tool call failures {m['tool_failure_rate']:.1%} | "
+            f"{m['tool_calls_per_problem']:.2f} calls/problem | {m['seconds']:.0f} s",
+            flush=True,
+        )
+    state.wait_for_everyone()
+
+
+def _finish(trainer, task, task_args, training_args, clock, eval_results, eval_records, warmstart_info, recorder):
+    import json
+
+    from .evaluation import format_comparison
+    from .reporting import plot_curves, write_report
+
+    out = training_args.output_dir
+    os.makedirs(out, exist_ok=True)
+    history = trainer.state.log_history
+    files = []
+    summary = {"stage times (wall s)": ", ".join(f"{k} {v['wall_s']:.0f}" for k, v in clock.stages.items())}
+    if warmstart_info:
+        summary["warm start"] = (
+            f"{warmstart_info['steps']} SFT steps on {warmstart_info['traces']} traces "
+            f"({warmstart_info['faulty_traces']} with a rejected call first), loss "
+            f"{warmstart_info['first_loss']:.3f} → {warmstart_info['final_loss']:.3f}"
+        )
+    summary["GRPO"] = (
+        f"{trainer.state.global_step} steps, {_rollouts_per_step(training_args)} rollouts/step, "
+        f"{training_args.num_generations} per problem, max_completion_length {training_args.max_completion_length}"
+    )
+    summary["agentic features"] = (
+        f"rollback {'on' if training_args.enable_tool_rollback else 'off'}, negative samples "
+        f"{'on' if training_args.save_negative_samples else 'off'}"
+    )
+    if task_args.write_report:
+        files.append(plot_curves(history, os.path.join(out, "curves.png"), eval_results=eval_results, title=out))
+        if recorder is not None:
+            files.append(recorder.save_jsonl(os.path.join(out, "trajectories.jsonl")))
+            if recorder.errors:
+                print(f"Trajectory recorder: {len(recorder.errors)} batches not recorded ({recorder.errors[0]}).")
+        files.append(
+            write_report(
+                os.path.join(out, "report.html"),
+                recorder.trajectories if recorder is not None else [],
+                title=f"trl-agentic report: {out}",
+                summary=summary,
+                eval_results=eval_results,
+                eval_records=eval_records,
+                max_trajectories=task_args.report_max_trajectories,
+                system_prompt=task.system_prompt,
+            )
+        )
+    payload = {
+        "eval": eval_results,
+        "warmstart": warmstart_info,
+        "timings": clock.stages,
+        "total_wall_s": clock.total(),
+        "grpo_steps": trainer.state.global_step,
+        "num_eval_problems": len(task.eval_dataset) if task.eval_dataset is not None else 0,
+        "eval_decoding": "greedy"
+        if task_args.heldout_eval_temperature == 0
+        else f"T={task_args.heldout_eval_temperature}",
+    }
+    path = os.path.join(out, "eval_results.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2)
+    files.append(path)
+    _stage("Summary")
+    if eval_results:
+        print(format_comparison(eval_results))
+    print(
+        "stage times: "
+        + ", ".join(f"{k} {v['wall_s']:.0f} s" for k, v in clock.stages.items())
+        + f" (total {clock.total():.0f} s)"
+    )
+    print("wrote: " + ", ".join(str(f) for f in files) + f", and the LoRA adapter in {out}")
 
 
 def main(argv: list[str] | None = None) -> int:

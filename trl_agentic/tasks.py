@@ -40,6 +40,37 @@ class TaskArguments:
             Wall-clock limit of one Python sandbox call, in seconds.
         extra_reward_funcs (`list[str]`, *optional*):
             Import paths `"package.module:function"` of extra reward functions.
+
+        > Warm start (SFT before GRPO; built-in arithmetic tasks)
+
+        warmstart_steps (`int`, *optional*, defaults to `0`):
+            Optimizer steps of a short SFT stage (TRL's `SFTTrainer`, same LoRA config) on synthetic tool-use traces
+            of the task before GRPO; `0` skips it. GRPO then continues training the same adapter.
+        warmstart_batch_size (`int`, *optional*, defaults to `8`):
+            Traces per SFT step; `warmstart_steps * warmstart_batch_size` traces are generated (each seen once), from
+            problems other than the training and held-out ones (seed `task_seed + 2`).
+        warmstart_learning_rate (`float`, *optional*, defaults to `2e-4`):
+            Peak learning rate of the SFT stage (linear decay).
+        warmstart_error_fraction (`float`, *optional*, defaults to `0.0`):
+            Fraction of traces that first make a malformed call, see the tool's error and then make the right call,
+            so the warm-started policy still errs sometimes and rollback has something to fix.
+
+        > Held-out evaluation and report
+
+        heldout_eval (`bool`, *optional*, defaults to `False`):
+            Evaluate the policy on the `num_eval_tasks` held-out problems before and after GRPO with the multi-turn
+            tool loop (`trl_agentic.evaluation`), print the comparison and save it to `eval_results.json`.
+        heldout_eval_base_model (`bool`, *optional*, defaults to `False`):
+            Also evaluate the model before the warm start.
+        heldout_eval_temperature (`float`, *optional*, defaults to `0.0`):
+            Decoding of the held-out evaluation: `0` is greedy (deterministic), otherwise the sampling temperature.
+        heldout_eval_batch_size (`int`, *optional*, defaults to `32`):
+            Held-out problems rolled out together.
+        write_report (`bool`, *optional*, defaults to `False`):
+            Write `curves.png`, `report.html` (a browsable sample of training trajectories) and `trajectories.jsonl`
+            into `output_dir`.
+        report_max_trajectories (`int`, *optional*, defaults to `160`):
+            Training rows shown in `report.html`.
     """
 
     task: str = field(default="calculator", metadata={"help": "calculator, python, textworld or 'pkg.module:build'."})
@@ -51,6 +82,32 @@ class TaskArguments:
     extra_reward_funcs: list[str] | None = field(
         default=None, metadata={"help": "Import paths 'pkg.module:function' of extra reward functions."}
     )
+    warmstart_steps: int = field(
+        default=0,
+        metadata={"help": "SFT steps on synthetic tool-use traces before GRPO (same LoRA adapter); 0 skips it."},
+    )
+    warmstart_batch_size: int = field(default=8, metadata={"help": "Traces per warm-start SFT step."})
+    warmstart_learning_rate: float = field(default=2e-4, metadata={"help": "Peak learning rate of the warm start."})
+    warmstart_error_fraction: float = field(
+        default=0.0,
+        metadata={"help": "Fraction of warm-start traces with a rejected tool call before the right one."},
+    )
+    heldout_eval: bool = field(
+        default=False,
+        metadata={"help": "Evaluate on the held-out problems before and after GRPO (multi-turn tool loop)."},
+    )
+    heldout_eval_base_model: bool = field(
+        default=False, metadata={"help": "Also evaluate the model before the warm start."}
+    )
+    heldout_eval_temperature: float = field(
+        default=0.0, metadata={"help": "Held-out evaluation decoding: 0 = greedy, else the sampling temperature."}
+    )
+    heldout_eval_batch_size: int = field(default=32, metadata={"help": "Held-out problems rolled out together."})
+    write_report: bool = field(
+        default=False,
+        metadata={"help": "Write curves.png, report.html and trajectories.jsonl into output_dir."},
+    )
+    report_max_trajectories: int = field(default=160, metadata={"help": "Training rows shown in report.html."})
 
     def __post_init__(self):
         if self.task not in TASKS and ":" not in self.task:
@@ -62,6 +119,22 @@ class TaskArguments:
                 raise ValueError(f"`{name}` must be non-negative, got {getattr(self, name)}.")
         if self.sandbox_timeout <= 0:
             raise ValueError(f"`sandbox_timeout` must be positive, got {self.sandbox_timeout}.")
+        for name in ("warmstart_steps", "report_max_trajectories"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"`{name}` must be non-negative, got {getattr(self, name)}.")
+        for name in ("warmstart_batch_size", "heldout_eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be at least 1, got {getattr(self, name)}.")
+        if self.warmstart_learning_rate <= 0:
+            raise ValueError(f"`warmstart_learning_rate` must be positive, got {self.warmstart_learning_rate}.")
+        if not 0.0 <= self.warmstart_error_fraction <= 1.0:
+            raise ValueError(f"`warmstart_error_fraction` must be in [0, 1], got {self.warmstart_error_fraction}.")
+        if self.heldout_eval_temperature < 0:
+            raise ValueError(f"`heldout_eval_temperature` must be >= 0, got {self.heldout_eval_temperature}.")
+        if self.warmstart_steps and self.task not in ("calculator", "python"):
+            raise ValueError(
+                f"`warmstart_steps` needs a built-in arithmetic task ('calculator' or 'python'), got {self.task!r}."
+            )
 
 
 @dataclass
@@ -73,6 +146,11 @@ class Task:
     environment_factory: Callable | None
     reward_funcs: list[Callable]
     tools: list[Callable] = field(default_factory=list)
+    # Keyword arguments of `trl_agentic.warmstart.make_tool_traces` (None: the task has no warm start).
+    warmstart_options: dict | None = None
+    # Rows the warm-start traces are made from (problems other than the training and held-out ones).
+    warmstart_dataset: Dataset | None = None
+    system_prompt: str | None = None
 
 
 def import_object(path: str):
@@ -93,26 +171,43 @@ def _arithmetic(args: TaskArguments, system_prompt: str | None):
                 row["prompt"][0] = {"role": "system", "content": system_prompt}
         return Dataset.from_list(rows)
 
-    return build(args.num_train_tasks, args.task_seed), build(args.num_eval_tasks, args.task_seed + 1)
+    warmstart = build(args.warmstart_steps * args.warmstart_batch_size, args.task_seed + 2)
+    return build(args.num_train_tasks, args.task_seed), build(args.num_eval_tasks, args.task_seed + 1), warmstart
 
 
 def build_task(args: TaskArguments) -> Task:
     """Build the dataset, environment factory and reward functions of a task."""
     extra = [import_object(p) for p in args.extra_reward_funcs or []]
     if args.task == "calculator":
-        from .envs.calculator import CalculatorEnv, answer_reward
+        from .envs.calculator import SYSTEM_PROMPT, CalculatorEnv, answer_reward
 
-        train, evaluation = _arithmetic(args, None)
-        return Task(train, evaluation, CalculatorEnv, [answer_reward, *extra])
+        train, evaluation, warmstart = _arithmetic(args, None)
+        options = {"tool_name": "calculate", "argument": "expression"}
+        return Task(
+            train,
+            evaluation,
+            CalculatorEnv,
+            [answer_reward, *extra],
+            warmstart_options=options,
+            warmstart_dataset=warmstart,
+            system_prompt=SYSTEM_PROMPT,
+        )
     if args.task == "python":
         from functools import partial
 
         from .envs.calculator import answer_reward
         from .envs.python_sandbox import PythonSandboxEnv
 
-        train, evaluation = _arithmetic(args, PYTHON_SYSTEM_PROMPT)
+        train, evaluation, warmstart = _arithmetic(args, PYTHON_SYSTEM_PROMPT)
+        options = {"tool_name": "python", "argument": "code", "argument_template": "print({expression})"}
         return Task(
-            train, evaluation, partial(PythonSandboxEnv, timeout=args.sandbox_timeout), [answer_reward, *extra]
+            train,
+            evaluation,
+            partial(PythonSandboxEnv, timeout=args.sandbox_timeout),
+            [answer_reward, *extra],
+            warmstart_options=options,
+            warmstart_dataset=warmstart,
+            system_prompt=PYTHON_SYSTEM_PROMPT,
         )
     if args.task == "textworld":
         from .envs.textworld import TextWorldToolEnv, make_textworld_tasks

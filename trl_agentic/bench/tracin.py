@@ -16,8 +16,10 @@ Modes, all on the same trainer and batch:
   forward/backward on the selected rows.
 
 Times are medians over interleaved repeats in one process (the modes alternate, so a shared, noisy machine slows
-them alike). Peak memory is the peak RSS of a fresh subprocess per (configuration, mode) running the mode's steps,
-reported as the whole process and as the increase over the RSS after set-up (model, optimizer and batch loaded).
+them alike), as process CPU time (with one thread, a measure of work that contention from other processes barely
+moves) and wall-clock time. Peak memory is the peak RSS (VmHWM, reset after set-up) of a fresh subprocess per
+(configuration, mode) running the mode's steps, reported as the whole process and as the increase over the RSS after
+set-up (model, optimizer and batch loaded).
 
 Run `python -m trl_agentic.bench.tracin` (or `make bench`).
 """
@@ -26,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -53,7 +53,7 @@ class BenchSettings:
         batch_sizes: Rows per step to sweep (the validation batch has as many rows).
         repeats: Timed steps per mode (after one warm-up step).
         memory_steps: Steps per memory subprocess.
-        threads: torch intra-op threads.
+        threads: torch intra-op threads (1: the process CPU time is then a contention-robust measure of work).
         refresh_steps: `tracin_val_refresh_steps` values for the amortised ratio.
         memory: Whether to run the memory subprocesses.
     """
@@ -63,9 +63,9 @@ class BenchSettings:
     prompt_length: int = 64
     completion_lengths: list[int] = field(default_factory=lambda: [64, 128])
     batch_sizes: list[int] = field(default_factory=lambda: [4, 8])
-    repeats: int = 5
+    repeats: int = 3
     memory_steps: int = 2
-    threads: int = 2
+    threads: int = 1
     refresh_steps: list[int] = field(default_factory=lambda: [1, 4, 16])
     memory: bool = True
 
@@ -263,9 +263,18 @@ def run_mode(mode: str, trainer, batch: dict, val_batch: dict, seed: SeedGhost |
 # ----------------------------------------------------------------------------------------------------------- measure
 
 
-def _rss_kb() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+def _status_kb(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field_name} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    # Resets VmHWM (Linux >= 4.0); ru_maxrss cannot be reset and would keep the set-up's peak (model loading).
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def _setup(settings: BenchSettings, batch_size: int, length: int, output_dir: str):
@@ -276,34 +285,43 @@ def _setup(settings: BenchSettings, batch_size: int, length: int, output_dir: st
     return trainer, batch, val_batch
 
 
-def time_modes(settings: BenchSettings, batch_size: int, length: int, output_dir: str) -> dict[str, float]:
-    """Median seconds per mode, modes interleaved, in this process."""
+def time_modes(settings: BenchSettings, batch_size: int, length: int, output_dir: str, log=None) -> dict[str, dict]:
+    """Median CPU and wall seconds per mode, modes interleaved, in this process."""
     trainer, batch, val_batch = _setup(settings, batch_size, length, output_dir)
     seed = SeedGhost(trainer)
-    times: dict[str, list[float]] = defaultdict(list)
+    cpu: dict[str, list[float]] = defaultdict(list)
+    wall: dict[str, list[float]] = defaultdict(list)
     val_refresh(trainer, batch, val_batch)
     for round_ in range(settings.repeats + 1):
         # Rotate the order so that no mode always runs right after the same one.
         order = MODES[round_ % len(MODES) :] + MODES[: round_ % len(MODES)]
         for mode in order:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             run_mode(mode, trainer, batch, val_batch, seed)
+            elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
             if round_ > 0:  # round 0 warms up
-                times[mode].append(time.perf_counter() - start)
+                wall[mode].append(elapsed)
+                cpu[mode].append(elapsed_cpu)
+            if log is not None:
+                log(f"[tracin bench]   round {round_} {mode}: cpu {elapsed_cpu:.2f} s, wall {elapsed:.2f} s")
     seed.remove()
-    return {mode: statistics.median(values) for mode, values in times.items()}
+    return {
+        "cpu": {mode: statistics.median(values) for mode, values in cpu.items()},
+        "wall": {mode: statistics.median(values) for mode, values in wall.items()},
+    }
 
 
 def memory_child(settings: BenchSettings, mode: str, batch_size: int, length: int, output_dir: str) -> dict:
     """Peak RSS of `memory_steps` steps of one mode (run in a fresh process)."""
     trainer, batch, val_batch = _setup(settings, batch_size, length, output_dir)
     seed = SeedGhost(trainer) if mode == "seed" else None
-    baseline = _rss_kb()
+    _reset_peak_rss()
+    baseline = _status_kb("VmRSS")
     if mode in ("fused", "two_pass"):
         val_refresh(trainer, batch, val_batch)  # V is part of TracIn's memory
     for _ in range(settings.memory_steps):
         run_mode(mode, trainer, batch, val_batch, seed)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _status_kb("VmHWM")
     return {"baseline_mb": baseline / 1024, "peak_mb": peak / 1024}
 
 
@@ -358,27 +376,28 @@ def render(settings: BenchSettings, rows: list[dict], command: str) -> str:
         "## TracIn step vs plain GRPO step",
         "",
         f"Command: `{command}`. Model `{settings.model}` + LoRA r={settings.lora_r} (all linear layers), float32, "
-        f"CPU, {settings.threads} threads, prompt {settings.prompt_length} tokens, half the rows with shorter "
+        f"CPU, {settings.threads} thread(s), prompt {settings.prompt_length} tokens, half the rows with shorter "
         f"completions. Times: median of {settings.repeats} interleaved steps (loss, backward, AdamW step; no "
         "generation). `val` = one refresh of the validation gradient on a validation batch of the same shape; "
         "`fused + val/k` = the TracIn step with `tracin_val_refresh_steps=k`.",
         "",
     ]
     refresh = settings.refresh_steps
-    header = ["completion", "batch", "plain (s)", "fused", "two-pass", "val", *[f"fused + val/{k}" for k in refresh]]
-    header.append("seed (3-pass)")
-    lines += ["Time, as a ratio to the plain step:", "", "| " + " | ".join(header) + " |"]
-    lines.append("|" + "---|" * len(header))
-    for row in rows:
-        t = row["time"]
-        cells = [str(row["length"]), str(row["batch_size"]), f"{t['plain']:.2f}"]
-        cells += [_ratio(t[m], t["plain"]) for m in ("fused", "two_pass", "val")]
-        cells += [_ratio(t["fused"] + t["val"] / k, t["plain"]) for k in refresh]
-        cells.append(_ratio(t["seed"], t["plain"]))
-        lines.append("| " + " | ".join(cells) + " |")
+    for clock, title in (("cpu", "Process CPU time"), ("wall", "Wall-clock time")):
+        header = ["completion", "batch", "plain (s)", "fused", "two-pass", "val"]
+        header += [f"fused + val/{k}" for k in refresh] + ["seed (3-pass)"]
+        lines += [f"{title}, as a ratio to the plain step:", "", "| " + " | ".join(header) + " |"]
+        lines.append("|" + "---|" * len(header))
+        for row in rows:
+            t = row["time"][clock]
+            cells = [str(row["length"]), str(row["batch_size"]), f"{t['plain']:.2f}"]
+            cells += [_ratio(t[m], t["plain"]) for m in ("fused", "two_pass", "val")]
+            cells += [_ratio(t["fused"] + t["val"] / k, t["plain"]) for k in refresh]
+            cells.append(_ratio(t["seed"], t["plain"]))
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
     if rows and "memory" in rows[0]:
         lines += [
-            "",
             "Peak memory (fresh process per cell): peak RSS in MB, and in parentheses the ratio to the plain step of "
             "the whole process / of the increase over the RSS after set-up (model, optimizer, batch loaded). TracIn "
             "cells include one refresh of V in the same process.",
@@ -398,25 +417,23 @@ def render(settings: BenchSettings, rows: list[dict], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trl_agentic.bench.tracin", description=__doc__.split("\n")[0])
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="Write the markdown report here (default: print it).")
     parser.add_argument("--json", help="Also write the raw results as JSON here.")
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-memory", action="store_true", help="Skip the peak-memory subprocesses.")
     parser.add_argument("--output-dir", default="/tmp/trl_agentic_bench")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.memory_child:
-        spec = json.loads(args.memory_child)
-        settings = BenchSettings(**spec["settings"])
-        torch.set_num_threads(settings.threads)
-        result = memory_child(settings, spec["mode"], spec["batch_size"], spec["length"], args.output_dir)
-        print(json.dumps(result))
-        return 0
+    return parser
+
+
+def report(argv: list[str], prog: str = "python -m trl_agentic.bench.tracin") -> str:
+    """Run the benchmark with command-line style arguments and return its markdown report."""
+    args = _parser(prog).parse_args(argv)
     settings = BenchSettings(
         completion_lengths=args.lengths,
         batch_sizes=args.batch_sizes,
@@ -425,15 +442,28 @@ def main(argv: list[str] | None = None) -> int:
         memory=not args.no_memory,
     )
     rows = run(settings, args.output_dir, log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    command = "python -m trl_agentic.bench.tracin " + " ".join(argv if argv is not None else sys.argv[1:])
-    report = render(settings, rows, command.strip())
+    text = render(settings, rows, f"{prog} {' '.join(argv)}".strip())
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"settings": asdict(settings), "rows": rows}, f, indent=1)
+    return text
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m trl_agentic.bench.tracin") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser(prog).parse_args(argv)
+    if args.memory_child:
+        spec = json.loads(args.memory_child)
+        settings = BenchSettings(**spec["settings"])
+        torch.set_num_threads(settings.threads)
+        result = memory_child(settings, spec["mode"], spec["batch_size"], spec["length"], args.output_dir)
+        print(json.dumps(result))
+        return 0
+    text = report(argv, prog)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(report)
-    print(report)
+            f.write(text)
+    print(text)
     return 0
 
 

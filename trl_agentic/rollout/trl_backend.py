@@ -15,6 +15,36 @@ def _has_response_parser(tokenizer) -> bool:
     )
 
 
+def needs_equal_counts(trainer) -> bool:
+    """Whether every process must pass the same number of prompts to one generation call.
+
+    TRL's vLLM generation gathers the prompts of every process (server mode, or the tensor-parallel group in colocate
+    mode) and hands process k the outputs `[k * n, (k + 1) * n)`, `n` being its *own* prompt count: right only if all
+    counts are equal. Otherwise a process silently gets completions of another process's prompts.
+    """
+    return trainer.accelerator.num_processes > 1 and bool(getattr(trainer, "use_vllm", False))
+
+
+def generate_single_turn(trainer, contexts: list[list[int]]) -> tuple[list[list[int]], list[list[float]] | None]:
+    """`trainer._generate_single_turn(contexts, num_generations=1)` for a per-process number of contexts.
+
+    Every process must make this call together (generation can be a collective), each with its own contexts, possibly
+    a different number of them. When TRL needs equal counts (`needs_equal_counts`), the calls are padded to the
+    largest count with copies of the first context and the extra outputs dropped.
+
+    Returns:
+        `(completion_ids, logprobs)`, one entry per context (`logprobs` is None without vLLM).
+    """
+    n = len(contexts)
+    if needs_equal_counts(trainer):
+        accelerator = trainer.accelerator
+        most = int(accelerator.reduce(torch.tensor([n], device=accelerator.device), reduction="max").item())
+        filler = list(contexts[0]) if contexts else [trainer._tokenizer.eos_token_id]
+        contexts = list(contexts) + [filler] * (most - n)
+    ids, logprobs = trainer._generate_single_turn(contexts, None, {}, num_generations=1)
+    return ids[:n], (logprobs[:n] if logprobs is not None else None)
+
+
 class TrainerBackend:
     """Adapter giving `AgenticRolloutLoop` access to a trainer's generation engine (transformers or vLLM).
 
@@ -33,6 +63,7 @@ class TrainerBackend:
             self.max_model_len = config.max_position_embeddings
         self.max_iterations = trainer.max_tool_calling_iterations
         self.multi_process = trainer.accelerator.num_processes > 1
+        self.equal_counts = needs_equal_counts(trainer)
 
     def _tools_for(self, row: int):
         t = self.trainer
@@ -42,7 +73,7 @@ class TrainerBackend:
 
     def generate(self, contexts):
         # One batched call for every queued rollout; num_generations=1 because each context is its own history.
-        return self.trainer._generate_single_turn(contexts, None, {}, num_generations=1)
+        return generate_single_turn(self.trainer, contexts)
 
     def parse(self, ids, prefix, row):
         if _has_response_parser(self.tokenizer):

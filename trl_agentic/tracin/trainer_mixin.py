@@ -1,11 +1,528 @@
-"""TracIn-filtered training step for `AgenticGRPOTrainer` (mixin; inactive unless `tracin_enabled`)."""
+"""TracIn-filtered training step for `AgenticGRPOTrainer` (a mixin; inactive unless `args.tracin_enabled`).
+
+Per generation batch (all processes' rows), with the current policy:
+
+1. Validation direction V (refreshed every `tracin_val_refresh_steps` optimizer steps): validation prompts are rolled
+   out `tracin_val_num_generations` times each through the trainer's own rollout path (tools and environments work),
+   scored, given group advantages, and V is the gradient of TRL's loss on that batch w.r.t. the LoRA weights, built
+   from the ghost hooks and averaged over processes (`all_reduce_`).
+2. Scores: `score_b = <grad_theta ell_b, V>`, where `ell_b` is row b's term of the loss TRL computes for the training
+   micro-batch holding it; computed inside the `lora_B` backward hooks (gradients w.r.t. module outputs only, so
+   `param.grad` and DeepSpeed's buffers are untouched).
+3. Selection (`select_rows`) on the gathered scores of every process, so every process computes the same global
+   selection and keeps its slice.
+4. Training: TRL's loss with the loss mask of unselected rows zeroed and `num_items_in_batch` recomputed over the
+   selected rows. Every process still runs every micro-batch (no skipped backward: DeepSpeed steps inside the last
+   backward of the accumulation window), so a process that selects nothing does not hang the others.
+
+Two implementations of steps 2-4, chosen at start-up:
+
+- **fused** (one forward and one backward over the training rows; used when `steps_per_generation == 1`,
+  `num_iterations == 1`, no entropy bonus, `top_entropy_quantile == 1`): the training forward is recorded, one
+  backward gives the scores *and* every row's LoRA gradient, and the selected rows' gradient reaches the optimizer
+  through the surrogate loss `sum <W, G_W>` (`LoraGhostHooks.gradient_surrogate`), back-propagated by
+  `accelerator.backward`, so DeepSpeed's gradient reduction applies as usual.
+- **two-pass** (every other configuration): when TRL has buffered the generation batch, a scoring pass (forward and
+  backward, hooks only, memory O(micro-batch)) runs over its micro-batches, then the masked micro-batches are trained
+  on by TRL unchanged.
+"""
 
 from __future__ import annotations
 
+import math
+import warnings
+from collections import defaultdict, deque
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..rollout.types import RowKind
+from .hooks import LoraGhostHooks
+from .layers import validate_tracin_model
+from .lora_gradient import LoraGradient, LoraGradients, all_reduce_
+from .selection import select_rows
+
+__all__ = ["TracInMixin", "TracInState"]
+
+# How the loss normaliser of each TRL loss type reacts to masking rows (see `_fused_scale`).
+_GLOBAL_TOKEN_LOSSES = ("dapo", "cispo", "vespo")  # sum / global token count (num_items_in_batch)
+_LOCAL_TOKEN_LOSSES = ("bnpo",)  # sum / token count of the micro-batch
+_ROW_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")  # per-row terms over a row count: masked rows count as zero rows
+SUPPORTED_LOSS_TYPES = _GLOBAL_TOKEN_LOSSES + _LOCAL_TOKEN_LOSSES + _ROW_LOSSES
+
+# Adaptive-entropy controller state that TRL's `_compute_loss` mutates in train mode; scoring and validation passes
+# must leave it as they found it.
+_ENTROPY_STATE = ("entropy_coef", "_entropy_window_stats", "_last_world_entropy")
+
+
+@dataclass
+class TracInState:
+    """Run-time state of the TracIn filter.
+
+    Args:
+        dataset: Validation prompts (map-style dataset).
+        fused: Whether the one-backward fused step is used (else the two-pass design).
+        disable_checkpointing: Whether recorded passes run with gradient checkpointing disabled (reentrant
+            checkpointing, which the hooks cannot see through).
+        direction: The current validation direction V, per LoRA layer (identical on every process).
+        direction_is_zero: V is exactly zero (e.g. every validation group had equal rewards): no information, so
+            every valid row is selected.
+        refreshed_at: `state.global_step` of the last refresh of V.
+        refreshes: Number of refreshes so far (seeds the choice of validation prompts).
+        last: Per-row results of the last selection on this process (`scores`, `selected`, `valid`), for tests and
+            debugging.
+    """
+
+    dataset: Any
+    fused: bool
+    disable_checkpointing: bool
+    direction: LoraGradients | None = None
+    direction_is_zero: bool = False
+    refreshed_at: int = -1
+    refreshes: int = 0
+    last: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _rows(batch: dict) -> int:
+    return batch["prompt_ids"].size(0)
+
+
+def _row_slices(batch: dict, size: int) -> list[dict]:
+    """Cut a batch dict into consecutive row chunks (unlike TRL's `split_tensor_dict`, a remainder is kept).
+
+    Tensors with dim >= 1 and lists are sliced on rows; 0-dim tensors and other values are shared by every chunk.
+    """
+    total = _rows(batch)
+    chunks = []
+    for start in range(0, total, size):
+        stop = min(start + size, total)
+        chunk = {}
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                chunk[key] = value[start:stop]
+            elif isinstance(value, list):
+                chunk[key] = value[start:stop]
+            else:
+                chunk[key] = value
+        chunks.append(chunk)
+    return chunks
+
+
+def _loss_mask(batch: dict) -> torch.Tensor:
+    mask = batch["completion_mask"]
+    return mask * batch["tool_mask"] if "tool_mask" in batch else mask
+
+
+def _row_advantage(batch: dict, loss_mask: torch.Tensor) -> torch.Tensor:
+    advantages = batch["advantages"].float()
+    if advantages.dim() == 1:
+        return advantages
+    # Token-level advantages: the mean over the row's trained tokens.
+    mask = loss_mask.float()
+    return (advantages * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+
+def _pearson(x: torch.Tensor, y: torch.Tensor) -> float:
+    if x.numel() < 2:
+        return math.nan
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    denominator = (x.square().sum() * y.square().sum()).sqrt()
+    return (x * y).sum().div(denominator).item() if denominator > 0 else math.nan
+
+
+def _is_zero(direction: LoraGradients) -> bool:
+    return all(not grad.A.any() and not grad.B.any() for grad in direction.values())
+
 
 class TracInMixin:
-    """Mixed into `AgenticGRPOTrainer` before `GRPOTrainer`. Does nothing unless `args.tracin_enabled`."""
+    """TracIn row filtering for `AgenticGRPOTrainer`, mixed in before `GRPOTrainer`. Inactive unless
+    `args.tracin_enabled`.
+
+    Overrides `_prepare_inputs` (refresh of V; two-pass scoring and masking of the buffered generation batch) and
+    `_compute_loss` (the fused step). Its own passes call `GRPOTrainer._compute_loss`, so they use the configured
+    `loss_type` and every TRL loss option; their metrics are discarded. See the module docstring and
+    `docs/tracin.md`.
+    """
+
+    _tracin: TracInState | None = None
+
+    # ----------------------------------------------------------------------------------------------- start-up
 
     def _init_tracin(self, tracin_eval_dataset=None) -> None:
-        if getattr(self.args, "tracin_enabled", False):
-            raise NotImplementedError("TracIn-filtered training is not wired into the trainer yet.")
+        """Check the TracIn set-up and build its state; called at the end of `AgenticGRPOTrainer.__init__`.
+
+        Args:
+            tracin_eval_dataset (`Dataset`, *optional*):
+                Validation prompts (rows like the training dataset's); `eval_dataset` when None.
+
+        Raises:
+            ValueError: TracIn with a model that is not a PEFT LoRA model, LoRA on `lm_head`, no or an empty
+                validation set, a mixture-of-experts auxiliary loss, or an unsupported loss type.
+        """
+        args = self.args
+        self._tracin = None
+        if not getattr(args, "tracin_enabled", False):
+            if tracin_eval_dataset is not None:
+                warnings.warn(
+                    "`tracin_eval_dataset` is ignored: `tracin_enabled` is False.", UserWarning, stacklevel=3
+                )
+            return
+        validate_tracin_model(self.accelerator.unwrap_model(self.model))
+        if self.aux_loss_enabled:
+            raise ValueError(
+                "TracIn needs per-row losses, but the mixture-of-experts load-balancing loss couples the rows of a "
+                "micro-batch; set `router_aux_loss_coef=0` or disable `tracin_enabled`."
+            )
+        if self.loss_type not in SUPPORTED_LOSS_TYPES:
+            raise ValueError(
+                f"TracIn does not support loss_type={self.loss_type!r}; use one of {SUPPORTED_LOSS_TYPES}."
+            )
+        dataset = tracin_eval_dataset if tracin_eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError(
+                "TracIn needs validation prompts: pass `tracin_eval_dataset` (or `eval_dataset`) to the trainer."
+            )
+        if isinstance(dataset, dict):
+            raise ValueError(
+                "`eval_dataset` is a dict of datasets; pass the TracIn validation prompts as `tracin_eval_dataset`."
+            )
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise ValueError("The TracIn validation set must be a map-style dataset (with `len` and indexing).")
+        if len(dataset) == 0:
+            raise ValueError("The TracIn validation set is empty: it needs at least one prompt.")
+
+        kwargs = args.gradient_checkpointing_kwargs or {}
+        disable_checkpointing = bool(args.gradient_checkpointing and kwargs.get("use_reentrant", False))
+        if disable_checkpointing:
+            # TRL forces reentrant checkpointing for PEFT + ZeRO-3; its first forward runs without autograd, so the
+            # hooks could not build gradients from it.
+            warnings.warn(
+                "TracIn: reentrant gradient checkpointing is on (TRL forces it for PEFT + DeepSpeed ZeRO-3); the "
+                "recorded TracIn passes run with gradient checkpointing disabled, which costs activation memory.",
+                UserWarning,
+                stacklevel=3,
+            )
+        fused = (
+            args.steps_per_generation == 1
+            and self.num_iterations == 1
+            and not self._entropy_bonus_enabled
+            and self.top_entropy_quantile >= 1.0
+        )
+        self._tracin = TracInState(dataset=dataset, fused=fused, disable_checkpointing=disable_checkpointing)
+
+    # ----------------------------------------------------------------------------------------------- overrides
+
+    def _prepare_inputs(self, generation_batch):
+        state = self._tracin
+        if state is None or not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        window_start = self._step % generate_every == 0 or self._buffered_inputs is None
+        if window_start and self._tracin_refresh_due():
+            self._tracin_refresh_direction()
+        inputs = super()._prepare_inputs(generation_batch)
+        if window_start and not state.fused:
+            # The chunks are TRL's shuffled micro-batches, so each score is the gradient of the row's term in the
+            # very loss it is trained with.
+            self._tracin_filter_buffer(self._buffered_inputs)
+        return inputs
+
+    def _compute_loss(self, model, inputs):
+        state = self._tracin
+        if state is None or not state.fused or not self.model.training:
+            return super()._compute_loss(model, inputs)
+        return self._tracin_fused_loss(model, inputs)
+
+    # ----------------------------------------------------------------------------------------------- helpers
+
+    @contextmanager
+    def _tracin_quiet(self):
+        """Run TRL code whose metrics must not be logged and whose entropy-controller updates must not stick."""
+        metrics, saved = self._metrics, {name: getattr(self, name, None) for name in _ENTROPY_STATE}
+        scratch = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._metrics = scratch
+        try:
+            yield scratch
+        finally:
+            self._metrics = metrics
+            for name, value in saved.items():
+                setattr(self, name, value)
+
+    @contextmanager
+    def _tracin_hooks(self):
+        """LoRA ghost hooks on the policy, registered for one influence pass only."""
+        from trl.models.utils import disable_gradient_checkpointing
+
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        checkpointing = (
+            disable_gradient_checkpointing(unwrapped, self.args.gradient_checkpointing_kwargs)
+            if self._tracin.disable_checkpointing
+            else nullcontext()
+        )
+        with checkpointing, LoraGhostHooks(unwrapped) as hooks:
+            yield hooks
+
+    @contextmanager
+    def _tracin_forward_override(self, capture: dict | None = None, replay: tuple | None = None):
+        """Capture the outputs of `_get_per_token_logps_and_entropies` or replay captured ones without a forward."""
+        had_own = "_get_per_token_logps_and_entropies" in self.__dict__
+        previous = self.__dict__.get("_get_per_token_logps_and_entropies")
+        original = self._get_per_token_logps_and_entropies
+
+        def patched(*args, **kwargs):
+            if replay is not None:
+                return replay
+            out = original(*args, **kwargs)
+            capture["out"] = out
+            return out
+
+        self._get_per_token_logps_and_entropies = patched
+        try:
+            yield
+        finally:
+            if had_own:
+                self._get_per_token_logps_and_entropies = previous
+            else:
+                del self._get_per_token_logps_and_entropies
+
+    def _tracin_base_loss(self, model, inputs):
+        """TRL's own `_compute_loss` (not the fused override)."""
+        return super()._compute_loss(model, inputs)
+
+    # ----------------------------------------------------------------------------------------------- validation
+
+    def _tracin_refresh_due(self) -> bool:
+        state = self._tracin
+        if state.direction is None:
+            return True
+        return self.state.global_step - state.refreshed_at >= self.args.tracin_val_refresh_steps
+
+    def _tracin_validation_rows(self) -> list[dict]:
+        """This process's validation rows: `tracin_val_batch_size` prompts, each repeated for its group.
+
+        The prompts come from a permutation seeded by (`seed`, refresh count) with a private generator, identical on
+        every process and independent of the global RNG; process p takes the p-th slice (wrapping around a small
+        set).
+        """
+        state, args = self._tracin, self.args
+        n, per_process = len(state.dataset), args.tracin_val_batch_size
+        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + state.refreshes)
+        order = torch.randperm(n, generator=generator).tolist()
+        start = self.accelerator.process_index * per_process
+        indices = [order[i % n] for i in range(start, start + per_process)]
+        # A fresh dict per row: TRL writes rollout fields into the rows.
+        return [dict(state.dataset[i]) for i in indices for _ in range(args.tracin_val_num_generations)]
+
+    def _tracin_rollout_validation(self, rows: list[dict]) -> tuple[dict, float]:
+        """Roll out, score and compute advantages for validation rows through the trainer's own rollout path.
+
+        The training metrics, completion logs and token counter are left untouched; group size is
+        `tracin_val_num_generations` for this call.
+
+        Returns:
+            The batch dict (as `_generate_and_score_completions` returns it) and the mean validation reward.
+        """
+        saved_logs, saved_generations = self._logs, self.num_generations
+        saved_tokens = self.state.num_input_tokens_seen
+        self._logs = {
+            "images": deque(),
+            "prompt": deque(),
+            "completion": deque(),
+            "rewards": defaultdict(deque),
+            "advantages": deque(),
+            "extra": defaultdict(deque),
+        }
+        self.num_generations = self.args.tracin_val_num_generations
+        try:
+            with self._tracin_quiet() as scratch:
+                batch = self._generate_and_score_completions(rows)
+        finally:
+            self._logs, self.num_generations = saved_logs, saved_generations
+            self.state.num_input_tokens_seen = saved_tokens
+        rewards = scratch["train"].get("reward", [])
+        return batch, (rewards[-1] if rewards else math.nan)
+
+    def _tracin_validation_gradient(self, batch: dict) -> LoraGradients:
+        """V: the gradient of TRL's loss on the validation batch, per LoRA layer, averaged over processes."""
+        model = self.model
+        direction = None
+        with self._tracin_hooks() as hooks, self._tracin_quiet():
+            for chunk in _row_slices(batch, self.args.per_device_train_batch_size):
+                with hooks.record():
+                    loss = self._tracin_base_loss(model, chunk)
+                direction = hooks.accumulate_gradient(loss, into=direction)
+        return all_reduce_(direction, op="mean")
+
+    def _tracin_refresh_direction(self) -> None:
+        state = self._tracin
+        rows = self._tracin_validation_rows()
+        state.refreshes += 1
+        batch, val_reward = self._tracin_rollout_validation(rows)
+        direction = self._tracin_validation_gradient(batch)
+        state.direction = direction
+        state.direction_is_zero = _is_zero(direction)
+        state.refreshed_at = self.state.global_step
+        norm = math.sqrt(
+            sum(float(g.A.double().square().sum() + g.B.double().square().sum()) for g in direction.values())
+        )
+        metrics = self._metrics["train"]
+        metrics["tracin/val_reward"].append(val_reward)
+        metrics["tracin/val_grad_norm"].append(norm)
+
+    # ----------------------------------------------------------------------------------------------- selection
+
+    def _tracin_select(self, scores: torch.Tensor, batches: list[dict]) -> torch.Tensor:
+        """Global selection from this process's row scores; returns this process's (B,) bool mask.
+
+        Gathers (score, valid, advantage, tokens) of every row of every process in one collective, applies
+        `select_rows` (or keeps every valid row when V is zero), and logs the `tracin/*` metrics.
+        """
+        state, args = self._tracin, self.args
+        device = scores.device
+        masks = [_loss_mask(b) for b in batches]
+        tokens = torch.cat([m.sum(1) for m in masks]).to(device=device, dtype=torch.float64)
+        valid = tokens > 0
+        if "row_kind" in batches[0]:
+            kinds = torch.cat([b["row_kind"] for b in batches]).to(device)
+            valid &= kinds != int(RowKind.PADDING)
+        advantages = torch.cat([_row_advantage(b, m) for b, m in zip(batches, masks)]).to(device)
+        # Each process's loss is a 1/world_size share of the update (gradients are averaged over processes), so
+        # per-row scores of the global objective, identical to a single-process run of the same global batch, are:
+        scores = scores / self.accelerator.num_processes
+        local = torch.stack([scores.to(torch.float64), valid.to(torch.float64), advantages.double(), tokens], dim=1)
+        gathered = self.accelerator.gather(local)
+        g_scores, g_valid, g_adv = gathered[:, 0], gathered[:, 1].bool(), gathered[:, 2]
+        if state.direction_is_zero:
+            selected = g_valid.clone()
+        else:
+            selected = select_rows(
+                g_scores,
+                g_valid,
+                mode=args.tracin_selection,
+                fraction=args.tracin_top_fraction,
+                threshold=args.tracin_threshold,
+                min_selected=args.tracin_min_selected,
+            )
+        n_local = scores.shape[0]
+        start = self.accelerator.process_index * n_local
+        mine = selected[start : start + n_local]
+
+        n_valid = int(g_valid.sum())
+        valid_scores = g_scores[g_valid]
+        metrics = self._metrics["train"]
+        metrics["tracin/selected_ratio"].append(int(selected.sum()) / n_valid if n_valid else math.nan)
+        metrics["tracin/num_selected"].append(float(selected.sum()))
+        metrics["tracin/score_mean"].append(valid_scores.mean().item() if n_valid else math.nan)
+        metrics["tracin/score_pos_frac"].append((valid_scores > 0).double().mean().item() if n_valid else math.nan)
+        metrics["tracin/score_adv_corr"].append(_pearson(valid_scores, g_adv[g_valid]))
+        state.last = {"scores": scores.detach(), "selected": mine.clone(), "valid": valid.clone()}
+        return mine
+
+    def _tracin_selected_items(self, mask: torch.Tensor) -> torch.Tensor:
+        """Global number of trained tokens after selection (the recomputed `num_items_in_batch`)."""
+        return self.accelerator.gather(mask.sum().reshape(1)).sum()
+
+    @staticmethod
+    def _tracin_masked(batch: dict, selected: torch.Tensor, num_items: torch.Tensor) -> dict:
+        """`batch` with the loss mask of unselected rows zeroed (via `tool_mask`) and the new `num_items_in_batch`."""
+        masked = dict(batch)
+        tool_mask = batch.get("tool_mask", torch.ones_like(batch["completion_mask"]))
+        masked["tool_mask"] = tool_mask * selected.unsqueeze(1).to(tool_mask.dtype)
+        old = batch["num_items_in_batch"]
+        masked["num_items_in_batch"] = num_items.to(device=old.device, dtype=old.dtype).reshape(old.shape)
+        return masked
+
+    # ----------------------------------------------------------------------------------------------- two-pass
+
+    def _tracin_filter_buffer(self, chunks: list[dict]) -> None:
+        """Score TRL's buffered micro-batches, select globally and mask them in place."""
+        direction = self._tracin.direction
+        scores = []
+        with self._tracin_hooks() as hooks, self._tracin_quiet():
+            for chunk in chunks:
+                # Projected recording: each layer keeps (B, S, r) between its forward and its backward hook.
+                with hooks.record(direction=direction):
+                    loss = self._tracin_base_loss(self.model, chunk)
+                scores.append(hooks.score_rows(loss, direction))
+        selected = self._tracin_select(torch.cat(scores), chunks)
+        offsets = [0]
+        for chunk in chunks:
+            offsets.append(offsets[-1] + _rows(chunk))
+        chunk_selected = [selected[offsets[i] : offsets[i + 1]] for i in range(len(chunks))]
+        masks = [_loss_mask(c) * s.unsqueeze(1).to(c["completion_mask"].dtype) for c, s in zip(chunks, chunk_selected)]
+        num_items = self.accelerator.gather(torch.stack([m.sum() for m in masks]).sum().reshape(1)).sum()
+        for i, (chunk, mine) in enumerate(zip(chunks, chunk_selected)):
+            masked = self._tracin_masked(chunk, mine, num_items)
+            chunk["tool_mask"] = masked["tool_mask"]
+            chunk["num_items_in_batch"] = masked["num_items_in_batch"]
+            chunk["tracin_score"] = self._tracin.last["scores"][offsets[i] : offsets[i + 1]]
+            chunk["tracin_selected"] = mine
+
+    # ----------------------------------------------------------------------------------------------- fused
+
+    def _fused_scale(self, inputs: dict, mask: torch.Tensor, selected: torch.Tensor, num_items: torch.Tensor) -> float:
+        """Factor c with `loss_masked = c * sum_{b selected} ell_b` as functions of the weights.
+
+        Masking leaves each selected row's term unchanged except for a normaliser that counts trained tokens: the
+        global count for dapo/cispo/vespo, the micro-batch count for bnpo. Row-mean losses keep their row count.
+        """
+        if self.loss_type in _GLOBAL_TOKEN_LOSSES:
+            return max(float(inputs["num_items_in_batch"]), 1.0) / max(float(num_items), 1.0)
+        if self.loss_type in _LOCAL_TOKEN_LOSSES:
+            kept = (mask * selected.unsqueeze(1).to(mask.dtype)).sum()
+            return max(float(mask.sum()), 1.0) / max(float(kept), 1.0)
+        return 1.0
+
+    def _tracin_wrapper_anchor(self, model, inputs: dict) -> torch.Tensor:
+        """A zero-valued scalar from a one-token forward through the wrapped model (DDP, DeepSpeed engine).
+
+        The recorded forward runs on the unwrapped module, so the wrapper never sees the scoring backward, which
+        writes no parameter gradient (DeepSpeed >= 0.18 would otherwise run its gradient-reduction epilogue at the
+        end of it). Adding `0 * anchor` to the surrogate lets the wrapper's own backward bookkeeping (DDP reducer,
+        DeepSpeed prologue and epilogue, ZeRO-3 gathers) run once per micro-step, as in an ordinary step.
+        """
+        ids = inputs["prompt_ids"][:1, -1:]
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+        return logits.float().sum() * 0.0
+
+    def _tracin_fused_loss(self, model, inputs: dict) -> torch.Tensor:
+        """One recorded training forward and one backward: scores, global selection and the selected rows' gradient.
+
+        Returns a scalar whose gradient is the gradient of the masked training loss (through the surrogate
+        `sum <W, G_W>`) and whose value is that loss (recomputed from the captured log-probs, no second forward).
+        """
+        state = self._tracin
+        if state.direction is None:  # `_compute_loss` called outside the training loop's `_prepare_inputs`
+            self._tracin_refresh_direction()
+        direction = state.direction
+        unwrapped = self.accelerator.unwrap_model(model)
+        captured: dict = {}
+        with self._tracin_hooks() as hooks:
+            with self._tracin_quiet(), self._tracin_forward_override(capture=captured), hooks.record():
+                loss = self._tracin_base_loss(unwrapped, inputs)
+            scores = hooks.score_rows(loss, direction, keep=True)
+            selected = self._tracin_select(scores, [inputs])
+            mask = _loss_mask(inputs)
+            num_items = self._tracin_selected_items(mask * selected.unsqueeze(1).to(mask.dtype))
+            scale = self._fused_scale(inputs, mask, selected, num_items)
+            weights = selected.to(scores.dtype) * scale
+            gradients = hooks.selected_gradients(weights)
+            hooks.release()
+            for ref in hooks.layers:  # every LoRA weight gets a gradient (DDP expects all of them)
+                if ref.name not in gradients:
+                    some = next(iter(direction.values())).A
+                    gradients[ref.name] = LoraGradient(
+                        A=some.new_zeros(ref.lora_A.out_features, ref.lora_A.in_features),
+                        B=some.new_zeros(ref.lora_B.out_features, ref.lora_B.in_features),
+                    )
+            surrogate = hooks.gradient_surrogate(gradients)
+        if model is not unwrapped:
+            surrogate = surrogate + self._tracin_wrapper_anchor(model, inputs)
+        masked = self._tracin_masked(inputs, selected, num_items)
+        logps, entropies, aux = captured["out"]
+        replay = (logps.detach(), None if entropies is None else entropies.detach(), aux)
+        with torch.no_grad(), self._tracin_forward_override(replay=replay):
+            value = self._tracin_base_loss(model, masked)  # logs TRL's metrics for the trained (masked) batch
+        return surrogate - surrogate.detach() + value.to(surrogate.dtype)

@@ -1,0 +1,439 @@
+"""Multi-process tests: `accelerate launch` with 2 CPU processes (gloo DDP, DeepSpeed ZeRO-2 and ZeRO-3).
+
+Each test launches `scripts/train_scripted.py` (scripted generation on the tiny model, see its docstring) with a CPU
+copy of a shipped `configs/accelerate/*.yaml` and checks the per-rank dumps. Every launch runs in its own process
+group under a timeout: a hang (e.g. unmatched collectives) kills the whole group and fails the test, after each rank
+printed its stack (`--stack_dump_after`).
+
+Run: `python -m pytest tests/distributed -q -m distributed` (about 5 minutes on 2 CPU cores; docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from trl_agentic.rollout.types import RowKind
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs" / "accelerate"
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+SCRIPT = SCRIPTS / "train_scripted.py"
+TIMEOUT = 420  # seconds per launch: ~1 min normally, several on a loaded shared machine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_config(name: str, tmp_path: Path, num_processes: int = 2) -> Path:
+    """A CPU copy of a shipped accelerate config (the shipped files are GPU-ready)."""
+    config = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+    config.update(use_cpu=True, num_processes=num_processes, mixed_precision="no")
+    path = tmp_path / f"{name}_cpu.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def launch(
+    config: Path,
+    out: Path,
+    *script_args: str,
+    script: Path | None = SCRIPT,
+    dumps: str = "rank*.json",
+    timeout: float = TIMEOUT,
+) -> list[dict]:
+    """Run a script (or, with `script=None`, `-m trl_agentic`) under `accelerate launch`; return each rank's dump.
+
+    Fails the test on a non-zero exit or a timeout; retries once when the rendezvous port was taken meanwhile.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    for attempt in range(2):
+        returncode, log_path = _launch_once(config, out, script, script_args, timeout)
+        if returncode == 0 or attempt or "address already in use" not in log_path.read_text(errors="replace").lower():
+            break
+    if returncode != 0 or (script is not None and not (out / "DONE").exists()):
+        errors = "".join(p.read_text() for p in sorted(out.glob("error_rank*.txt")))
+        pytest.fail(f"accelerate launch failed (exit {returncode}):\n{errors}\n{_tail(log_path)}")
+    records = [json.loads(p.read_text()) for p in sorted(out.glob(dumps))]
+    return sorted(records, key=lambda r: r["rank"])
+
+
+def _launch_once(config: Path, out: Path, script: Path | None, script_args, timeout: float) -> tuple[int, Path]:
+    port = _free_port()
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    cmd += ["--main_process_port", str(port)]
+    if script is None:
+        cmd += ["-m", "trl_agentic", *script_args]
+    else:
+        cmd += [str(script), "--out", str(out), "--stack_dump_after", str(timeout - 45), *script_args]
+    log_path = out / "launch.log"
+    with open(log_path, "w") as log:
+        # Own process group: on timeout the launcher *and* its workers are killed, nothing keeps running.
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"accelerate launch timed out after {timeout}s (hang?):\n{_tail(log_path)}")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return returncode, log_path
+
+
+def _tail(path: Path, chars: int = 6000) -> str:
+    text = path.read_text(errors="replace")
+    return text[-chars:]
+
+
+def _rows(record: dict, kind: RowKind | None = None) -> list[dict]:
+    rows = [r for b in record["batches"] for r in b["rows"]]
+    return rows if kind is None else [r for r in rows if r["kind"] == int(kind)]
+
+
+def _content_index(records: list[dict]) -> dict:
+    """Rows (padding excluded) keyed by content: (prompt, completion, kind) -> sorted [(group, advantage, mask)]."""
+    index = defaultdict(list)
+    for record in records:
+        for r in _rows(record):
+            if r["kind"] != RowKind.PADDING:
+                index[(tuple(r["prompt"]), tuple(r["completion"]), r["kind"])].append(
+                    (r["group"], r["advantage"], tuple(r["loss_mask"]))
+                )
+    return {k: sorted(v) for k, v in index.items()}
+
+
+def _stat(record: dict, name: str) -> int:
+    return sum(s[name] for s in record["loop_stats"] if s is not None)
+
+
+def _all_generation_calls(record: dict) -> int:
+    return _stat(record, "generation_calls") + _stat(record, "dummy_generation_calls")
+
+
+def _lora_moved(out: Path) -> tuple[float, float]:
+    """(largest change of a LoRA weight, largest |lora_B| at the start) between the run's start and its saved adapter."""
+    from safetensors.torch import load_file
+
+    initial = torch.load(out / "initial_state.pt")
+    final = load_file(out / "final" / "adapter_model.safetensors")
+    assert final, "the saved adapter is empty"
+    moved, start_b = 0.0, 0.0
+    for key, value in final.items():
+        before = initial[key.replace(".weight", ".default.weight")]
+        assert before.shape == value.shape, key
+        assert torch.isfinite(value).all(), key
+        moved = max(moved, (value.float() - before).abs().max().item())
+        if "lora_B" in key:
+            start_b = max(start_b, before.abs().max().item())
+    return moved, start_b
+
+
+def _assert_trained(records: list[dict]) -> None:
+    for record in records:
+        assert record["losses"], f"rank {record['rank']} computed no loss"
+        assert all(math.isfinite(x) for x in record["losses"]), record["losses"]
+        logged = [h["loss"] for h in record["log_history"] if "loss" in h]
+        assert logged and all(math.isfinite(x) for x in logged)
+    # Every rank trains on the same number of rows (padding included) and the same global token count.
+    sizes = {tuple(len(b["rows"]) for b in r["batches"]) for r in records}
+    assert len(sizes) == 1, sizes
+    for i in range(len(records[0]["batches"])):
+        items = {r["batches"][i]["num_items_in_batch"] for r in records}
+        assert len(items) == 1, items
+        assert items.pop() == sum(r["batches"][i]["local_loss_tokens"] for r in records)
+    # Same number of generation calls on every rank: generation is a collective under ZeRO-3.
+    assert len({r["generation_calls"] for r in records}) == 1, [r["generation_calls"] for r in records]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+def test_shipped_accelerate_configs_are_gpu_ready():
+    expected = {
+        "single": ("NO", None),
+        "ddp": ("MULTI_GPU", None),
+        "zero2": ("DEEPSPEED", 2),
+        "zero3": ("DEEPSPEED", 3),
+        "zero3_offload": ("DEEPSPEED", 3),
+    }
+    for name, (distributed_type, stage) in expected.items():
+        text = (CONFIGS / f"{name}.yaml").read_text()
+        config = yaml.safe_load(text)
+        assert config["distributed_type"] == distributed_type, name
+        assert config["use_cpu"] is False, name
+        assert "CPU" in text, f"{name}.yaml should say how to run on CPU"
+        assert config["num_processes"] == (1 if name == "single" else 8), name
+        if stage is not None:
+            assert config["deepspeed_config"]["zero_stage"] == stage, name
+    offload = yaml.safe_load((CONFIGS / "zero3_offload.yaml").read_text())["deepspeed_config"]
+    assert offload["offload_param_device"] == "cpu" and offload["offload_optimizer_device"] == "cpu"
+    assert yaml.safe_load((CONFIGS / "zero3.yaml").read_text())["deepspeed_config"]["offload_param_device"] == "none"
+
+
+def test_variable_rows_across_processes_match_one_process(tiny_model_dir, tmp_path):
+    """2 DDP processes vs 1 process on the union of their generation batches: same rows, advantages, loss, gradient.
+
+    Layout: 4 rollouts per group, 3 per device and 2 micro-steps, so each rank generates 6 rollouts (rank 0 rows 0-5,
+    rank 1 rows 6-11) and group 1 (rows 4-7) is split across the ranks. The 1-process run has 6 per device: the same
+    sampler yields the same 12 rows. Scripted failures give rank 0 three negative rows (one rollout exhausts its
+    retries, the group-0 cap of 2 binds) and rank 1 two.
+    """
+    common = [
+        "--model",
+        tiny_model_dir,
+        "--scenario",
+        "parity",
+        "--rows_per_rank",
+        "6",
+        "--num_generations",
+        "4",
+        "--gradient_accumulation_steps",
+        "2",
+        "--max_negative_samples_per_group",
+        "2",
+        "--optim",
+        "sgd",
+        "--learning_rate",
+        "0.1",
+        "--record_grads",
+    ]
+    multi = launch(cpu_config("ddp", tmp_path), tmp_path / "ddp", *common, "--per_device_train_batch_size", "3")
+    (single,) = launch(
+        cpu_config("single", tmp_path, 1), tmp_path / "single", *common, "--per_device_train_batch_size", "6"
+    )
+    assert [r["num_processes"] for r in multi] == [2, 2] and single["num_processes"] == 1
+    assert "MULTI_CPU" in multi[0]["distributed_type"], multi[0]["distributed_type"]
+    _assert_trained(multi)
+
+    # The ranks really are unbalanced: different negative rows, so one rank carries zero-weight padding rows.
+    negatives = [len(_rows(r, RowKind.NEGATIVE)) for r in multi]
+    assert negatives == [3, 2], negatives
+    padding = [_rows(r, RowKind.PADDING) for r in multi]
+    assert len(padding[1]) > len(padding[0])
+    assert all(r["advantage"] == 0 and not any(r["loss_mask"]) for p in padding for r in p)
+    for record in multi:
+        assert all(len(b["rows"]) % 2 == 0 for b in record["batches"])  # a multiple of steps_per_generation
+    # The split group has rows, and a negative, on both ranks.
+    for record in multi:
+        group1 = [r for r in _rows(record) if r["group"] == 1]
+        assert any(r["kind"] == RowKind.NEGATIVE for r in group1), record["rank"]
+    # Idle iterations of rank 1 were matched by dummy generation calls.
+    assert _all_generation_calls(multi[0]) == _all_generation_calls(multi[1])
+    assert _stat(multi[1], "dummy_generation_calls") > 0 and multi[1]["scripted_dummy_calls"] > 0
+
+    # Same rows (by content), same group ids, same advantages, same trainable tokens.
+    ours, ref = _content_index(multi), _content_index([single])
+    assert len(ref) == 12 + 5 and ours.keys() == ref.keys()
+    for key in ref:
+        assert [(g, m) for g, _, m in ours[key]] == [(g, m) for g, _, m in ref[key]]
+        for (_, a, _), (_, b, _) in zip(ours[key], ref[key]):
+            assert abs(a - b) <= 1e-6, (a, b)
+    assert any(a != 0 for v in ref.values() for _, a, _ in v)
+    assert multi[0]["batches"][0]["num_items_in_batch"] == single["batches"][0]["num_items_in_batch"]
+
+    # Global DAPO normaliser: the mean over ranks of the summed micro-step losses is the 1-process loss.
+    multi_loss = sum(sum(r["losses"]) for r in multi) / 2
+    assert len(single["losses"]) == 2 and all(len(r["losses"]) == 2 for r in multi)
+    assert abs(multi_loss - sum(single["losses"])) <= 1e-6, (multi_loss, single["losses"])
+
+    # Same gradient at the optimizer step (DDP averages the ranks' gradients) and the same weights after it.
+    grads = [torch.load(tmp_path / "ddp" / f"grads_rank{r}.pt") for r in range(2)]
+    ref_grads = torch.load(tmp_path / "single" / "grads_rank0.pt")
+    assert ref_grads.keys() == grads[0].keys() == grads[1].keys()
+    assert max(g.abs().max().item() for g in ref_grads.values()) > 1e-3
+    for name, g in ref_grads.items():
+        assert torch.equal(grads[0][name], grads[1][name]), name
+        assert torch.allclose(grads[0][name], g, rtol=0, atol=1e-6), name
+    final_multi = torch.load(tmp_path / "ddp" / "final_state.pt")
+    final_single = torch.load(tmp_path / "single" / "final_state.pt")
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert any(not torch.equal(start[k], final_single[k]) for k in start)
+    for name, w in final_single.items():
+        assert torch.allclose(final_multi[name], w, rtol=0, atol=1e-6), name
+
+
+@pytest.mark.parametrize(
+    "scenario, extra",
+    [
+        ("rank0_fails", ["--max_tool_retries", "2"]),
+        (
+            "rank0_retries_snapshots",
+            ["--max_tool_retries", "3", "--max_negative_samples_per_group", "4", "--snapshots"],
+        ),
+    ],
+)
+def test_rank_divergent_rollouts_finish_under_zero3(tiny_model_dir, tmp_path, scenario, extra):
+    """ZeRO-3 + LoRA, real (collective) generation calls and reference log-probs (`beta > 0`): only rank 0's tools
+    fail, so only rank 0 rolls back, regenerates (and takes snapshots); rank 1 idles. Both must finish."""
+    records = launch(
+        cpu_config("zero3", tmp_path),
+        tmp_path / "run",
+        "--model",
+        tiny_model_dir,
+        "--scenario",
+        scenario,
+        "--rows_per_rank",
+        "2",
+        "--per_device_train_batch_size",
+        "2",
+        "--num_generations",
+        "2",
+        "--beta",
+        "0.04",
+        "--lora",
+        "--exercise_model",
+        *extra,
+    )
+    assert "DEEPSPEED" in records[0]["distributed_type"]
+    _assert_trained(records)
+    rank0, rank1 = records
+    assert _stat(rank0, "rollback_attempts") >= 2 * (3 if "--snapshots" in extra else 2)
+    assert _stat(rank0, "regenerated_tokens") > 0 and len(_rows(rank0, RowKind.NEGATIVE)) > 0
+    assert _stat(rank1, "rollback_attempts") == 0 and not _rows(rank1, RowKind.NEGATIVE)
+    if "--snapshots" in extra:
+        assert _stat(rank0, "snapshots") == 2 * 2 and len(_rows(rank0, RowKind.SNAPSHOT)) == 2 * 2
+        assert _stat(rank1, "snapshots") == 0 and not _rows(rank1, RowKind.SNAPSHOT)
+    # Rank 1 matched rank 0's extra generation rounds with dummy calls.
+    assert _all_generation_calls(rank0) == _all_generation_calls(rank1)
+    assert _stat(rank1, "dummy_generation_calls") > 0 and _stat(rank0, "dummy_generation_calls") == 0
+    moved, start_b = _lora_moved(tmp_path / "run")
+    assert start_b == 0.0 and moved > 1e-4
+
+
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_all_features_under_deepspeed(tiny_model_dir, tmp_path, zero):
+    """ZeRO-2 / ZeRO-3 + LoRA with every feature on: rollback, negatives and snapshots (more on rank 0), RLVCR CoPO
+    advantages with expansion rows (more on rank 1), TracIn-filtered training, old and reference log-probs of the
+    extra rows (`steps_per_generation=2` > `gradient_accumulation_steps=1`, `beta > 0`), two optimizer steps on one
+    generation batch."""
+    records = launch(
+        cpu_config(zero, tmp_path),
+        tmp_path / "run",
+        "--model",
+        tiny_model_dir,
+        "--scenario",
+        "all_features",
+        "--rows_per_rank",
+        "4",
+        "--per_device_train_batch_size",
+        "2",
+        "--steps_per_generation",
+        "2",
+        "--num_generations",
+        "2",
+        "--max_steps",
+        "2",
+        "--beta",
+        "0.04",
+        "--max_negative_samples_per_group",
+        "2",
+        "--snapshots",
+        "--lora",
+        "--rlvcr",
+        "--tracin",
+        "--exercise_model",
+    )
+    assert "DEEPSPEED" in records[0]["distributed_type"]
+    _assert_trained(records)
+    rank0, rank1 = records
+    assert len(rank0["losses"]) == 2 and len(rank1["losses"]) == 2  # two optimizer steps from one generation
+    for record in records:
+        assert _rows(record, RowKind.NEGATIVE) and _rows(record, RowKind.SNAPSHOT), record["rank"]
+        assert _rows(record, RowKind.EXPANSION), record["rank"]
+    loop_rows = [len(_rows(r, RowKind.NEGATIVE)) + len(_rows(r, RowKind.SNAPSHOT)) for r in records]
+    expansions = [len(_rows(r, RowKind.EXPANSION)) for r in records]
+    assert loop_rows[0] > loop_rows[1] and expansions[1] > expansions[0], (loop_rows, expansions)
+    # RLVCR generated the alternative thinking in the same number of (collective) calls on both ranks.
+    assert rank0["forcing_calls"] == rank1["forcing_calls"] > 0
+    logged = {k: v for r in records for h in r["log_history"] for k, v in h.items()}
+    assert logged["rlvcr/expanded_steps"] > 0
+    # TracIn rolled out its validation prompts and selected rows on both ranks.
+    assert rank0["validation_batches"] == rank1["validation_batches"] >= 1
+    selected = [r["tracin_selected"] for r in records]
+    assert all(selected) and any(any(s) for s in selected)
+    assert "tracin/num_selected" in logged
+    moved, start_b = _lora_moved(tmp_path / "run")
+    assert start_b == 0.0 and moved > 1e-4
+
+
+def test_unequal_generation_calls_get_their_own_vllm_server_outputs(tmp_path):
+    """TRL's vLLM server mode slices the gathered outputs by `process_index * len(prompts)`: with 3 contexts on rank 0
+    and 1 on rank 1, rank 1 receives one of rank 0's completions. `TrainerBackend` pads the calls to equal counts."""
+    records = launch(
+        cpu_config("ddp", tmp_path),
+        tmp_path / "run",
+        script=SCRIPTS / "vllm_server_slicing.py",
+        dumps="slicing_rank*.json",
+    )
+    assert [r["num_processes"] for r in records] == [2, 2] and all(r["equal_counts"] for r in records)
+    assert records[1]["raw_ok"] is False  # the TRL behaviour the padding exists for
+    assert all(r["fixed_ok"] and r["helper_ok"] for r in records), [r["fixed"] for r in records]
+    assert records[0]["fixed"] == [[1003, 7], [1002, 9], [1001, 10]] and records[1]["fixed"] == [[1004, 14]]
+    assert all(lp == [-0.5, -0.25] for r in records for lp in r["fixed_logprobs"])
+
+
+def test_cli_trains_under_accelerate_launch(tiny_model_dir, tmp_path):
+    """`accelerate launch --config_file configs/accelerate/ddp.yaml -m trl_agentic train --config <task>.yaml` (CPU
+    copy, 2 processes) on the tiny model with rollback and negatives: trains one step and saves the LoRA adapter."""
+    out = tmp_path / "out"
+    task_config = {
+        "task": "calculator",
+        "num_train_tasks": 8,
+        "num_eval_tasks": 2,
+        "model_name_or_path": tiny_model_dir,
+        "use_peft": True,
+        "lora_r": 4,
+        "lora_alpha": 8,
+        "lora_target_modules": "all-linear",
+        "output_dir": str(out),
+        "use_cpu": True,
+        "bf16": False,
+        "report_to": "none",
+        "save_strategy": "no",
+        "max_steps": 1,
+        "per_device_train_batch_size": 2,
+        "num_generations": 2,
+        "max_completion_length": 32,
+        "enable_tool_rollback": True,
+        "save_negative_samples": True,
+    }
+    config_path = tmp_path / "task.yaml"
+    config_path.write_text(yaml.safe_dump(task_config))
+    launch(cpu_config("ddp", tmp_path), tmp_path, "train", "--config", str(config_path), script=None)
+    log = (tmp_path / "launch.log").read_text(errors="replace")
+    assert f"Model saved to {out}." in log
+    from safetensors.torch import load_file
+
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert adapter and all(torch.isfinite(v).all() for v in adapter.values())
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4

@@ -1,0 +1,588 @@
+"""The RLVCR estimator against hand-computed numbers, with a fake trainer around the real tiny byte-level tokenizer.
+
+The fake trainer scores a sequence by reading back the level of its last `<level>` block and the text of its last
+action block, and gives every scored token the log-probability `log(CONF[action][level])`. So the confidence of a level
+is exactly (up to float32 rounding of the log) the table value, and a step scored with the wrong action (the public
+CogRouter bug) would get the other action's numbers.
+"""
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import fields
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trl_agentic.config import AgenticGRPOConfig
+from trl_agentic.estimators import AdvantageBatch, EstimatorResult
+from trl_agentic.rlvcr.estimator import (
+    decode_with_offsets,
+    expandable_rows,
+    find_steps,
+    model_runs,
+    rlvcr_estimator,
+    step_tags_from_args,
+)
+from trl_agentic.rlvcr.parsing import DEFAULT_TAGS, LEVEL1_THINK, StepTags, render_prefix
+from trl_agentic.rollout.types import RowKind
+
+E = math.e
+NAN = float("nan")
+A_PAIR = 0.5 / (math.sqrt(0.5) + 1e-4)  # GRPO advantage of rewards (1, 0) in a group of 2: 0.5 / (std + 1e-4)
+
+# Confidence of each action under each level (level -> c).
+CONF = {
+    "look": {1: 0.2, 2: 0.5, 3: 0.8, 4: 0.5},
+    "take apple": {1: 0.9, 2: 0.3, 3: 0.6, 4: 0.3},
+    "wait": {1: 0.4, 2: 0.4, 3: 0.4, 4: 0.4},
+    "x": {1: 0.5, 2: 0.5, 3: 0.5, 4: 0.5},
+}
+# Generated alternative thinking per forced level.
+ALT = {2: "alt two", 3: "alt three thinking", 4: "alt four thinking longer"}
+
+PROMPT = "<|im_start|>user\nPut the apple away.<|im_end|>\n<|im_start|>assistant\n"
+TOOL = "<|im_end|>\n<|im_start|>user\n<tool_response>\nYou see an apple.\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+def step(level, think, action, end="<|im_end|>"):
+    return f"<level>{level}</level>\n<think>{think}</think>\n<action>{action}</action>{end}"
+
+
+STEP_LOOK = step(2, "I should look first.", "look", end="")
+STEP_TAKE = step(3, "The apple is here.", "take apple")
+STEP_FAIL = step(4, "Maybe wait.", "wait")
+
+
+def rlvcr_args(**overrides):
+    values = {f.name: f.default for f in fields(AgenticGRPOConfig) if f.name.startswith("rlvcr_")}
+    values.update(gradient_checkpointing_kwargs=None)
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+class FakeAccelerator:
+    """Single process; `others` simulates what the other processes contribute to a `max` reduce."""
+
+    device = torch.device("cpu")
+    num_processes = 1
+
+    def __init__(self, others=None):
+        self.others = others
+        self.reduces = []
+
+    def reduce(self, tensor, reduction="sum"):
+        self.reduces.append(reduction)
+        if reduction == "max" and self.others is not None:
+            return torch.maximum(tensor, torch.tensor(self.others, dtype=tensor.dtype))
+        return tensor.clone()
+
+
+class FakeTrainer:
+    def __init__(self, tokenizer, args, others=None, alt=None, training=True):
+        self._tokenizer = tokenizer
+        self.args = args
+        self.chat_template = None
+        self.chat_template_kwargs = {}
+        self.model = SimpleNamespace(training=training)
+        self.accelerator = FakeAccelerator(others)
+        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self.alt = ALT if alt is None else alt
+        self.generation_calls = []
+        self.scored = []  # (decoded sequence, logits_to_keep)
+        self.score_calls = 0
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations):
+        assert images is None and multimodal_fields == {} and num_generations == 1
+        texts = [self._tokenizer.decode(ids) for ids in prompt_ids]
+        self.generation_calls.append(texts)
+        out = []
+        for text in texts:
+            match = re.search(r"<level>(\d)</level>\n<think>$", text)
+            level = int(match.group(1)) if match else 2
+            out.append(self._tokenizer.encode(self.alt[level] + "</think>\n<action>x</action><|im_end|>"))
+        return out, None
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None):
+        self.score_calls += 1
+        assert not torch.is_grad_enabled()
+        out = torch.zeros((input_ids.size(0), logits_to_keep), dtype=torch.float32)
+        for j in range(input_ids.size(0)):
+            ids = input_ids[j][attention_mask[j].bool()].tolist()
+            text = self._tokenizer.decode(ids)
+            self.scored.append((text, logits_to_keep))
+            level_pos = text.rfind("<level>")
+            if level_pos < 0:  # dummy pass
+                continue
+            level = int(text[level_pos + len("<level>")])
+            start = text.rfind("<action>") + len("<action>")
+            action = text[start : text.find("</action>", start)].strip()
+            out[j] = math.log(CONF[action][level])
+        return out, None, None
+
+
+def make_batch(tok, rows, rewards, groups, kinds=None, baseline=None, scale="group"):
+    """rows: list of completions, each a list of (text, is_model) segments; every row gets PROMPT."""
+    prompts = [tok.encode(PROMPT) for _ in rows]
+    comps, tools = [], []
+    for segments in rows:
+        ids, mask = [], []
+        for text, is_model in segments:
+            piece = tok.encode(text)
+            ids += piece
+            mask += [int(is_model)] * len(piece)
+        comps.append(ids)
+        tools.append(mask)
+    pad = tok.pad_token_id
+    width_p, width_c = max(map(len, prompts)), max(map(len, comps)) + 3  # extra right padding
+    n = len(rows)
+    prompt_ids = torch.full((n, width_p), pad)
+    prompt_mask = torch.zeros((n, width_p), dtype=torch.long)
+    completion_ids = torch.full((n, width_c), pad)
+    completion_mask = torch.zeros((n, width_c), dtype=torch.long)
+    tool_mask = torch.ones((n, width_c), dtype=torch.long)
+    for r in range(n):
+        prompt_ids[r, width_p - len(prompts[r]) :] = torch.tensor(prompts[r])
+        prompt_mask[r, width_p - len(prompts[r]) :] = 1
+        completion_ids[r, : len(comps[r])] = torch.tensor(comps[r])
+        completion_mask[r, : len(comps[r])] = 1
+        tool_mask[r, : len(comps[r])] = torch.tensor(tools[r])
+    kinds = kinds if kinds is not None else [int(RowKind.REGULAR)] * n
+    baseline = baseline if baseline is not None else [k == RowKind.REGULAR for k in kinds]
+    return AdvantageBatch(
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        group_ids=torch.tensor(groups),
+        baseline_mask=torch.tensor(baseline, dtype=torch.bool),
+        row_kind=torch.tensor(kinds),
+        episode_ids=torch.arange(n),
+        local_index=torch.arange(n),
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        tool_mask=tool_mask,
+        loss_mask=completion_mask * tool_mask,
+        scale=scale,
+    )
+
+
+def two_row_batch(tok):
+    """Row 0 (reward 1): two turns (look, tool result, take apple). Row 1 (reward 0): one turn (wait)."""
+    return make_batch(
+        tok, [[(STEP_LOOK, True), (TOOL, False), (STEP_TAKE, True)], [(STEP_FAIL, True)]], [1.0, 0.0], [0, 0]
+    )
+
+
+def token_ranges(tok, segments):
+    """(start, end) token range of each segment of a completion."""
+    out, pos = [], 0
+    for text, _ in segments:
+        n = len(tok.encode(text))
+        out.append((pos, pos + n))
+        pos += n
+    return out
+
+
+def close(a, b, tol=1e-5):
+    assert abs(a - b) <= tol, (a, b)
+
+
+# ---- offsets, runs, steps ----
+
+
+def test_decode_with_offsets_byte_level_multibyte(tiny_tokenizer):
+    text = "a\u00e9<think>\U0001f642b"
+    ids = tiny_tokenizer.encode(text)
+    # Byte-level: "a" (1 token), "é" (2 byte tokens), "<think>" (1 added token), the emoji (4 bytes), "b".
+    assert len(ids) == 9
+    decoded, offsets = decode_with_offsets(tiny_tokenizer.decode, ids)
+    assert decoded == text
+    assert offsets == [(0, 1), (1, 2), (1, 2), (2, 9), (9, 10), (9, 10), (9, 10), (9, 10), (10, 11)]
+
+
+def test_decode_with_offsets_sentencepiece_like_and_skipped_tokens():
+    # A SentencePiece-like decoder: words joined by spaces, a lone word decodes without its space, id 0 is skipped.
+    vocab = {0: None, 1: "look", 2: "around", 3: "now"}
+
+    def decode(ids):
+        return " ".join(vocab[i] for i in ids if vocab[i] is not None)
+
+    text, offsets = decode_with_offsets(decode, [1, 0, 2, 3])
+    assert text == "look around now"
+    assert offsets == [(0, 4), (4, 4), (4, 11), (11, 15)]
+
+
+def test_model_runs():
+    completion = [1, 1, 1, 1, 1, 1, 1, 0, 0]
+    tool = [1, 1, 0, 0, 1, 1, 1, 1, 1]
+    assert model_runs(completion, tool) == [(0, 2), (4, 7)]
+    assert model_runs([1, 1], [0, 0]) == []
+    assert model_runs([1, 1, 1], [1, 1, 1]) == [(0, 3)]
+
+
+def test_find_steps_multi_turn_and_action_tokens(tiny_tokenizer):
+    tok = tiny_tokenizer
+    segments = [(step(2, "hmm", "  look around ", end=""), True), (TOOL, False)]
+    segments += [(step(3, "The apple is here.", "take apple", end=""), True), (TOOL, False)]
+    segments.append(("no tags here<|im_end|>", True))
+    ids, mask = [], []
+    for text, is_model in segments:
+        piece = tok.encode(text)
+        ids += piece
+        mask += [int(is_model)] * len(piece)
+    steps = find_steps(ids, [1] * len(ids), mask, lambda x: tok.decode(x, skip_special_tokens=True), DEFAULT_TAGS, 7)
+    ranges = token_ranges(tok, segments)
+    assert [(s.start, s.end) for s in steps] == [ranges[0], ranges[2], ranges[4]]
+    assert [s.index for s in steps] == [0, 1, 2] and all(s.row == 7 for s in steps)
+    assert [s.parsed.level for s in steps[:2]] == [2, 3]
+    assert tok.decode(ids[steps[0].action_start : steps[0].action_end]) == "look around"
+    assert tok.decode(ids[steps[1].action_start : steps[1].action_end]) == "take apple"
+    assert steps[2].parsed is None and steps[2].error == "no_level"
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("<level>5</level><think>a</think><action>b</action>", "bad_level"),
+        ("<level>2</level><think>a</think>", "no_action"),
+        ("<level>2</level><think>a</think><action>b</action> and more", "trailing_text"),
+        ("just text", "no_level"),
+    ],
+)
+def test_find_steps_malformed(tiny_tokenizer, text, reason):
+    ids = tiny_tokenizer.encode(text)
+    steps = find_steps(ids, [1] * len(ids), [1] * len(ids), tiny_tokenizer.decode, DEFAULT_TAGS)
+    assert len(steps) == 1 and steps[0].parsed is None and steps[0].error == reason
+
+
+def test_find_steps_custom_tags_tool_call_action(tiny_tokenizer):
+    tags = step_tags_from_args(rlvcr_args(rlvcr_action_tag="tool_call"))
+    assert tags == StepTags(action_open="<tool_call>", action_close="</tool_call>")
+    call = '{"name": "act", "arguments": {"action": "look"}}'
+    text = f"<level>1</level>\n<think>{LEVEL1_THINK}</think>\n<tool_call>\n{call}\n</tool_call><|im_end|>"
+    ids = tiny_tokenizer.encode(text)
+    steps = find_steps(
+        ids, [1] * len(ids), [1] * len(ids), lambda x: tiny_tokenizer.decode(x, skip_special_tokens=True), tags
+    )
+    assert steps[0].parsed.level == 1 and steps[0].parsed.action == call
+    assert tiny_tokenizer.decode(ids[steps[0].action_start : steps[0].action_end]) == call
+
+
+def test_action_token_straddling_a_tag_is_left_out():
+    vocab = {1: "<level>2</level>", 2: "<think>x</think>", 3: "<action>lo", 4: "ok", 5: "</action>"}
+
+    def decode(ids):
+        return "".join(vocab[i] for i in ids)
+
+    steps = find_steps([1, 2, 3, 4, 5], [1] * 5, [1] * 5, decode, DEFAULT_TAGS)
+    assert (steps[0].action_start, steps[0].action_end) == (3, 4)  # only "ok": "<action>lo" straddles the tag
+    vocab[3], vocab[4] = "<action>", "look</action>"
+    steps = find_steps([1, 2, 3, 4], [1] * 4, [1] * 4, decode, DEFAULT_TAGS)
+    assert steps[0].parsed is None and steps[0].error == "action_tokens"
+
+
+# ---- expandable rows ----
+
+
+def test_expandable_rows_policies(tiny_tokenizer):
+    # group 0: rewards 1, 0 (varied) + a negative row; group 1: 1, 1 (uniform); group 2: NaN, 0.5, 0 (varied over
+    # the finite rows); group 3: one row; group 4: 2, 0 where the 0-row is outside the baseline (so not varied).
+    rewards = [1.0, 0.0, -1.0, 1.0, 1.0, NAN, 0.5, 0.0, 1.0, 2.0, 0.0]
+    groups = [0, 0, 0, 1, 1, 2, 2, 2, 3, 4, 4]
+    neg, reg = int(RowKind.NEGATIVE), int(RowKind.REGULAR)
+    kinds = [reg, reg, neg, reg, reg, reg, reg, reg, reg, reg, int(RowKind.SNAPSHOT)]
+    baseline = [True, True, False, True, True, True, True, True, True, True, False]
+    batch = make_batch(tiny_tokenizer, [[("x", True)]] * 11, rewards, groups, kinds, baseline)
+    got = {p: expandable_rows(batch, p).tolist() for p in ("successful_varied", "varied", "all")}
+    t, f = True, False
+    assert got["successful_varied"] == [t, f, f, f, f, f, t, f, f, f, f]
+    assert got["varied"] == [t, t, f, f, f, f, t, t, f, f, f]
+    assert got["all"] == [t, t, f, t, t, f, t, t, t, t, t]
+    with pytest.raises(ValueError):
+        expandable_rows(batch, "some")
+
+
+# ---- the estimator: copo ----
+
+
+def copo_w(conf, level):
+    lo, hi = min(conf.values()), max(conf.values())
+    norm = {lv: 0.5 if hi - lo <= 1e-6 else (c - lo) / (hi - lo) for lv, c in conf.items()}
+    mean = sum(math.exp(2 * v) for v in norm.values()) / 4
+    return math.exp(2 * norm[level]) / mean
+
+
+def test_copo_weights_hand_computed_values():
+    # The closed forms below are what `copo_w` must give for the CONF table.
+    close(copo_w(CONF["look"], 2), 4 * E / (1 + E) ** 2, 1e-12)  # c~ = (0, .5, 1, .5)
+    close(copo_w(CONF["take apple"], 3), 4 * E / (E**2 + E + 2), 1e-12)  # c~ = (1, 0, .5, 0)
+
+
+def test_copo_token_advantages_differ_by_step(tiny_tokenizer):
+    tok = tiny_tokenizer
+    trainer = FakeTrainer(tok, rlvcr_args(rlvcr_mode="copo"))
+    batch = two_row_batch(tok)
+    adv = rlvcr_estimator(batch, trainer)
+    assert adv.shape == batch.completion_ids.shape and adv.dtype == torch.float32
+
+    r_look, r_tool, r_take = token_ranges(tok, [(STEP_LOOK, 1), (TOOL, 0), (STEP_TAKE, 1)])
+    w_look, w_take = 4 * E / (1 + E) ** 2, 4 * E / (E**2 + E + 2)
+    row0 = adv[0].tolist()
+    assert all(abs(v - A_PAIR * w_look) < 1e-5 for v in row0[slice(*r_look)])
+    assert all(abs(v - A_PAIR) < 1e-5 for v in row0[slice(*r_tool)])  # tool tokens: weight 1
+    assert all(abs(v - A_PAIR * w_take) < 1e-5 for v in row0[slice(*r_take)])
+    assert all(abs(v - A_PAIR) < 1e-5 for v in row0[r_take[1] :])  # padding: weight 1
+    # Row 1 failed: not expanded (successful_varied), plain episode advantage.
+    assert torch.allclose(adv[1], torch.full_like(adv[1], -A_PAIR), atol=1e-5)
+
+    # ONE generation call for both steps: levels {3, 4} for the level-2 step, {2, 4} for the level-3 step.
+    assert len(trainer.generation_calls) == 1
+    contexts = trainer.generation_calls[0]
+    assert [c[-len("<level>k</level>\n<think>") :] for c in contexts] == [
+        f"<level>{k}</level>\n<think>" for k in (3, 4, 2, 4)
+    ]
+    assert all('"look"' in c for c in contexts[:2]) and all('"take apple"' in c for c in contexts[2:])
+    assert "You see an apple." not in contexts[0] and "You see an apple." in contexts[2]  # history up to the step
+    assert "Level 3 (Experience Integration)" in contexts[0] and "Level 2 (Situational" in contexts[2]
+
+    # Each step is scored with ITS OWN action under the 4 canonical prefixes, in one chunk of 8 rows.
+    assert trainer.score_calls == 1 and len(trainer.scored) == 8
+    scored = [text for text, _ in trainer.scored]
+    think = {2: "I should look first.", 3: ALT[3], 4: ALT[4], 1: LEVEL1_THINK}
+    for level in (1, 2, 3, 4):
+        expected = PROMPT + render_prefix(level, think[level]) + "look</action>"
+        assert expected in scored
+    think = {3: "The apple is here.", 2: ALT[2], 4: ALT[4], 1: LEVEL1_THINK}
+    for level in (1, 2, 3, 4):
+        expected = PROMPT + STEP_LOOK + TOOL + render_prefix(level, think[level]) + "take apple</action><|im_end|>"
+        assert expected in scored
+
+    m = trainer._metrics["train"]
+    assert [m[f"rlvcr/level_frac_{k}"] for k in (1, 2, 3, 4)] == [[0.0], [1 / 3], [1 / 3], [1 / 3]]
+    assert m["rlvcr/expanded_steps"] == [2] and m["rlvcr/invalid_format"] == [0]
+    close(m["rlvcr/confidence_mean"][0], (0.2 + 0.5 + 0.8 + 0.5 + 0.9 + 0.3 + 0.6 + 0.3) / 8)
+    # Byte-level tokenizer: one token per ASCII character of the original think texts.
+    close(m["rlvcr/thinking_tokens_mean"][0], (20 + 18 + 11) / 3, 1e-9)
+    assert m["rlvcr/failed_alternatives"] == [0]
+
+
+def test_copo_equal_confidences_single_row_and_nan_rewards(tiny_tokenizer):
+    tok = tiny_tokenizer
+    # Group 0: equal confidences for "wait" -> all weights 1. Group 1: a single row (A = 0) expanded under "all".
+    # Group 2: NaN, 1, 0 -> the NaN row gets 0 and is not expanded; the others form a pair.
+    rows = [[(STEP_FAIL, True)], [(step(2, "t", "wait"), True)], [(STEP_TAKE, True)]]
+    rows += [[(STEP_TAKE, True)], [(STEP_TAKE, True)], [(STEP_LOOK, True)]]
+    batch = make_batch(tok, rows, [1.0, 0.0, 1.0, NAN, 1.0, 0.0], [0, 0, 1, 2, 2, 2])
+    trainer = FakeTrainer(tok, rlvcr_args(rlvcr_mode="copo", rlvcr_expand_steps="all"))
+    adv = rlvcr_estimator(batch, trainer)
+    n = [len(tok.encode(r[0][0])) for r in rows]
+    for r, value in enumerate([A_PAIR, -A_PAIR, 0.0, 0.0, A_PAIR * copo_w(CONF["take apple"], 3)]):
+        assert torch.allclose(adv[r, : n[r]], torch.full((n[r],), value), atol=1e-5), r
+    close(adv[5, 0].item(), -A_PAIR * copo_w(CONF["look"], 2))
+    # Expanded: every finite-reward row (5 steps); the NaN row is not.
+    assert trainer._metrics["train"]["rlvcr/expanded_steps"] == [5]
+
+
+# ---- the estimator: additive ----
+
+
+def additive_think_adv(confs, costs, alpha, cost_max, mode, level):
+    rewards = {lv: confs[lv] + alpha * (0.5 - min(1.0, costs[lv] / cost_max)) for lv in (1, 2, 3, 4)}
+    mean = sum(rewards.values()) / 4
+    value = rewards[level] - mean
+    if mode == "mean_std_norm":
+        std = math.sqrt(sum((v - mean) ** 2 for v in rewards.values()) / 3)
+        value /= std + 1e-6
+    return value
+
+
+@pytest.mark.parametrize("norm", ["mean_norm", "mean_std_norm"])
+def test_additive_token_advantages_hand_computed(tiny_tokenizer, norm):
+    tok = tiny_tokenizer
+    args = rlvcr_args(rlvcr_mode="additive", rlvcr_norm_mode=norm, rlvcr_alpha=0.5, rlvcr_cost_max=20.0)
+    args.rlvcr_step_advantage_w = 0.7
+    trainer = FakeTrainer(tok, args)
+    batch = two_row_batch(tok)
+    adv = rlvcr_estimator(batch, trainer)
+    # Thinking costs = characters (byte-level tokenizer): LEVEL1_THINK has 39.
+    costs_look = {1: 39, 2: len("I should look first."), 3: len(ALT[3]), 4: len(ALT[4])}
+    costs_take = {1: 39, 2: len(ALT[2]), 3: len("The apple is here."), 4: len(ALT[4])}
+    t_look = additive_think_adv(CONF["look"], costs_look, 0.5, 20.0, norm, 2)
+    t_take = additive_think_adv(CONF["take apple"], costs_take, 0.5, 20.0, norm, 3)
+    if norm == "mean_norm":  # by hand: R = c + 0.5 * (0.5 - min(1, cost / 20))
+        r = [0.2 - 0.25, 0.5 + 0.5 * (0.5 - 20 / 20), 0.8 + 0.5 * (0.5 - 18 / 20), 0.5 - 0.25]
+        close(t_look, r[1] - sum(r) / 4, 1e-12)
+    r_look, r_tool, r_take = token_ranges(tok, [(STEP_LOOK, 1), (TOOL, 0), (STEP_TAKE, 1)])
+    close(adv[0, r_look[0]].item(), A_PAIR + 0.7 * t_look)
+    close(adv[0, r_look[1] - 1].item(), A_PAIR + 0.7 * t_look)
+    close(adv[0, r_tool[0]].item(), A_PAIR)
+    close(adv[0, r_take[0]].item(), A_PAIR + 0.7 * t_take)
+    assert t_look != pytest.approx(t_take)
+    assert torch.allclose(adv[1], torch.full_like(adv[1], -A_PAIR), atol=1e-6)
+
+
+def test_additive_degenerate_groups(tiny_tokenizer):
+    tok = tiny_tokenizer
+    # Equal confidences and alpha = 0 -> zero thinking advantage; a single-row group (A_ep = 0) still gets
+    # w * A_think under "all"; a NaN reward row gets 0 and is not expanded.
+    rows = [[(step(2, "t", "wait"), True)], [(STEP_FAIL, True)], [(STEP_LOOK, True)], [(STEP_TAKE, True)]]
+    batch = make_batch(tok, rows, [1.0, 0.0, 1.0, NAN], [0, 0, 1, 2])
+    args = rlvcr_args(rlvcr_mode="additive", rlvcr_expand_steps="all", rlvcr_alpha=0.0)
+    trainer = FakeTrainer(tok, args)
+    adv = rlvcr_estimator(batch, trainer)
+    n = [len(tok.encode(r[0][0])) for r in rows]
+    close(adv[0, 0].item(), A_PAIR)
+    close(adv[1, n[1] - 1].item(), -A_PAIR)
+    # Single-row group, "look" at level 2: A_ep = 0 and A_think = 0.5 - mean(.2, .5, .8, .5) = 0.
+    close(adv[2, 0].item(), 0.0)
+    assert torch.count_nonzero(adv[3]) == 0
+    # The same single-row group at level 3: A = 0 + 1.0 * (0.8 - 0.5).
+    rows = [[(step(3, "t", "look"), True)]]
+    trainer = FakeTrainer(tok, args)
+    adv = rlvcr_estimator(make_batch(tok, rows, [1.0], [0]), trainer)
+    close(adv[0, 0].item(), 0.8 - 0.5)
+
+
+# ---- expansion rows ----
+
+
+def test_expand_rows_and_advantages(tiny_tokenizer):
+    tok = tiny_tokenizer
+    trainer = FakeTrainer(tok, rlvcr_args(rlvcr_mode="copo", rlvcr_expand=True))
+    batch = two_row_batch(tok)
+    result = rlvcr_estimator(batch, trainer)
+    assert isinstance(result, EstimatorResult)
+    rows = result.extra_rows
+    assert len(rows) == 6 and result.extra_advantages.shape == (6,)
+    assert all(r.kind == RowKind.EXPANSION and r.parent == 0 for r in rows)
+    assert all(r.prompt_ids == tok.encode(PROMPT) for r in rows)
+    # First step (level 2): levels 1, 3, 4; completion = the alternative step only (no context before step 0).
+    think = {1: LEVEL1_THINK, 3: ALT[3], 4: ALT[4]}
+    for r, level in zip(rows[:3], (1, 3, 4)):
+        assert tok.decode(r.completion_ids) == render_prefix(level, think[level]) + "look</action>"
+        assert r.tool_mask == [1] * len(r.completion_ids)
+    # Second step (level 3): levels 1, 2, 4 after the context (step 0 + tool result), which is masked.
+    think = {1: LEVEL1_THINK, 2: ALT[2], 4: ALT[4]}
+    context = tok.encode(STEP_LOOK + TOOL)
+    for r, level in zip(rows[3:], (1, 2, 4)):
+        alt = render_prefix(level, think[level]) + "take apple</action><|im_end|>"
+        assert tok.decode(r.completion_ids) == STEP_LOOK + TOOL + alt
+        assert r.tool_mask == [0] * len(context) + [1] * len(tok.encode(alt))
+        assert len(r.logprobs) == len(r.completion_ids)
+        assert r.logprobs[len(context)] == pytest.approx(math.log(CONF["take apple"][level]), abs=1e-6)
+    expected = [A_PAIR * copo_w(CONF["look"], lv) for lv in (1, 3, 4)]
+    expected += [A_PAIR * copo_w(CONF["take apple"], lv) for lv in (1, 2, 4)]
+    assert torch.allclose(result.extra_advantages, torch.tensor(expected), atol=1e-5)
+    # The original rows' advantages are the same as without expansion.
+    plain = rlvcr_estimator(batch, FakeTrainer(tok, rlvcr_args(rlvcr_mode="copo")))
+    assert torch.equal(result.advantages, plain)
+
+
+def test_expand_needs_copo(tiny_tokenizer):
+    trainer = FakeTrainer(tiny_tokenizer, rlvcr_args(rlvcr_mode="additive", rlvcr_expand=True))
+    with pytest.raises(ValueError, match="rlvcr_expand"):
+        rlvcr_estimator(two_row_batch(tiny_tokenizer), trainer)
+
+
+# ---- generation details, failures, collectives, eval ----
+
+
+def test_thinking_is_capped_and_failed_alternatives_fall_back(tiny_tokenizer):
+    tok = tiny_tokenizer
+    # Level 3: a long thinking without a close tag, capped to 6 tokens (= characters). Level 4: contains a tag ->
+    # unusable -> the step's weights fall back to 1.
+    alt = {2: "x", 3: "abcdefghijkl", 4: "a<think>b"}
+    args = rlvcr_args(rlvcr_mode="copo", rlvcr_max_thinking_tokens=6)
+    trainer = FakeTrainer(tok, args, alt=alt)
+    batch = make_batch(tok, [[(STEP_LOOK, True)], [(STEP_FAIL, True)]], [1.0, 0.0], [0, 0])
+    adv = rlvcr_estimator(batch, trainer)
+    scored = [t for t, _ in trainer.scored]
+    assert PROMPT + render_prefix(3, "abcdef") + "look</action>" in scored
+    assert not any("<level>4</level>" in t for t in scored)  # level 4 was not scored
+    assert len(scored) == 3
+    assert torch.allclose(adv[0], torch.full_like(adv[0], A_PAIR), atol=1e-5)
+    assert trainer._metrics["train"]["rlvcr/failed_alternatives"] == [1]
+
+
+def test_no_work_anywhere_means_no_generation(tiny_tokenizer):
+    tok = tiny_tokenizer
+    batch = make_batch(tok, [[(STEP_LOOK, True)], [(STEP_FAIL, True)]], [1.0, 1.0], [0, 0])  # uniform group
+    trainer = FakeTrainer(tok, rlvcr_args())
+    adv = rlvcr_estimator(batch, trainer)
+    assert trainer.generation_calls == [] and trainer.score_calls == 0
+    assert torch.count_nonzero(adv) == 0
+    m = trainer._metrics["train"]
+    assert m["rlvcr/expanded_steps"] == [0] and math.isnan(m["rlvcr/confidence_mean"][0])
+    assert m["rlvcr/level_frac_2"] == [0.5] and m["rlvcr/level_frac_4"] == [0.5]
+
+
+def test_idle_process_makes_matching_dummy_calls(tiny_tokenizer):
+    tok = tiny_tokenizer
+    batch = make_batch(tok, [[(STEP_LOOK, True)], [(STEP_FAIL, True)]], [1.0, 1.0], [0, 0])
+    # Another process has 5 generation requests and 3 scoring chunks.
+    trainer = FakeTrainer(tok, rlvcr_args(), others=[5, 3])
+    rlvcr_estimator(batch, trainer)
+    assert len(trainer.generation_calls) == 1 and len(trainer.generation_calls[0]) == 1
+    assert trainer.score_calls == 3 and all(keep == 1 for _, keep in trainer.scored)
+    assert trainer.accelerator.reduces == ["max", "sum"]
+
+
+def test_scoring_chunks(tiny_tokenizer):
+    tok = tiny_tokenizer
+    trainer = FakeTrainer(tok, rlvcr_args(rlvcr_score_batch_size=3))
+    rlvcr_estimator(two_row_batch(tok), trainer)
+    assert trainer.score_calls == 3 and len(trainer.scored) == 8  # 8 sequences in chunks of 3, 3, 2
+
+
+def test_malformed_steps_are_counted_not_expanded(tiny_tokenizer):
+    tok = tiny_tokenizer
+    rows = [[("I will look.<|im_end|>", True)], [(STEP_FAIL, True)], [(step(7, "t", "look"), True)]]
+    trainer = FakeTrainer(tok, rlvcr_args(rlvcr_expand_steps="all"))
+    rlvcr_estimator(make_batch(tok, rows, [1.0, 0.0, 1.0], [0, 0, 0]), trainer)
+    m = trainer._metrics["train"]
+    assert m["rlvcr/invalid_format"] == [2] and m["rlvcr/expanded_steps"] == [1]
+    assert m["rlvcr/level_frac_4"] == [1.0]
+
+
+def test_negative_rows_keep_the_episode_advantage(tiny_tokenizer):
+    tok = tiny_tokenizer
+    kinds = [int(RowKind.REGULAR), int(RowKind.REGULAR), int(RowKind.NEGATIVE)]
+    batch = make_batch(
+        tok, [[(STEP_LOOK, True)], [(STEP_FAIL, True)], [(STEP_LOOK, True)]], [1, 0, -1], [0] * 3, kinds
+    )
+    trainer = FakeTrainer(tok, rlvcr_args(rlvcr_expand_steps="all"))
+    adv = rlvcr_estimator(batch, trainer)
+    # Baseline = the 2 regular rows; the negative row is scored against them: (-1 - 0.5) / (sqrt(.5) + 1e-4).
+    assert torch.allclose(adv[2], torch.full_like(adv[2], -1.5 / (math.sqrt(0.5) + 1e-4)), atol=1e-5)
+    assert trainer._metrics["train"]["rlvcr/expanded_steps"] == [2]
+
+
+def test_eval_mode_returns_episode_advantages(tiny_tokenizer):
+    trainer = FakeTrainer(tiny_tokenizer, rlvcr_args(), training=False)
+    adv = rlvcr_estimator(two_row_batch(tiny_tokenizer), trainer)
+    assert adv.shape == (2,)
+    assert adv.tolist() == pytest.approx([A_PAIR, -A_PAIR], abs=1e-6)
+    assert trainer.generation_calls == [] and not trainer._metrics["train"]
+
+
+# ---- the documented custom estimator ----
+
+
+def test_docs_custom_estimator_example_runs():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "rlvcr.md").read_text()
+    block = re.search(r"<!-- custom-estimator -->\n```python\n(.*?)```", doc, re.S).group(1)
+    assert len(block.strip().splitlines()) <= 15
+    namespace = {}
+    exec(block, namespace)
+    batch = SimpleNamespace(
+        rewards=torch.tensor([1.0, 0.0, 3.0, NAN]),
+        group_ids=torch.tensor([0, 0, 1, 1]),
+        baseline_mask=torch.tensor([True, True, True, True]),
+        local_index=torch.tensor([1, 2, 3]),
+        loss_mask=torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]]),
+    )
+    adv = namespace["leave_one_out"](batch, None)
+    # Group 0: rewards 1, 0 -> row 1 gets 0 - 1 = -1. Group 1: 3 and NaN -> row 2 alone: 0, the NaN row: 0.
+    assert adv.tolist() == [-1.0, 0.0, 0.0]

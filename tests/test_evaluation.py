@@ -1,0 +1,135 @@
+"""Held-out evaluation: the real multi-turn tool loop, the metric definitions and the prefix-cached generation."""
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from trl_agentic.envs.calculator import CalculatorEnv, answer_reward, make_arithmetic_tasks
+from trl_agentic.envs.protocol import tool_methods
+from trl_agentic.evaluation import HFGenerationBackend, evaluate_policy, format_comparison, summarize
+
+
+class ScriptedModel(torch.nn.Module):
+    """A stand-in causal LM whose `generate` decides each row's next turn from its decoded context.
+
+    Problem k (by its question) behaves as `plan[k % len(plan)]`: "right" calls the tool with the right expression then
+    answers with the result, "bad-then-right" first sends a malformed expression, "no-tool" answers 0 directly,
+    "wrong-copy" calls the tool right but answers the result + 1.
+    """
+
+    def __init__(self, tokenizer, rows, plan):
+        super().__init__()
+        self.tok, self.plan = tokenizer, plan
+        self.expression = {row["prompt"][-1]["content"]: (k, row["expression"]) for k, row in enumerate(rows)}
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.config = type("Config", (), {"max_position_embeddings": 100_000})()
+        self.modes = []
+
+    def _turn(self, text):
+        question = next(q for q in self.expression if q in text)
+        k, expression = self.expression[question]
+        behaviour = self.plan[k % len(self.plan)]
+        responses = text.count("<tool_response>")
+        call = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "%s"}}\n</tool_call>'
+        if behaviour == "no-tool":
+            return "Answer: 0"
+        if responses == 0:
+            return call % (expression.replace("*", "x") if behaviour == "bad-then-right" else expression)
+        if behaviour == "bad-then-right" and responses == 1:
+            return call % expression
+        result = int(text.rsplit("<tool_response>\n", 1)[1].split("\n", 1)[0])
+        return f"Answer: {result + (1 if behaviour == 'wrong-copy' else 0)}"
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, eos_token_id, **kwargs):
+        self.modes.append(self.training)
+        rows = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+            text = self.tok.decode([t for t, m in zip(ids, mask) if m])
+            rows.append(self.tok.encode(self._turn(text), add_special_tokens=False) + [eos_token_id])
+        width = max(len(r) for r in rows)
+        new = torch.tensor([r + [pad_token_id] * (width - len(r)) for r in rows])
+        return torch.cat([input_ids, new], dim=1)
+
+
+PLAN = ["right", "bad-then-right", "no-tool", "wrong-copy"]
+
+
+def test_metrics_of_a_scripted_policy(tiny_tokenizer):
+    rows = make_arithmetic_tasks(8, 11, "medium")
+    model = ScriptedModel(tiny_tokenizer, rows, PLAN)
+    result = evaluate_policy(
+        model,
+        tiny_tokenizer,
+        rows,
+        environment_factory=CalculatorEnv,
+        reward_funcs=[answer_reward],
+        max_completion_length=4096,
+        batch_size=3,  # uneven chunks
+        prefix_caching=False,
+        progress=False,
+    )
+    m = result.metrics
+    # right + bad-then-right answer correctly; no-tool and wrong-copy do not.
+    assert m["success_rate"] == 0.5 and m["reward"] == 0.5
+    # Every behaviour but no-tool ends with a successful call.
+    assert m["tool_success_rate"] == 0.75 and m["no_tool_call_rate"] == 0.25
+    # Calls: right 1, bad-then-right 2 (one failed), no-tool 0, wrong-copy 1 -> 4 per 4 problems, 1 failure in 4.
+    assert m["tool_calls_per_problem"] == 1.0 and m["tool_failure_rate"] == 0.25
+    by_behaviour = {PLAN[k % 4]: r for k, r in enumerate(result.records)}
+    assert by_behaviour["bad-then-right"]["tool_failures"] == 1 and by_behaviour["bad-then-right"]["correct"]
+    tool_messages = [x for x in by_behaviour["bad-then-right"]["messages"] if x["role"] == "tool"]
+    assert tool_messages[0]["content"].startswith("ValueError: Invalid expression")
+    assert by_behaviour["wrong-copy"]["tool_failures"] == 0 and not by_behaviour["wrong-copy"]["correct"]
+    json.dumps(result.records)  # records are plain data
+    assert not any(model.modes) and model.training  # generated in eval mode, training mode restored
+
+
+def test_summary_and_comparison_table():
+    records = [
+        {"rewards": [1.0], "reward": 1.0, "tool_calls": 2, "tool_failures": 1, "completion_tokens": 10},
+        {"rewards": [0.0], "reward": 0.0, "tool_calls": 0, "tool_failures": 0, "completion_tokens": 20},
+    ]
+    m = summarize(records, 3.0)
+    assert m["success_rate"] == 0.5 and m["tool_success_rate"] == 0.5 and m["tool_failure_rate"] == 0.5
+    assert summarize([])["num_problems"] == 0
+    table = format_comparison({"before GRPO": m, "after GRPO": {**m, "success_rate": 0.75}})
+    assert "before GRPO" in table.splitlines()[0] and "after GRPO" in table.splitlines()[0]
+    assert "50.0%" in table and "75.0%" in table
+
+
+def test_prefix_cached_generation_equals_plain_generation(tiny_model_dir, tiny_tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    rows = make_arithmetic_tasks(5, 0, "medium")
+    tools = [list(tool_methods(CalculatorEnv()).values())] * len(rows)
+    outputs = {}
+    for caching in (True, False):
+        backend = HFGenerationBackend(
+            model, tiny_tokenizer, tools, max_completion_length=12, max_iterations=1, prefix_caching=caching
+        )
+        contexts = [backend.render_prompt(r["prompt"], k) for k, r in enumerate(rows)]
+        contexts[1] = contexts[1] + tiny_tokenizer.encode("12 * 3", add_special_tokens=False)  # uneven lengths
+        outputs[caching], _ = backend.generate(contexts)
+    assert outputs[True] == outputs[False]
+    assert all(len(o) > 0 for o in outputs[True])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_real_model_loop_runs_greedy_and_sampled(tiny_model_dir, tiny_tokenizer, temperature):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    rows = make_arithmetic_tasks(4, 1, "medium")
+    result = evaluate_policy(
+        model,
+        tiny_tokenizer,
+        rows,
+        environment_factory=CalculatorEnv,
+        reward_funcs=[answer_reward],
+        max_completion_length=16,
+        batch_size=4,
+        temperature=temperature,
+        progress=False,
+    )
+    assert result.metrics["num_problems"] == 4 and not math.isnan(result.metrics["success_rate"])
+    assert all(0 < r["completion_tokens"] <= 16 for r in result.records)

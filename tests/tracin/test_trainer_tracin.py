@@ -1,0 +1,458 @@
+"""TracIn-filtered training with `AgenticGRPOTrainer` on the tiny model + LoRA, checked against brute force.
+
+Brute force here means plain autograd through TRL's own loss (`GRPOTrainer._compute_loss`), one row at a time, at the
+weights of the step; the hooks are not involved. Updates are compared with SGD (no momentum, no clipping, constant
+learning rate), so a weight update is exactly `-lr * gradient`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from trl import GRPOTrainer
+
+from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+from trl_agentic.tracin.selection import select_rows
+
+LR = 0.05
+
+
+def letter_fraction(prompts, completions, **kwargs):
+    return [sum(c.isalpha() for c in text) / max(len(text), 1) for text in completions]
+
+
+def constant_on_validation(prompts, completions, **kwargs):
+    """1.0 on validation prompts (every validation advantage is 0), the letter fraction elsewhere."""
+    scores = letter_fraction(prompts, completions)
+    return [1.0 if prompt.startswith("Validate") else score for prompt, score in zip(prompts, scores)]
+
+
+TRAIN = Dataset.from_dict({"prompt": [f"Say something about {i}:" for i in range(32)]})
+VAL = Dataset.from_dict({"prompt": [f"Validate {i}:" for i in range(6)]})
+
+
+def make_config(tmp_path, **overrides) -> AgenticGRPOConfig:
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        seed=3,
+        max_steps=1,
+        learning_rate=LR,
+        optim="sgd",
+        max_grad_norm=0.0,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=10,
+        logging_steps=1,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        tracin_enabled=True,
+        tracin_val_num_generations=2,
+        tracin_val_batch_size=2,
+    )
+    values.update(overrides)
+    return AgenticGRPOConfig(**values)
+
+
+def lora_config(**overrides) -> LoraConfig:
+    # Random (non-zero) B, so the lora_A terms of the scores are exercised from the first step.
+    values = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+    values.update(overrides)
+    return LoraConfig(**values)
+
+
+def make_trainer(model_dir, tmp_path, reward=letter_fraction, val=VAL, peft=True, **overrides):
+    return AgenticGRPOTrainer(
+        model=model_dir,
+        reward_funcs=reward,
+        args=make_config(tmp_path, **overrides),
+        train_dataset=TRAIN,
+        tracin_eval_dataset=val,
+        peft_config=lora_config() if peft is True else (peft or None),
+    )
+
+
+def trainable(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def load(model, weights: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].copy_(value)
+
+
+class Recorder:
+    """Keeps copies of the validation batch and of the training batches the TracIn step saw."""
+
+    def __init__(self, trainer):
+        self.val_batches, self.fused_inputs = [], []
+        rollout, fused = trainer._tracin_rollout_validation, trainer._tracin_fused_loss
+
+        def rollout_and_keep(rows):
+            batch, reward = rollout(rows)
+            self.val_batches.append(_copy(batch))
+            return batch, reward
+
+        def fused_and_keep(model, inputs):
+            self.fused_inputs.append(_copy(inputs))
+            return fused(model, inputs)
+
+        trainer._tracin_rollout_validation = rollout_and_keep
+        trainer._tracin_fused_loss = fused_and_keep
+
+
+def _copy(batch: dict) -> dict:
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def loss_mask(batch) -> torch.Tensor:
+    return batch["completion_mask"] * batch.get("tool_mask", torch.ones_like(batch["completion_mask"]))
+
+
+def trl_loss(trainer, batch) -> torch.Tensor:
+    """TRL's own loss (the base class method, never the TracIn override)."""
+    return GRPOTrainer._compute_loss(trainer, trainer.model, batch)
+
+
+def grad_of(loss, params) -> torch.Tensor:
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
+
+
+def only_rows(batch, keep: torch.Tensor, num_items=None) -> dict:
+    """The batch with the loss mask of rows outside `keep` zeroed (and optionally a new token normaliser)."""
+    out = dict(batch)
+    out["tool_mask"] = loss_mask(batch) * keep.unsqueeze(1).to(batch["completion_mask"].dtype)
+    if num_items is not None:
+        out["num_items_in_batch"] = torch.tensor(num_items, dtype=batch["num_items_in_batch"].dtype)
+    return out
+
+
+def brute_force_scores(trainer, batch, direction: torch.Tensor, return_grads=False):
+    """score_b = <autograd grad of row b's term of TRL's loss, V>, one backward per row."""
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    rows = batch["prompt_ids"].size(0)
+    mask = loss_mask(batch)
+    scores, grads = [], []
+    for b in range(rows):
+        keep = torch.zeros(rows, dtype=torch.bool)
+        keep[b] = True
+        grad = grad_of(trl_loss(trainer, only_rows(batch, keep)), params)
+        if trainer.loss_type == "bnpo":  # normalised by the micro-batch's token count, not the row's own
+            grad = grad * mask[b].sum().clamp(min=1) / mask.sum().clamp(min=1)
+        scores.append(grad @ direction)
+        grads.append(grad)
+    return (torch.stack(scores), torch.stack(grads)) if return_grads else torch.stack(scores)
+
+
+def brute_force_direction(trainer, val_batch) -> torch.Tensor:
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    return grad_of(trl_loss(trainer, val_batch), params)
+
+
+def decoded_completions(tokenizer, batch) -> list[str]:
+    return [
+        tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+        for ids, mask in zip(batch["completion_ids"], batch["completion_mask"])
+    ]
+
+
+def plain_update(model_dir, tmp_path, before, batch, **overrides) -> dict[str, torch.Tensor]:
+    """Weight update of one plain GRPO step (TracIn off) on a given batch, from the weights `before`."""
+    trainer = make_trainer(model_dir, tmp_path / "plain", val=None, tracin_enabled=False, **overrides)
+    load(trainer.model, before)
+    trainer._generate_and_score_completions = lambda inputs: _copy(batch)
+    trainer.train()
+    after = trainable(trainer.model)
+    return {name: after[name] - before[name] for name in before}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol=1e-4) -> None:
+    scale = expected.abs().max().clamp(min=1e-12)
+    error = ((actual - expected).abs().max() / scale).item()
+    assert error < rtol, f"relative error {error:.2e}\nactual={actual}\nexpected={expected}"
+
+
+# ------------------------------------------------------------------------------------------------------- fused step
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo"])
+def test_fused_step_selects_by_brute_force_sign_and_trains_only_selected_rows(
+    tiny_model_dir, tiny_tokenizer, tmp_path, loss_type
+):
+    trainer = make_trainer(tiny_model_dir, tmp_path, loss_type=loss_type)
+    assert trainer._tracin.fused
+    recorder = Recorder(trainer)
+    before = trainable(trainer.model)
+    trainer.train()
+    after = trainable(trainer.model)
+    state = trainer._tracin
+    (batch,), (val_batch,) = recorder.fused_inputs, recorder.val_batches
+
+    # Brute force at the weights of the step.
+    load(trainer.model, before)
+    trainer.model.train()
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    direction = brute_force_direction(trainer, val_batch)
+    hooks_direction = torch.cat(
+        [torch.cat([g.A.reshape(-1), g.B.reshape(-1)]) for g in state.direction.values()]
+    )  # module order = parameter order (lora_A then lora_B of each layer)
+    assert_close(hooks_direction, direction)
+    scores, row_grads = brute_force_scores(trainer, batch, direction, return_grads=True)
+    assert_close(state.last["scores"], scores)
+    valid = loss_mask(batch).sum(1) > 0
+    expected = select_rows(scores, valid, mode="positive", min_selected=1)
+    assert torch.equal(state.last["selected"], expected)
+    assert 0 < int(expected.sum()) < int(valid.sum()), "the test needs both selected and rejected rows"
+
+    # The update is -lr * gradient of TRL's loss with unselected rows zero-weighted by hand and the normaliser over
+    # the selected tokens; rejected rows contribute nothing.
+    num_selected = float((loss_mask(batch).sum(1) * expected).sum())
+    assert num_selected < float(batch["num_items_in_batch"])
+    masked = only_rows(batch, expected, num_items=num_selected)
+    gradient = grad_of(trl_loss(trainer, masked), params)
+    update = torch.cat([(after[n] - before[n]).reshape(-1) for n, _ in trainer.model.named_parameters() if n in after])
+    assert_close(update, -LR * gradient)
+    # The selected rows' terms of the unfiltered loss: the same direction, rescaled by the recomputed normaliser for
+    # token-normalised losses (dapo: global count, bnpo: micro-batch count); row-mean losses keep their row count.
+    naive = row_grads[expected].sum(0)
+    if loss_type == "grpo":
+        assert_close(gradient, naive)
+    else:
+        assert (naive - gradient).abs().max() > 1e-2 * gradient.abs().max()
+
+    # Metrics, against the brute-force scores and decoded rewards.
+    logs = trainer.state.log_history[0]
+    assert logs["tracin/selected_ratio"] == pytest.approx(int(expected.sum()) / int(valid.sum()))
+    assert logs["tracin/score_pos_frac"] == pytest.approx(float((scores[valid] > 0).float().mean()))
+    assert logs["tracin/score_mean"] == pytest.approx(float(scores[valid].mean()), rel=1e-3)
+    advantages = batch["advantages"][valid].double()
+    corr = torch.corrcoef(torch.stack([scores[valid].double(), advantages]))[0, 1]
+    assert logs["tracin/score_adv_corr"] == pytest.approx(float(corr), rel=1e-3, abs=1e-6)
+    val_texts = decoded_completions(tiny_tokenizer, val_batch)
+    val_prompts = [
+        tiny_tokenizer.decode(ids[m.bool()]) for ids, m in zip(val_batch["prompt_ids"], val_batch["prompt_mask"])
+    ]
+    assert logs["tracin/val_reward"] == pytest.approx(sum(letter_fraction(val_prompts, val_texts)) / len(val_texts))
+    # The validation rollouts did not leak into the training metrics or the completion logs.
+    train_texts = decoded_completions(tiny_tokenizer, batch)
+    assert logs["reward"] == pytest.approx(sum(letter_fraction(None, train_texts)) / len(train_texts))
+    assert list(trainer._logs["completion"]) and set(trainer._logs["completion"]) <= set(train_texts)
+    assert trainer.state.num_input_tokens_seen == int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
+    # The logged loss is the masked batch's loss value.
+    assert logs["loss"] == pytest.approx(trl_loss(trainer, masked).item(), rel=1e-4, abs=1e-6)
+
+
+def test_fused_update_equals_a_plain_step_on_the_hand_masked_batch(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path)
+    recorder = Recorder(trainer)
+    before = trainable(trainer.model)
+    trainer.train()
+    after = trainable(trainer.model)
+    (batch,) = recorder.fused_inputs
+    selected = trainer._tracin.last["selected"]
+    assert 0 < int(selected.sum()) < selected.numel()
+    num_selected = float((loss_mask(batch).sum(1) * selected).sum())
+    expected = plain_update(tiny_model_dir, tmp_path, before, only_rows(batch, selected, num_items=num_selected))
+    for name in before:
+        assert_close(after[name] - before[name], expected[name])
+    # And the rejected rows do move the weights when they are not masked: the comparison can fail.
+    unfiltered = plain_update(tiny_model_dir, tmp_path / "all", before, batch)
+    assert any((unfiltered[n] - expected[n]).abs().max() > 1e-6 for n in before)
+
+
+# ------------------------------------------------------------------------------------------------------- two-pass
+
+
+def test_two_pass_with_accumulation_and_checkpointing(tiny_model_dir, tmp_path):
+    overrides = dict(steps_per_generation=2, gradient_accumulation_steps=2, gradient_checkpointing=True)
+    trainer = make_trainer(tiny_model_dir, tmp_path, **overrides)
+    assert not trainer._tracin.fused
+    recorder = Recorder(trainer)
+    before = trainable(trainer.model)
+    trainer.train()
+    after = trainable(trainer.model)
+    chunks = [_copy(c) for c in trainer._buffered_inputs]
+    assert len(chunks) == 2 and not recorder.fused_inputs
+
+    load(trainer.model, before)
+    trainer.model.train()
+    direction = brute_force_direction(trainer, recorder.val_batches[0])
+    num_items = torch.tensor(float(sum(c["completion_mask"].sum() for c in chunks)))
+    selected_all, tokens_all = [], []
+    for chunk in chunks:
+        # The micro-batch as TRL buffered it, before masking (no tools: the loss mask is the completion mask).
+        original = {k: v for k, v in chunk.items() if k != "tool_mask" and not k.startswith("tracin_")}
+        original["num_items_in_batch"] = num_items
+        assert_close(chunk["tracin_score"], brute_force_scores(trainer, original, direction))
+        assert torch.equal(chunk["tracin_selected"], chunk["tracin_score"] > 0)
+        selected_all.append(chunk["tracin_selected"])
+        tokens_all.append(chunk["completion_mask"].sum(1))
+    selected, tokens = torch.cat(selected_all), torch.cat(tokens_all)
+    assert 0 < int(selected.sum()) < selected.numel()
+    # The normaliser of every micro-batch is the global number of selected tokens.
+    for chunk in chunks:
+        assert float(chunk["num_items_in_batch"]) == float((tokens * selected).sum())
+        assert torch.equal(loss_mask(chunk).sum(1) > 0, chunk["tracin_selected"])
+
+    # Same update as a plain step on the masked rows.
+    masked = {k: torch.cat([c[k] for c in chunks]) for k in chunks[0] if chunks[0][k].dim() > 0}
+    masked["num_items_in_batch"] = chunks[0]["num_items_in_batch"]
+    masked = {k: v for k, v in masked.items() if not k.startswith("tracin_")}
+    expected = plain_update(tiny_model_dir, tmp_path, before, masked, **overrides)
+    for name in before:
+        assert_close(after[name] - before[name], expected[name])
+
+
+def run_from(trainer, weights, seed=123):
+    """Train `trainer` from `weights` with the global RNG (generation) seeded: same rollouts in every run."""
+    load(trainer.model, weights)
+    before = trainable(trainer.model)
+    torch.manual_seed(seed)
+    trainer.train()
+    after = trainable(trainer.model)
+    return {n: after[n] - before[n] for n in before}
+
+
+def test_fused_and_two_pass_give_the_same_step(tiny_model_dir, tmp_path):
+    fused = make_trainer(tiny_model_dir, tmp_path / "fused")
+    weights = trainable(fused.model)
+    fused_update = run_from(fused, weights)
+    two_pass = make_trainer(tiny_model_dir, tmp_path / "two_pass")
+    two_pass._tracin.fused = False
+    two_pass_update = run_from(two_pass, weights)
+    assert_close(fused._tracin.last["scores"], two_pass._tracin.last["scores"])
+    assert torch.equal(fused._tracin.last["selected"], two_pass._tracin.last["selected"])
+    assert 0 < int(fused._tracin.last["selected"].sum()) < fused._tracin.last["selected"].numel()
+    for name in fused_update:
+        assert_close(fused_update[name], two_pass_update[name])
+
+
+# ------------------------------------------------------------------------------------------------------- edge cases
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_nothing_selected_leaves_the_weights_unchanged(tiny_model_dir, tmp_path, fused):
+    trainer = make_trainer(
+        tiny_model_dir, tmp_path, tracin_selection="threshold", tracin_threshold=1e9, tracin_min_selected=0
+    )
+    trainer._tracin.fused = fused
+    before = trainable(trainer.model)
+    trainer.train()
+    after = trainable(trainer.model)
+    assert not trainer._tracin.last["selected"].any()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    logs = trainer.state.log_history[0]
+    assert logs["tracin/selected_ratio"] == 0.0 and logs["loss"] == 0.0
+
+
+def test_zero_validation_gradient_trains_on_every_row(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, reward=constant_on_validation)
+    trainer.train()
+    assert trainer._tracin.direction_is_zero
+    assert trainer._tracin.last["selected"].all()
+    logs = trainer.state.log_history[0]
+    assert logs["tracin/val_grad_norm"] == 0.0 and logs["tracin/selected_ratio"] == 1.0
+
+
+def test_validation_gradient_is_refreshed_on_schedule(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=3, tracin_val_refresh_steps=2)
+    recorder = Recorder(trainer)
+    trainer.train()
+    assert trainer._tracin.refreshes == 2 and len(recorder.val_batches) == 2
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert ["tracin/val_reward" in h for h in steps] == [True, False, True]
+    assert all("tracin/selected_ratio" in h for h in steps)
+    # Each refresh rolls out tracin_val_batch_size prompts x tracin_val_num_generations, one group per prompt.
+    for val_batch in recorder.val_batches:
+        assert val_batch["prompt_ids"].size(0) == 4
+        assert torch.equal(val_batch["prompt_ids"][0], val_batch["prompt_ids"][1])
+        assert not torch.equal(val_batch["prompt_ids"][1], val_batch["prompt_ids"][2])
+        assert val_batch["advantages"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("checkpointing", ["non_reentrant", "reentrant"])
+def test_gradient_checkpointing_gives_the_same_scores(tiny_model_dir, tmp_path, checkpointing):
+    reference = make_trainer(tiny_model_dir, tmp_path / "reference")
+    weights = trainable(reference.model)
+    reference_update = run_from(reference, weights)
+    kwargs = {"use_reentrant": checkpointing == "reentrant"}
+    context = pytest.warns(UserWarning, match="reentrant") if checkpointing == "reentrant" else _no_warning()
+    with context:
+        trainer = make_trainer(
+            tiny_model_dir, tmp_path / "gc", gradient_checkpointing=True, gradient_checkpointing_kwargs=kwargs
+        )
+    update = run_from(trainer, weights)
+    assert_close(trainer._tracin.last["scores"], reference._tracin.last["scores"])
+    assert torch.equal(trainer._tracin.last["selected"], reference._tracin.last["selected"])
+    for name in update:
+        assert_close(update[name], reference_update[name])
+
+
+class _no_warning:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ------------------------------------------------------------------------------------------------------- start-up
+
+
+def test_rejects_a_model_without_peft_lora(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="peft.PeftModel"):
+        make_trainer(tiny_model_dir, tmp_path, peft=False)
+
+
+def test_rejects_lora_on_lm_head(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="lm_head"):
+        make_trainer(tiny_model_dir, tmp_path, peft=lora_config(target_modules=["q_proj", "lm_head"]))
+
+
+def test_rejects_an_empty_or_missing_validation_set(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="empty"):
+        make_trainer(tiny_model_dir, tmp_path, val=VAL.select([]))
+    with pytest.raises(ValueError, match="validation prompts"):
+        make_trainer(tiny_model_dir, tmp_path, val=None)
+
+
+def test_eval_dataset_is_the_default_validation_set(tiny_model_dir, tmp_path):
+    trainer = AgenticGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=letter_fraction,
+        args=make_config(tmp_path),
+        train_dataset=TRAIN,
+        eval_dataset=VAL,
+        peft_config=lora_config(),
+    )
+    assert trainer._tracin.dataset is VAL
+
+
+def test_trl_internals_the_tracin_step_relies_on():
+    """TRL 1.16 code the mixin depends on; re-read the mixin if a TRL upgrade breaks this."""
+    import inspect
+
+    prepare = inspect.getsource(GRPOTrainer._prepare_inputs)
+    # Window start, and the buffer of shuffled micro-batches that the two-pass design masks in place.
+    assert "generate_every = self.args.steps_per_generation * self.num_iterations" in prepare
+    assert "if self._step % generate_every == 0 or self._buffered_inputs is None:" in prepare
+    assert "self._buffered_inputs = [unsplit_pixel_values_by_grid(batch) for batch in generation_batches]" in prepare
+    assert "inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]" in prepare
+    loss = inspect.getsource(GRPOTrainer._compute_loss)
+    # One model forward, through the method the fused step captures and replays.
+    assert loss.count("self._get_per_token_logps_and_entropies(") == 1
+    assert 'mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]' in loss
+    assert 'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes' in loss
+    assert "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)" in loss  # bnpo
+    generate = inspect.getsource(GRPOTrainer._generate)
+    # The validation rollouts set the group size through this attribute.
+    assert "num_generations = self.num_generations if mode == " in generate
+    assert "self.state.num_input_tokens_seen +=" in generate

@@ -1,0 +1,26 @@
+"""One GRPO step in colocate mode with TRL's own full-weight sync (no LoRA sync); prints the outcome as JSON.
+
+Run in a fresh process by `test_vllm_full_sync.py`: vLLM's in-process engine initialises `torch.distributed`, so a
+second engine cannot share the pytest process with the LoRA-sync run.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from vllm_helpers import agentic_config, build_calculator_policy, build_trainer
+
+    model_dir, output_dir = sys.argv[1], sys.argv[2]
+    build_calculator_policy(model_dir)
+    trainer = build_trainer(model_dir, agentic_config(output_dir, "colocate", max_steps=1), lora_sync=False)
+    outcome = {"lora_sync": getattr(trainer.vllm_generation, "lora_sync", False)}
+    try:
+        trainer.train()
+        outcome["error"] = None
+    except Exception as error:  # noqa: BLE001 - the error is the result
+        outcome["error"] = {"type": type(error).__name__, "message": str(error)}
+    print("RESULT " + json.dumps(outcome), flush=True)

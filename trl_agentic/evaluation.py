@@ -1,0 +1,469 @@
+"""Held-out evaluation of a tool-using policy with the real multi-turn tool loop.
+
+[`evaluate_policy`] runs a model on held-out problems exactly as the trainer rolls it out: prompts rendered with the
+chat template GRPO uses (TRL's training variant when the template is not prefix-preserving), one batched generation
+per turn, tool calls parsed with TRL's response parser and executed by `trl_agentic.rollout.loop.AgenticRolloutLoop`
+on a fresh environment per problem, the tool results appended as environment tokens, and the task's reward functions
+applied to the final conversation. Rollback is off: the model sees its tool errors and may correct them in a later
+turn, as at inference time, so the numbers measure the policy and not the training-time retries.
+
+Decoding is greedy by default (`temperature=0`): the same model gives the same numbers, so a before/after difference
+is the model's, not sampling noise. A positive temperature samples instead (as GRPO does during training).
+
+Metrics (all over problems unless said otherwise):
+
+- `success_rate`: mean of the first reward function (for `answer_reward`: the share of correct final answers);
+- `reward`: mean of the summed rewards;
+- `tool_success_rate`: share of problems with at least one tool call that ran without error;
+- `tool_failure_rate`: failed tool calls / tool calls (malformed calls, unknown tools, exceptions), like TRL's
+  `tools/failure_frequency`;
+- `tool_calls_per_problem`, `no_tool_call_rate`, `mean_completion_tokens`, `seconds`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .envs.protocol import tool_methods
+from .rollout.loop import AgenticRolloutLoop, LoopConfig
+from .rollout.tools import error_in_text
+
+
+def grpo_chat_template(tokenizer) -> str | None:
+    """The chat template `GRPOTrainer` renders tool conversations with: `None` (the tokenizer's own) when it is
+    prefix-preserving, otherwise TRL's training variant (the rule of TRL 1.16's `GRPOTrainer.__init__`)."""
+    from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
+
+    return None if is_chat_template_prefix_preserving(tokenizer) else get_training_chat_template(tokenizer)
+
+
+def with_response_schema(tokenizer):
+    """Give the tokenizer TRL's response parser for its chat template (what `GRPOTrainer` does), if it has none."""
+    from trl.chat_template_utils import add_response_schema
+
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        tokenizer = add_response_schema(tokenizer)
+    return tokenizer
+
+
+class ChatRenderer:
+    """Token-level rendering of tool conversations, identical to `GRPOTrainer`'s (prompt, tool-result suffix, hint).
+
+    Args:
+        tokenizer: The policy's tokenizer (with a tool-calling chat template).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.chat_template = grpo_chat_template(tokenizer)
+
+    def _apply(self, messages: list[dict], *, add_generation_prompt: bool, tools=None) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+        )
+        return list(ids[0]) if ids and isinstance(ids[0], list) else list(ids)
+
+    def prompt_ids(self, messages: list[dict], tools=None) -> list[int]:
+        """The prompt as GRPO tokenizes it: the conversation plus the assistant header."""
+        return self._apply(messages, add_generation_prompt=True, tools=tools)
+
+    def tool_suffix_ids(self, tool_messages: list[dict]) -> list[int]:
+        """Tokens appended after an assistant turn for its tool results (TRL's `_get_tool_suffix_ids`)."""
+        calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+        dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+        prefix = self._apply(dummy, add_generation_prompt=False)
+        full = self._apply(dummy + list(tool_messages), add_generation_prompt=True)
+        eos = self.tokenizer.eos_token_id
+        ends = [k for k, tok in enumerate(prefix) if tok == eos]
+        if ends:  # Qwen-style templates render "<|im_end|>\n": cut at the end-of-turn token, as TRL does
+            prefix = prefix[: ends[-1] + 1]
+        if full[: len(prefix)] != prefix:
+            raise ValueError("The chat template does not render tool results as a prefix extension.")
+        return full[len(prefix) :]
+
+    def hint_ids(self, hint: str) -> list[int]:
+        """Masked hint tokens for `rollback_feedback="hint"` (same construction as the trainer's backend)."""
+        prefix_msgs = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": ""}]
+        prefix = self._apply(prefix_msgs, add_generation_prompt=False)
+        full = self._apply(prefix_msgs + [{"role": "user", "content": hint}], add_generation_prompt=True)
+        eos = self.tokenizer.eos_token_id
+        cut = max((k for k, tok in enumerate(prefix) if tok == eos), default=len(prefix) - 1) + 1
+        return [eos, *full[cut:]]
+
+
+# Below this many shared tokens, a plain batched call is as fast.
+_MIN_SHARED_PREFIX = 32
+
+
+def _common_prefix_length(sequences: list[list[int]]) -> int:
+    first = sequences[0]
+    length = min(len(s) for s in sequences)
+    for other in sequences[1:]:
+        k = 0
+        while k < length and other[k] == first[k]:
+            k += 1
+        length = k
+    return length
+
+
+class HFGenerationBackend:
+    """`RolloutBackend` on a plain transformers (or PEFT) model: batched `generate` with left padding.
+
+    Args:
+        model: A causal LM (may be a `PeftModel`).
+        tokenizer: Its tokenizer, with a response parser (see [`with_response_schema`]).
+        tools_per_row: The tools (bound methods) of each rollout, for prompt rendering and argument typing.
+        max_completion_length: Token budget of a whole multi-turn completion (as in GRPO).
+        max_iterations: Maximum tool rounds per rollout.
+        temperature: 0 for greedy decoding, otherwise the sampling temperature.
+        top_p: Nucleus sampling threshold when sampling.
+        prefix_caching: Encode the prefix shared by all contexts of a call once (see `generate`).
+    """
+
+    multi_process = False
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        tools_per_row: Sequence[Sequence[Callable]],
+        *,
+        max_completion_length: int,
+        max_iterations: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        prefix_caching: bool = True,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.renderer = ChatRenderer(tokenizer)
+        self.tools_per_row = tools_per_row
+        self.max_completion_length = max_completion_length
+        self.max_iterations = max_iterations
+        self.max_model_len = getattr(model.config, "max_position_embeddings", None) or 2048
+        self.temperature = temperature
+        self.top_p = top_p
+        self.prefix_caching = prefix_caching
+        self.generated_tokens = 0
+        self._prefix_key: tuple | None = None
+        self._prefix_kv = None
+
+    def _prefix_cache(self, prefix: list[int]):
+        """KV cache of the prefix every context shares (system prompt and tool schemas), computed once per weights."""
+        key = tuple(prefix)
+        if self._prefix_key != key:
+            device = next(self.model.parameters()).device
+            output = self.model(input_ids=torch.tensor([prefix], device=device), use_cache=True)
+            self._prefix_key, self._prefix_kv = key, output.past_key_values
+        return copy.deepcopy(self._prefix_kv)
+
+    @torch.no_grad()
+    def generate(self, contexts: list[list[int]]) -> tuple[list[list[int]], None]:
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        device = next(self.model.parameters()).device
+        # Every prompt starts with the same system prompt and tool schemas (most of its tokens): encode that prefix
+        # once and reuse its KV cache, with each row's own tokens left-padded after it. Positions come from the
+        # attention mask, so the padding in the middle changes nothing for the model.
+        shared = _common_prefix_length(contexts) if self.prefix_caching else 0
+        shared = min(shared, min(len(c) for c in contexts) - 1)
+        use_cache_prefix = shared >= _MIN_SHARED_PREFIX
+        start = shared if use_cache_prefix else 0
+        tails = [c[start:] for c in contexts]
+        width = max(len(t) for t in tails)
+        input_ids = torch.full((len(contexts), start + width), pad, dtype=torch.long)
+        attention_mask = torch.zeros((len(contexts), start + width), dtype=torch.long)
+        if use_cache_prefix:
+            input_ids[:, :start] = torch.tensor(contexts[0][:start])
+            attention_mask[:, :start] = 1
+        for k, tail in enumerate(tails):
+            input_ids[k, start + width - len(tail) :] = torch.tensor(tail)
+            attention_mask[k, start + width - len(tail) :] = 1
+        extra = {}
+        if use_cache_prefix:
+            cache = self._prefix_cache(contexts[0][:start])
+            cache.batch_repeat_interleave(len(contexts))
+            extra["past_key_values"] = cache
+        sampling = {"do_sample": False}
+        if self.temperature > 0:
+            sampling = {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
+        output = self.model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            max_new_tokens=self.max_completion_length,
+            pad_token_id=pad,
+            eos_token_id=eos,
+            use_cache=True,
+            **sampling,
+            **extra,
+        )
+        new_ids = []
+        for row in output[:, start + width :].tolist():
+            # Keep everything up to and including the first end-of-turn token, like TRL's generation path.
+            cut = row.index(eos) + 1 if eos in row else len(row)
+            new_ids.append(row[:cut])
+        self.generated_tokens += sum(len(ids) for ids in new_ids)
+        return new_ids, None
+
+    def parse(self, ids: list[int], prefix: list[int], row: int) -> dict:
+        from trl.chat_template_utils import parse_response
+
+        return parse_response(self.tokenizer, ids, prefix=prefix, tools=list(self.tools_per_row[row]))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def tool_suffix_ids(self, tool_messages: list[dict]) -> list[int]:
+        return self.renderer.tool_suffix_ids(tool_messages)
+
+    def hint_ids(self, hint: str) -> list[int]:
+        return self.renderer.hint_ids(hint)
+
+    def render_prompt(self, messages: list[dict], row: int) -> list[int]:
+        return self.renderer.prompt_ids(messages, tools=list(self.tools_per_row[row]))
+
+    def any_rank(self, flag: bool) -> bool:
+        return flag
+
+
+class _CountingTool:
+    """Wraps a tool to count the calls that returned a result without error (the loop counts all the others)."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.ok = 0
+        self.__name__ = fn.__name__
+        self.__doc__ = fn.__doc__
+        self.__signature__ = inspect.signature(fn)
+
+    def __call__(self, *args, **kwargs):
+        result = self.fn(*args, **kwargs)
+        if not (isinstance(result, dict) and "error" in result) and error_in_text(str(result)) is None:
+            self.ok += 1
+        return result
+
+
+@dataclass
+class EvalResult:
+    """What [`evaluate_policy`] returns.
+
+    Attributes:
+        metrics: Aggregate numbers (see the module docstring).
+        records: One dict per problem: `question`, `answer`, `messages` (the completion), `reward`, `correct`,
+            `tool_calls`, `tool_failures`, `completion_tokens`.
+    """
+
+    metrics: dict[str, float]
+    records: list[dict] = field(default_factory=list)
+
+
+def _question(prompt: list[dict]) -> str:
+    return next((m.get("content", "") for m in reversed(prompt) if m.get("role") == "user"), "")
+
+
+@torch.no_grad()
+def evaluate_policy(
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    *,
+    environment_factory: Callable,
+    reward_funcs: Sequence[Callable],
+    max_completion_length: int = 96,
+    max_tool_calling_iterations: int = 3,
+    batch_size: int = 16,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    progress: bool = True,
+    desc: str = "eval",
+    prefix_caching: bool = True,
+    seed: int = 0,
+) -> EvalResult:
+    """
+    Roll out a policy on held-out problems with the multi-turn tool loop and score it.
+
+    Args:
+        model:
+            Causal LM (plain or `PeftModel`); put in eval mode for the call and restored afterwards.
+        tokenizer:
+            Its tokenizer, with a tool-calling chat template.
+        rows (`Sequence[dict]`):
+            Dataset rows with a conversational `prompt` and the columns the reward functions and `env.reset` need.
+        environment_factory (`Callable`):
+            Builds one environment per problem (TRL's environment protocol: `reset(**row)` plus public tool methods).
+        reward_funcs (`Sequence[Callable]`):
+            TRL-style reward functions `f(completions=..., prompts=..., **columns) -> list[float]`; the first one
+            defines `success_rate`.
+        max_completion_length (`int`, *optional*, defaults to `96`):
+            Token budget of a whole completion (all turns), as `max_completion_length` in GRPO.
+        max_tool_calling_iterations (`int`, *optional*, defaults to `3`):
+            Maximum tool rounds per problem.
+        batch_size (`int`, *optional*, defaults to `16`):
+            Problems rolled out together (one `generate` call per turn and batch).
+        temperature (`float`, *optional*, defaults to `0.0`):
+            0 for greedy decoding, otherwise the sampling temperature.
+        top_p (`float`, *optional*, defaults to `1.0`):
+            Nucleus sampling threshold when sampling.
+        progress (`bool`, *optional*, defaults to `True`):
+            Show a progress bar.
+        desc (`str`, *optional*, defaults to `"eval"`):
+            Label of the progress bar.
+        prefix_caching (`bool`, *optional*, defaults to `True`):
+            Encode the prompt prefix shared by a batch (system prompt and tool schemas) once per generation call
+            (same tokens as without it, several times faster with long tool schemas).
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the sampling (the global RNG is forked, so training's random stream is untouched): with a fixed
+            seed, the same model samples the same completions.
+
+    Returns:
+        [`EvalResult`]: The metrics and one record per problem.
+    """
+    from tqdm.auto import tqdm
+
+    tokenizer = with_response_schema(tokenizer)
+    if tokenizer.pad_token_id is None:
+        raise ValueError("The tokenizer needs a pad token for batched generation.")
+    was_training = model.training
+    model.eval()
+    start = time.perf_counter()
+    records: list[dict] = []
+    config = LoopConfig(rollback_on_errors=[], infra_error_patterns=[], tool_timeout=10.0)
+    bar = tqdm(total=len(rows), desc=desc, disable=not progress, unit="problem")
+    # A forked RNG: the sampled completions depend only on `seed`, and training's random stream is left as it was.
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[]))
+        stack.callback(model.train, was_training)
+        stack.callback(bar.close)
+        torch.manual_seed(seed)
+        for first in range(0, len(rows), batch_size):
+            chunk = [dict(r) for r in rows[first : first + batch_size]]
+            envs = [environment_factory() for _ in chunk]
+            tool_dicts, counters = [], []
+            for env, row in zip(envs, chunk):
+                env.reset(**row)
+                wrapped = {name: _CountingTool(fn) for name, fn in tool_methods(env).items()}
+                tool_dicts.append(wrapped)
+                counters.append(list(wrapped.values()))
+            # Prompts are rendered with the environment's bound methods, the schema GRPO shows the model.
+            tools_per_row = [list(tool_methods(env).values()) for env in envs]
+            backend = HFGenerationBackend(
+                model,
+                tokenizer,
+                tools_per_row,
+                max_completion_length=max_completion_length,
+                max_iterations=max_tool_calling_iterations,
+                temperature=temperature,
+                top_p=top_p,
+                prefix_caching=prefix_caching,
+            )
+            prompts = [list(row["prompt"]) for row in chunk]
+            prompt_ids = [backend.render_prompt(p, k) for k, p in enumerate(prompts)]
+            completion_ids, _ = backend.generate(prompt_ids)
+            completions = []
+            for k, ids in enumerate(completion_ids):
+                message = backend.parse(ids, prompt_ids[k], k) if ids else {"role": "assistant", "content": ""}
+                completions.append([message])
+            loop = AgenticRolloutLoop(backend, config)
+            trl_tuple, _ = loop.run(
+                [list(p) for p in prompts],
+                prompt_ids,
+                completion_ids,
+                completions,
+                None,
+                tool_dicts,
+                [{} for _ in chunk],
+                envs,
+            )
+            tool_mask, completions, completion_ids = trl_tuple[0], trl_tuple[1], trl_tuple[2]
+            columns = {key: [row.get(key) for row in chunk] for key in chunk[0] if key != "prompt"}
+            per_func = []
+            for func in reward_funcs:
+                values = func(
+                    prompts=prompts,
+                    completions=completions,
+                    completion_ids=completion_ids,
+                    environments=envs,
+                    **columns,
+                )
+                per_func.append([math.nan if v is None else float(v) for v in values])
+            for k, row in enumerate(chunk):
+                messages = completions[k]
+                tool_msgs = [m for m in messages if m.get("role") == "tool"]
+                ok = sum(c.ok for c in counters[k])
+                rewards = [values[k] for values in per_func]
+                records.append(
+                    {
+                        "question": _question(row["prompt"]),
+                        "answer": row.get("answer"),
+                        "messages": messages,
+                        "rewards": rewards,
+                        "reward": float(sum(r for r in rewards if not math.isnan(r))),
+                        "correct": bool(rewards and rewards[0] >= 0.5),
+                        "tool_calls": len(tool_msgs),
+                        "tool_failures": len(tool_msgs) - min(ok, len(tool_msgs)),
+                        "completion_tokens": sum(tool_mask[k]),
+                    }
+                )
+            bar.update(len(chunk))
+    return EvalResult(summarize(records, time.perf_counter() - start), records)
+
+
+def summarize(records: list[dict], seconds: float = 0.0) -> dict[str, float]:
+    """Aggregate per-problem records of [`evaluate_policy`] into its metrics."""
+    n = len(records)
+    if n == 0:
+        return {"num_problems": 0, "seconds": seconds}
+    calls = sum(r["tool_calls"] for r in records)
+    failures = sum(r["tool_failures"] for r in records)
+    first = [r["rewards"][0] for r in records if r["rewards"] and not math.isnan(r["rewards"][0])]
+    return {
+        "num_problems": n,
+        "success_rate": sum(first) / len(first) if first else math.nan,
+        "reward": sum(r["reward"] for r in records) / n,
+        "tool_success_rate": sum(r["tool_calls"] > r["tool_failures"] for r in records) / n,
+        "tool_failure_rate": failures / calls if calls else 0.0,
+        "tool_calls_per_problem": calls / n,
+        "no_tool_call_rate": sum(r["tool_calls"] == 0 for r in records) / n,
+        "mean_completion_tokens": sum(r["completion_tokens"] for r in records) / n,
+        "seconds": seconds,
+    }
+
+
+def format_comparison(results: dict[str, dict[str, float]]) -> str:
+    """A small fixed-width table of evaluation metrics, one column per stage (e.g. before / after GRPO)."""
+    keys = [
+        ("success_rate", "success rate", True),
+        ("tool_success_rate", "problems with a successful tool call", True),
+        ("tool_failure_rate", "tool call failure rate", True),
+        ("tool_calls_per_problem", "tool calls per problem", False),
+        ("mean_completion_tokens", "completion tokens", False),
+        ("seconds", "eval time (s)", False),
+    ]
+    stages = list(results)
+    width = max(12, *(len(s) + 2 for s in stages))
+    lines = [f"{'':<38}" + "".join(f"{s:>{width}}" for s in stages)]
+    for key, label, percent in keys:
+        cells = []
+        for stage in stages:
+            value = results[stage].get(key, math.nan)
+            cells.append(f"{value:>{width}.1%}" if percent else f"{value:>{width}.1f}")
+        lines.append(f"{label:<38}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def row_dicts(dataset: Any) -> list[dict]:
+    """Rows of a `datasets.Dataset` (or any sequence of dicts) as a list of plain dicts."""
+    return [dict(row) for row in dataset]

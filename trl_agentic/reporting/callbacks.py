@@ -1,0 +1,343 @@
+"""Training-time callbacks: a compact per-step progress line and a recorder of training trajectories for the report."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
+
+from ..rollout.parsing import parse_tool_calls
+from ..rollout.tools import error_in_text
+from ..rollout.types import RowKind
+
+_KIND_NAMES = {
+    RowKind.REGULAR: "regular",
+    RowKind.NEGATIVE: "negative",
+    RowKind.SNAPSHOT: "snapshot",
+    RowKind.EXPANSION: "expansion",
+}
+_TOOL_RESPONSE = re.compile(r"<tool_response>\n?(.*?)\n?</tool_response>", re.DOTALL)
+_LEVEL = re.compile(r"<level>\s*(\d+)\s*</level>")
+
+
+def _fmt(value, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def format_step_line(logs: dict, step: int, max_steps: int, seconds_per_step: float | None) -> str:
+    """The compact per-step line: step, reward, tool failure rate, rollbacks, negatives, seconds per step.
+
+    A log without a reward (e.g. an SFT step) gives step, loss, token accuracy and seconds per step.
+    """
+    parts = [f"step {step:>{len(str(max_steps))}}/{max_steps}"]
+    if "reward" not in logs:
+        parts.append(f"loss {_fmt(logs.get('loss'), '.4f')}")
+        if "mean_token_accuracy" in logs:
+            parts.append(f"token accuracy {_fmt(logs.get('mean_token_accuracy'), '.3f')}")
+        parts.append(f"{_fmt(seconds_per_step, '.1f')} s/step")
+        return " | ".join(parts)
+    parts.append(f"reward {_fmt(logs.get('reward'), '.3f')}")
+    if "tools/failure_frequency" in logs or "tools/call_frequency" in logs:
+        parts.append(f"tool calls {_fmt(logs.get('tools/call_frequency'), '.2f')}")
+        parts.append(f"tool fail {_fmt(logs.get('tools/failure_frequency'), '.2f')}")
+    if "rollback/attempts" in logs:
+        parts.append(f"rollbacks {_fmt(logs.get('rollback/attempts'), '.0f')}")
+    if "negatives/rows" in logs:
+        parts.append(f"negatives {_fmt(logs.get('negatives/rows'), '.0f')}")
+    if "tracin/selected_ratio" in logs:
+        parts.append(f"tracin kept {_fmt(logs.get('tracin/selected_ratio'), '.2f')}")
+    levels = [logs.get(f"rlvcr/level_frac_{k}") for k in range(1, 5)]
+    if any(v is not None for v in levels):
+        parts.append("levels " + "/".join(_fmt(v, ".2f") for v in levels))
+    if "loss" in logs:
+        parts.append(f"loss {_fmt(logs.get('loss'), '.4f')}")
+    parts.append(f"{_fmt(seconds_per_step, '.1f')} s/step")
+    return " | ".join(parts)
+
+
+class CompactProgressCallback(ProgressCallback):
+    """
+    transformers' progress bar, with one compact line per logged step instead of the full metrics dict.
+
+    The line shows the step, the mean reward, the tool-call and tool-failure frequencies, rollbacks and negative rows
+    of the step (and the TracIn selected ratio and RLVCR level mix when present), the loss and the wall time per step.
+    Replace the default bar with `trainer.remove_callback(ProgressCallback)` then `trainer.add_callback(...)`, or use
+    [`install_compact_progress`].
+    """
+
+    def __init__(self, max_str_len: int = 100):
+        super().__init__(max_str_len)
+        self._last_time: float | None = None
+        self._last_step = 0
+        self.seconds_per_step: list[float] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        self._last_time, self._last_step = time.perf_counter(), state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        super().on_step_end(args, state, control, **kwargs)
+        now = time.perf_counter()
+        if self._last_time is not None and state.global_step > self._last_step:
+            self.seconds_per_step.append((now - self._last_time) / (state.global_step - self._last_step))
+        self._last_time, self._last_step = now, state.global_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or self.training_bar is None or not logs:
+            return
+        if "reward" not in logs and "loss" not in logs:
+            return  # e.g. the final train_runtime summary, printed by the caller
+        recent = self.seconds_per_step[-1] if self.seconds_per_step else None
+        self.training_bar.write(format_step_line(logs, state.global_step, state.max_steps, recent))
+
+
+def install_compact_progress(trainer) -> CompactProgressCallback:
+    """Swap a trainer's default progress bar (or printer) for a [`CompactProgressCallback`] and return it."""
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
+    callback = CompactProgressCallback()
+    trainer.add_callback(callback)
+    return callback
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Trajectory recorder
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def split_segments(tokenizer, completion_ids: list[int], tool_mask: list[int], advantages: list[float]) -> list[dict]:
+    """
+    Cut a completion into alternating model and environment segments, with one decoded string per token.
+
+    Args:
+        tokenizer: Decodes the tokens (special tokens kept).
+        completion_ids (`list[int]`): The completion's tokens (padding already removed).
+        tool_mask (`list[int]`): 1 on model tokens, 0 on environment tokens (tool results, hints).
+        advantages (`list[float]`): Per-token advantage of each completion token.
+
+    Returns:
+        `list[dict]`: Segments `{"role": "model" | "env", "tokens": [...], "advantages": [...], "text": ...}`. The
+        token strings concatenate to the segment's text (pieces of a multi-byte character decode incrementally).
+    """
+    segments: list[dict] = []
+    start = 0
+    for k in range(1, len(completion_ids) + 1):
+        if k == len(completion_ids) or tool_mask[k] != tool_mask[start]:
+            ids = completion_ids[start:k]
+            tokens, previous = [], ""
+            for j in range(len(ids)):
+                text = tokenizer.decode(ids[: j + 1], skip_special_tokens=False)
+                tokens.append(text[len(previous) :] if text.startswith(previous) else tokenizer.decode([ids[j]]))
+                previous = text
+            segments.append(
+                {
+                    "role": "model" if tool_mask[start] else "env",
+                    "tokens": tokens,
+                    "advantages": [round(float(a), 5) for a in advantages[start:k]],
+                    "text": "".join(tokens),
+                }
+            )
+            start = k
+    return segments
+
+
+def describe_segments(segments: list[dict]) -> dict:
+    """Tool calls, tool results (with error flags) and RLVCR levels found in a trajectory's segments."""
+    calls, results, levels = [], [], []
+    for segment in segments:
+        text = segment["text"].replace("<|im_end|>", "")
+        if segment["role"] == "model":
+            parsed = parse_tool_calls(text)
+            for call in parsed.calls:
+                function = call.get("function", {})
+                calls.append({"name": function.get("name"), "arguments": function.get("arguments")})
+            for error in parsed.errors:
+                calls.append({"name": None, "arguments": None, "malformed": error})
+            levels += [int(level) for level in _LEVEL.findall(text)]
+            segment["levels"] = [int(level) for level in _LEVEL.findall(text)]
+        else:
+            found = [
+                {"content": content, "error": error_in_text(content) is not None}
+                for content in _TOOL_RESPONSE.findall(segment["text"])
+            ]
+            results += found
+            segment["error"] = any(r["error"] for r in found)
+    return {"tool_calls": calls, "tool_results": results, "levels": levels}
+
+
+class _RecordingAugmenter:
+    """Wraps the trainer's `BatchAugmenter`: calls it, then hands the finished batch to the recorder."""
+
+    def __init__(self, inner, recorder: TrajectoryRecorder, trainer):
+        self._inner = inner
+        self._recorder = recorder
+        self._trainer = trainer
+
+    def __call__(self, output, inputs, rewards_per_func, loop_result):
+        batch = self._inner(output, inputs, rewards_per_func, loop_result)
+        try:
+            if self._trainer.model.training:
+                self._recorder.record(self._trainer, batch, inputs, rewards_per_func, loop_result)
+        except Exception as e:  # noqa: BLE001 - the report must never break training
+            self._recorder.errors.append(f"{type(e).__name__}: {e}")
+        return batch
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class TrajectoryRecorder(TrainerCallback):
+    """
+    Records the training trajectories of an `AgenticGRPOTrainer`, for `report.html` and `trajectories.jsonl`.
+
+    [`attach`] wraps the trainer's batch augmenter (the last stage of `_generate_and_score_completions`, which sees the
+    final training rows: regular rollouts, negative samples, snapshot segments, estimator expansion rows, with their
+    token masks and advantages) and reads from it, per row: the prompt, the completion split into model and
+    environment segments with per-token advantages, the tool calls and results, the reward, the rollbacks of the
+    rollout and, for a negative sample, why it failed. No trainer change is needed.
+
+    Only the main process records (its own rows). Training batches only; evaluation batches are skipped.
+
+    Args:
+        tokenizer: The policy's tokenizer.
+        max_rows_per_step (`int`, *optional*, defaults to `64`):
+            Rows kept per training step (whole groups first).
+    """
+
+    def __init__(self, tokenizer, max_rows_per_step: int = 64):
+        self.tokenizer = tokenizer
+        self.max_rows_per_step = max_rows_per_step
+        self.trajectories: list[dict] = []
+        self.errors: list[str] = []
+
+    def attach(self, trainer) -> TrajectoryRecorder:
+        """Start recording the trainer's batches (wraps `trainer._augmenter`, adds this callback)."""
+        if not hasattr(trainer, "_augmenter"):
+            raise TypeError("TrajectoryRecorder needs an AgenticGRPOTrainer (no `_augmenter` found).")
+        if not isinstance(trainer._augmenter, _RecordingAugmenter):
+            trainer._augmenter = _RecordingAugmenter(trainer._augmenter, self, trainer)
+        trainer.add_callback(self)
+        return self
+
+    # ------------------------------------------------------------------------------------------------------------
+    def record(self, trainer, batch: dict, inputs: list[dict], rewards_per_func, loop_result) -> None:
+        if not trainer.accelerator.is_main_process:
+            return
+        step = trainer.state.global_step + 1  # the batch is generated for the step about to run
+        kinds = batch["row_kind"].tolist() if "row_kind" in batch else [int(RowKind.REGULAR)] * len(inputs)
+        groups = batch["group_id"].tolist() if "group_id" in batch else [None] * len(kinds)
+        completion_ids = batch["completion_ids"].tolist()
+        completion_mask = batch["completion_mask"].tolist()
+        tool_mask = batch["tool_mask"].tolist() if "tool_mask" in batch else None
+        advantages = batch["advantages"]
+        num_local = len(inputs)
+        offset = trainer.accelerator.process_index * num_local
+        weights = trainer.reward_weights.tolist() if hasattr(trainer, "reward_weights") else None
+        names = list(getattr(trainer, "reward_func_names", []))
+        extras = list(loop_result.extra_rows) if loop_result is not None else []
+        rollback_log = loop_result.rollback_log if loop_result is not None else [[] for _ in range(num_local)]
+        args = trainer.args
+        extra_cursor = 0
+        rows = []
+        for r, kind in enumerate(kinds):
+            if kind == RowKind.PADDING:
+                continue
+            length = sum(completion_mask[r])
+            ids = completion_ids[r][:length]
+            mask = tool_mask[r][:length] if tool_mask is not None else [1] * length
+            adv = advantages[r].tolist() if advantages.dim() == 2 else [advantages[r].item()] * len(completion_ids[r])
+            model_adv = [a for a, m in zip(adv[:length], mask) if m]
+            row = {
+                "id": f"s{step}-r{r}",
+                "step": step,
+                "group": groups[r],
+                "kind": _KIND_NAMES.get(RowKind(kind), str(kind)),
+                "advantage": sum(model_adv) / len(model_adv) if model_adv else 0.0,
+                "token_level": advantages.dim() == 2,
+            }
+            if kind == RowKind.REGULAR and r < num_local:
+                source = inputs[r]
+                row["parent"] = None
+                values = rewards_per_func[offset + r].tolist() if rewards_per_func is not None else []
+                row["rewards"] = {n: (None if math.isnan(v) else v) for n, v in zip(names, values)}
+                if weights and values and not all(math.isnan(v) for v in values):
+                    row["reward"] = sum(w * v for w, v in zip(weights, values) if not math.isnan(v))
+                else:
+                    row["reward"] = None
+                row["rollbacks"] = rollback_log[r] if r < len(rollback_log) else []
+            else:
+                extra = None
+                if kind in (RowKind.NEGATIVE, RowKind.SNAPSHOT):
+                    while extra_cursor < len(extras):
+                        candidate = extras[extra_cursor]
+                        extra_cursor += 1
+                        if int(candidate.kind) == kind and candidate.completion_ids[: len(ids)] == ids:
+                            extra = candidate
+                            break
+                parent = extra.parent if extra is not None else None
+                source = inputs[parent] if parent is not None and parent < num_local else {}
+                row["parent"] = f"s{step}-r{parent}" if parent is not None else None
+                row["rollbacks"] = []
+                if kind == RowKind.NEGATIVE:
+                    from ..advantages import negative_sample_rewards
+
+                    error_types = extra.error_types if extra is not None else []
+                    row["reward"] = negative_sample_rewards(
+                        [error_types], args.negative_sample_reward, args.negative_reward_by_error
+                    )[0]
+                    row["error_types"] = error_types
+                    row["error_messages"] = extra.error_messages if extra is not None else []
+                    row["tool_position"] = extra.tool_position if extra is not None else None
+                else:
+                    row["reward"] = None
+                if kind == RowKind.SNAPSHOT and extra is not None:
+                    row["segment_index"] = extra.segment_index
+                    row["tokens_freed"] = extra.tokens_freed
+            row["question"] = _question(source.get("prompt")) if source else ""
+            row["answer"] = source.get("answer") if source else None
+            row["segments"] = split_segments(self.tokenizer, ids, mask, adv[:length])
+            row.update(describe_segments(row["segments"]))
+            rows.append(row)
+        self.trajectories.extend(_keep_groups(rows, self.max_rows_per_step))
+
+    def save_jsonl(self, path: str | Path) -> Path:
+        """Write every recorded trajectory as one JSON object per line."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", encoding="utf-8") as f:
+            for trajectory in self.trajectories:
+                f.write(json.dumps(trajectory, ensure_ascii=False) + "\n")
+        return path
+
+
+def _question(prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if not prompt:
+        return ""
+    return next((m.get("content", "") for m in reversed(prompt) if m.get("role") == "user"), "")
+
+
+def _keep_groups(rows: list[dict], limit: int) -> list[dict]:
+    """Keep whole groups (a group's rollouts and its extra rows) until `limit` rows are reached."""
+    if len(rows) <= limit:
+        return rows
+    kept, seen = [], []
+    for row in rows:
+        if row["group"] not in seen:
+            seen.append(row["group"])
+    for group in seen:
+        members = [row for row in rows if row["group"] == group]
+        if kept and len(kept) + len(members) > limit:
+            break
+        kept += members
+    return kept

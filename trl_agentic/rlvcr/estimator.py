@@ -1,0 +1,586 @@
+"""The RLVCR / CoPO advantage estimator (`advantage_estimator="rlvcr"`).
+
+CogRouter (arXiv 2602.12662) trains an agent that picks a thinking depth per step, with steps written as
+`<level>k</level><think>...</think><action>...</action>`. For a step of a trajectory it asks: how confident is the
+policy in the action it actually took when the step is preceded by the thinking of each of the four levels? The level
+that makes the taken action most likely gets more credit.
+
+Per generation batch (`rlvcr_estimator` is called once per batch on every process, see `trl_agentic.batch`):
+
+1. **Episode advantages**: `grpo_estimator` on the gathered rewards (group statistics over the batch's baseline rows).
+2. **Steps**: a step is one assistant turn, i.e. a maximal run of model tokens (`completion_mask * tool_mask == 1`).
+   Each run is decoded and parsed with `parse_step` (strict: only whitespace around the step); the original action's
+   character span is mapped to token positions with `decode_with_offsets` (byte-level tokenizers included). Only rows
+   of kind `REGULAR` and `SNAPSHOT` (the policy's own trajectories) are parsed; negative samples keep the plain
+   episode advantage. Malformed steps are counted (`rlvcr/invalid_format`) and never expanded.
+3. **Which steps expand** (`rlvcr_expand_steps`): a row is *successful* when its reward is `> 0` (CogRouter skips
+   `episode_reward <= 0`); its group is *varied* when the finite rewards of the group's baseline rows span more than
+   `1e-6`. `"successful_varied"` (the paper) expands the well-formed steps of successful rows of varied groups,
+   `"varied"` those of every row of a varied group, `"all"` those of every row with a finite reward.
+4. **Alternative thinking**: for every expanded step and every level in `{2, 3, 4}` other than the step's own, the
+   level-forcing prompt (`level_forcing_prompt`: the decoded history up to the step and the original action) is
+   rendered as a user message with the chat template and pre-filled with `<level>k</level>\\n<think>`, so the model
+   writes the think content directly. All of them are generated in ONE batched `_generate_single_turn` call per
+   generation batch, cut at the first `</think>` or `<action>` and capped at `rlvcr_max_thinking_tokens` tokens (a
+   capped thinking is kept as it is). Level 1 uses `LEVEL1_THINK`; the original level keeps its own thinking.
+5. **Scoring**: for each expanded step and each level, the sequence `context + render_prefix(level, thinking) +
+   the step's own original action tokens + the original tokens after the action` (context = the row's prompt and
+   completion up to the step) is scored under `torch.no_grad()` in chunks of `rlvcr_score_batch_size` rows; the
+   confidence is `c_l = exp(mean_t log p(a_t | prefix_l))` over the action tokens (`action_confidence`).
+6. **Token advantages** `(B, T)`: `"copo"`: `A_episode * w_l` on the step's tokens with `w = copo_weights(c, k)`;
+   `"additive"`: `A_episode + rlvcr_step_advantage_w * A_think` with `A_think = thinking_advantages(c, cost, ...)`
+   (cost = thinking tokens). Tokens outside expanded steps keep the episode advantage.
+7. **Expansion rows** (`rlvcr_expand=True`, copo only): for each expanded step and each of its 3 other levels one
+   `ExtraRow(kind=RowKind.EXPANSION)` with the parent's prompt and as completion the parent's completion up to the
+   step (context: `tool_mask` 0, not trained) followed by the alternative step (`tool_mask` 1), with advantage
+   `A_episode * w_l`. Its `logprobs` are the scoring log-probs of the step tokens, so an importance-sampling
+   correction sees a ratio of ~1 on them. Rows come in (row, step, level) order; a step with an unscored level adds
+   none.
+
+Collectives: the number of generation calls and of scoring forward passes is the same on every process (a dummy
+generation / a dummy 2-token forward on a process with less work), since both can be collectives (DeepSpeed ZeRO-3
+parameter gathering, vLLM server mode). When no process has a step to expand there is no generation call at all.
+In eval mode the estimator returns the plain episode advantages (no generation, no metrics).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..estimators import AdvantageBatch, EstimatorResult, grpo_estimator
+from ..rollout.types import ExtraRow, RowKind
+from .formulas import (
+    action_confidence,
+    chosen_level_values,
+    combine_additive,
+    combine_copo,
+    copo_weights,
+    thinking_advantages,
+)
+from .parsing import (
+    LEVEL1_THINK,
+    ParsedStep,
+    StepTags,
+    cut_before_action,
+    level_forcing_prompt,
+    parse_step,
+    render_prefix,
+)
+
+__all__ = [
+    "METRIC_NAMES",
+    "StepInfo",
+    "decode_with_offsets",
+    "expandable_rows",
+    "find_steps",
+    "locate_action_tokens",
+    "model_runs",
+    "rlvcr_estimator",
+    "step_tags_from_args",
+]
+
+LEVELS = (1, 2, 3, 4)
+# A reward above this is a success (CogRouter: `episode_reward <= 0` is not expanded).
+SUCCESS_THRESHOLD = 0.0
+# A group whose rewards span no more than this is "not varied" (CogRouter: `range < 1e-6`).
+_RANGE_EPS = 1e-6
+_CANDIDATE_KINDS = (int(RowKind.REGULAR), int(RowKind.SNAPSHOT))
+_INCOMPLETE = "\ufffd"  # what a decoder returns for a partial multi-byte character
+
+METRIC_NAMES = (
+    "rlvcr/level_frac_1",
+    "rlvcr/level_frac_2",
+    "rlvcr/level_frac_3",
+    "rlvcr/level_frac_4",
+    "rlvcr/thinking_tokens_mean",
+    "rlvcr/expanded_steps",
+    "rlvcr/invalid_format",
+    "rlvcr/confidence_mean",
+    "rlvcr/failed_alternatives",
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Steps and token offsets
+
+
+def step_tags_from_args(args) -> StepTags:
+    """The `StepTags` of the config's tag names (`rlvcr_level_tag`, `rlvcr_think_tag`, `rlvcr_action_tag`)."""
+    names = (args.rlvcr_level_tag, args.rlvcr_think_tag, args.rlvcr_action_tag)
+    level, think, action = (f"<{n}>" for n in names)
+    level_c, think_c, action_c = (f"</{n}>" for n in names)
+    return StepTags(level, level_c, think, think_c, action, action_c)
+
+
+def decode_with_offsets(decode, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """Decode token ids and give the character span of every token in the decoded text.
+
+    Works for any tokenizer, including byte-level ones whose single tokens may hold part of a multi-byte character
+    and SentencePiece ones whose decoding of a lone token drops its leading space: tokens are decoded incrementally
+    from the last position where the decoded text was known to match the full text, and when a piece does not match
+    there, the whole prefix is decoded instead. Tokens that together make one character share its span; tokens that
+    decode to nothing (e.g. skipped special tokens) get an empty span.
+
+    Args:
+        decode (`Callable[[list[int]], str]`):
+            The decoding function, e.g. `lambda ids: tokenizer.decode(ids, skip_special_tokens=True)`.
+        ids (`list[int]`):
+            The token ids.
+
+    Returns:
+        `tuple[str, list[tuple[int, int]]]`: `decode(ids)` and one `(start, end)` span per token.
+    """
+    ids = list(ids)
+    text = decode(ids)
+    offsets: list[tuple[int, int]] = []
+    done_tok, done_chr = 0, 0  # tokens [0, done_tok) have spans; they decode to text[:done_chr]
+    for k in range(len(ids)):
+        piece = decode(ids[done_tok : k + 1])
+        end = None
+        if not piece.endswith(_INCOMPLETE) and text.startswith(piece, done_chr):
+            end = done_chr + len(piece)
+        else:  # e.g. a SentencePiece piece decoded alone; the full prefix is authoritative
+            prefix = decode(ids[: k + 1])
+            if not prefix.endswith(_INCOMPLETE) and text.startswith(prefix) and len(prefix) >= done_chr:
+                end = len(prefix)
+        if end is not None:
+            offsets.extend([(done_chr, end)] * (k + 1 - done_tok))
+            done_tok, done_chr = k + 1, end
+    offsets.extend([(done_chr, len(text))] * (len(ids) - done_tok))
+    return text, offsets
+
+
+def model_runs(completion_mask, tool_mask) -> list[tuple[int, int]]:
+    """Token ranges `[start, end)` of the maximal runs of model tokens (`completion_mask * tool_mask != 0`).
+
+    In a multi-turn tool rollout each run is one assistant turn: the tool results between turns have `tool_mask` 0.
+    """
+    on = [bool(c) and bool(t) for c, t in zip(list(completion_mask), list(tool_mask))]
+    runs, start = [], None
+    for i, flag in enumerate(on):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            runs.append((start, i))
+            start = None
+    if start is not None:
+        runs.append((start, len(on)))
+    return runs
+
+
+def locate_action_tokens(
+    text: str, offsets: list[tuple[int, int]], parsed: ParsedStep, tags: StepTags
+) -> tuple[int, int] | None:
+    """Token range `[i0, i1)` of the original action of a parsed step.
+
+    The action tokens are the tokens that lie entirely inside the action block's content (between the action open
+    and close tags) and overlap the stripped action text; so a leading-space token (`" look"`) belongs to the action,
+    and a token that straddles a tag and the action does not (then the action is scored without it).
+
+    Returns:
+        `tuple[int, int] | None`: the range, or `None` when no token qualifies.
+    """
+    a0, a1 = parsed.action_span
+    content_start = text.rfind(tags.action_open, 0, a0) + len(tags.action_open)
+    content_end = text.find(tags.action_close, a1)
+    if content_end < 0:
+        content_end = len(text)
+    inside = [
+        i
+        for i, (s, e) in enumerate(offsets)
+        if e > s and s >= content_start and e <= content_end and e > a0 and s < a1
+    ]
+    if not inside:
+        return None
+    return inside[0], inside[-1] + 1
+
+
+@dataclass
+class StepInfo:
+    """One step (assistant turn) of a local row.
+
+    Attributes:
+        row: Local row index.
+        index: Position of the step in its row (0 = first turn).
+        start / end: Token range `[start, end)` of the turn in the row's completion.
+        parsed: The parsed step, `None` when malformed.
+        error: Why the step is malformed (a `PARSE_ERROR_REASONS` code or `"action_tokens"`), `None` when well formed.
+        action_start / action_end: Absolute token range of the original action in the completion.
+    """
+
+    row: int
+    index: int
+    start: int
+    end: int
+    parsed: ParsedStep | None = None
+    error: str | None = None
+    action_start: int = -1
+    action_end: int = -1
+    # Filled for expanded steps, per level 1..4: the thinking text (None when it could not be generated), its token
+    # count and the tokens of its canonical prefix.
+    thinking: dict = field(default_factory=dict)
+    costs: dict = field(default_factory=dict)
+    prefix_ids: dict = field(default_factory=dict)
+
+
+def find_steps(
+    completion_ids: list[int], completion_mask, tool_mask, decode, tags: StepTags, row: int = 0
+) -> list[StepInfo]:
+    """Split one completion into steps, parse them and locate each step's action tokens.
+
+    Args:
+        completion_ids (`list[int]`):
+            The row's completion tokens (padding included; it is outside `completion_mask`).
+        completion_mask, tool_mask:
+            The row's masks (sequences of 0/1).
+        decode (`Callable[[list[int]], str]`):
+            Decoding function that drops special tokens (an end-of-turn token must not count as trailing text).
+        tags (`StepTags`):
+            The tag strings.
+        row (`int`, *optional*, defaults to `0`):
+            Local row index stored in the results.
+
+    Returns:
+        `list[StepInfo]`: one entry per assistant turn, in order.
+    """
+    steps = []
+    for k, (start, end) in enumerate(model_runs(completion_mask, tool_mask)):
+        info = StepInfo(row=row, index=k, start=start, end=end)
+        text, offsets = decode_with_offsets(decode, completion_ids[start:end])
+        parsed = parse_step(text, tags)
+        if not isinstance(parsed, ParsedStep):
+            info.error = parsed.reason
+        else:
+            span = locate_action_tokens(text, offsets, parsed, tags)
+            if span is None:
+                info.error = "action_tokens"
+            else:
+                info.parsed = parsed
+                info.action_start, info.action_end = start + span[0], start + span[1]
+        steps.append(info)
+    return steps
+
+
+def expandable_rows(batch: AdvantageBatch, policy: str) -> Tensor:
+    """Which local rows may have their steps expanded (see the module docstring, point 3).
+
+    Args:
+        batch (`AdvantageBatch`):
+            The estimator batch (gathered rewards, group ids, baseline mask, row kinds).
+        policy (`str`):
+            `"successful_varied"`, `"varied"` or `"all"`.
+
+    Returns:
+        `Tensor` of shape `(B,)`, bool.
+    """
+    if policy not in ("successful_varied", "varied", "all"):
+        raise ValueError(f"`rlvcr_expand_steps` must be 'successful_varied', 'varied' or 'all', got {policy!r}.")
+    rewards = batch.rewards.double()
+    finite = torch.isfinite(rewards)
+    kinds = batch.row_kind.long()
+    candidate = torch.zeros_like(finite)
+    for kind in _CANDIDATE_KINDS:
+        candidate |= kinds == kind
+    ok = finite & candidate
+    if policy != "all":
+        _, inverse = torch.unique(batch.group_ids, return_inverse=True)
+        stats = finite & batch.baseline_mask.bool()
+        num_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
+        high = torch.full((num_groups,), -math.inf, dtype=rewards.dtype, device=rewards.device)
+        low = torch.full((num_groups,), math.inf, dtype=rewards.dtype, device=rewards.device)
+        high = high.scatter_reduce(0, inverse, torch.where(stats, rewards, -math.inf), "amax")
+        low = low.scatter_reduce(0, inverse, torch.where(stats, rewards, math.inf), "amin")
+        varied = (high - low) > _RANGE_EPS  # groups with < 2 baseline rows: -inf - inf, never varied
+        ok = ok & varied[inverse]
+        if policy == "successful_varied":
+            ok = ok & (torch.nan_to_num(rewards, nan=-math.inf) > SUCCESS_THRESHOLD)
+    return ok[batch.local_index]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Generation and scoring
+
+
+@contextmanager
+def _generation_budget(trainer, max_new_tokens: int):
+    """Cap the transformers generation length while the alternative thinking is generated.
+
+    The trainer generates up to `max_completion_length` tokens; the thinking needs at most `max_new_tokens`. vLLM keeps
+    its own length (the outputs are truncated afterwards in every case).
+    """
+    config = getattr(trainer, "generation_config", None)
+    if getattr(trainer, "use_vllm", False) or config is None or getattr(config, "max_new_tokens", None) is None:
+        yield
+        return
+    old = config.max_new_tokens
+    config.max_new_tokens = min(old, max_new_tokens)
+    try:
+        yield
+    finally:
+        config.max_new_tokens = old
+
+
+def _render_user_prompt(trainer, text: str) -> list[int]:
+    tokenizer = trainer._tokenizer
+    template = getattr(trainer, "chat_template", None)
+    if template is None and getattr(tokenizer, "chat_template", None) is None:
+        return tokenizer.encode(text + "\n\n", add_special_tokens=False)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}],
+        chat_template=template,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+        **(getattr(trainer, "chat_template_kwargs", None) or {}),
+    )
+    return list(ids[0]) if ids and isinstance(ids[0], list) else list(ids)
+
+
+def _score(trainer, sequences: list[list[int]], tail_lengths: list[int], num_chunks: int, chunk_size: int):
+    """Log-probs of the last `tail_lengths[i]` tokens of each sequence, in exactly `num_chunks` forward passes.
+
+    Sequences are sorted by length (less padding) and left-padded per chunk, so the scored tokens of every row end
+    at the last position and `logits_to_keep` = the longest tail of the chunk (the LM head runs on few positions).
+    """
+    tokenizer = trainer._tokenizer
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = trainer.accelerator.device
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+    chunks = [order[k : k + chunk_size] for k in range(0, len(order), chunk_size)]
+    results: list[Tensor | None] = [None] * len(sequences)
+    model = trainer.model
+    checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if checkpointing:
+        from trl.models.utils import disable_gradient_checkpointing
+
+        context = disable_gradient_checkpointing(model, trainer.args.gradient_checkpointing_kwargs)
+    else:
+        context = nullcontext()
+    with torch.no_grad(), context:
+        for c in range(num_chunks):
+            if c < len(chunks):
+                idx = chunks[c]
+                rows = [sequences[i] for i in idx]
+                keep = max(tail_lengths[i] for i in idx)
+            else:  # dummy pass: another process has more chunks
+                idx, rows, keep = [], [[pad, pad]], 1
+            width = max(len(r) for r in rows)
+            input_ids = torch.full((len(rows), width), pad, dtype=torch.long, device=device)
+            attention = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+            for j, r in enumerate(rows):
+                input_ids[j, width - len(r) :] = torch.tensor(r, dtype=torch.long, device=device)
+                attention[j, width - len(r) :] = 1
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                model, input_ids, attention, keep, batch_size=len(rows)
+            )
+            for j, i in enumerate(idx):
+                results[i] = logps[j, keep - tail_lengths[i] :].detach().double().cpu()
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The estimator
+
+
+def rlvcr_estimator(batch: AdvantageBatch, trainer) -> Tensor | EstimatorResult:
+    """RLVCR / CoPO token-level advantages (see the module docstring for the full procedure).
+
+    Args:
+        batch (`AdvantageBatch`):
+            The generation batch (gathered rewards and group ids, local token tensors).
+        trainer:
+            The `AgenticGRPOTrainer` (config `rlvcr_*` fields, tokenizer, generation, scoring, metrics).
+
+    Returns:
+        `Tensor` of shape `(B, T)` with the token advantages of the local rows, or, with `rlvcr_expand=True`, an
+        `EstimatorResult` that also carries the expansion rows and their advantages. In eval mode: the `(B,)` episode
+        advantages.
+    """
+    args = trainer.args
+    episode = grpo_estimator(batch, trainer).to(torch.float32)
+    if not trainer.model.training:
+        return episode
+    mode, expand = args.rlvcr_mode, args.rlvcr_expand
+    if expand and mode != "copo":
+        raise ValueError("`rlvcr_expand=True` needs `rlvcr_mode='copo'` (expansion rows carry CoPO advantages).")
+    tokenizer = trainer._tokenizer
+    tags = step_tags_from_args(args)
+    device = batch.completion_ids.device
+    num_rows, width = batch.completion_ids.shape
+
+    def decode(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    # 2. Steps of the policy's own rows.
+    local_kind = batch.row_kind[batch.local_index].long().tolist()
+    completion_ids = batch.completion_ids.tolist()
+    completion_mask = batch.completion_mask.tolist()
+    tool_mask = batch.tool_mask.tolist()
+    steps_by_row: list[list[StepInfo]] = []
+    for r in range(num_rows):
+        if local_kind[r] in _CANDIDATE_KINDS:
+            steps_by_row.append(find_steps(completion_ids[r], completion_mask[r], tool_mask[r], decode, tags, r))
+        else:
+            steps_by_row.append([])
+    num_steps = max((len(s) for s in steps_by_row), default=0)
+    step_ids = torch.full((num_rows, width), -1, dtype=torch.long, device=device)
+    for steps in steps_by_row:
+        for s in steps:
+            step_ids[s.row, s.start : s.end] = s.index
+
+    # 3. Expandable steps.
+    expandable = expandable_rows(batch, args.rlvcr_expand_steps).tolist()
+    items = [s for r, steps in enumerate(steps_by_row) if expandable[r] for s in steps if s.parsed is not None]
+    prompts = [
+        [t for t, m in zip(ids, mask) if m] for ids, mask in zip(batch.prompt_ids.tolist(), batch.prompt_mask.tolist())
+    ]
+    items = [s for s in items if prompts[s.row] or s.start > 0]  # the first scored token needs a context
+
+    # Same number of collective calls on every process: one generation when any process has work, and the largest
+    # number of scoring chunks.
+    requests = [(s, level) for s in items for level in (2, 3, 4) if level != s.parsed.level]
+    chunk_size = args.rlvcr_score_batch_size
+    local_chunks = math.ceil(len(items) * len(LEVELS) / chunk_size)
+    plan = torch.tensor([len(requests), local_chunks], dtype=torch.long, device=trainer.accelerator.device)
+    plan = trainer.accelerator.reduce(plan, reduction="max").tolist()
+    any_requests, num_chunks = plan[0] > 0, int(plan[1])
+
+    # 4. Alternative thinking, one batched generation call.
+    for s in items:
+        s.thinking = {level: None for level in LEVELS}
+        s.thinking[s.parsed.level] = s.parsed.think
+        if s.parsed.level != 1:
+            s.thinking[1] = LEVEL1_THINK
+    failed_alternatives = 0
+    if any_requests:
+        contexts = []
+        for s, level in requests:
+            history = decode(prompts[s.row] + completion_ids[s.row][: s.start])
+            text = level_forcing_prompt(history, level, s.parsed.action, args.rlvcr_level_prompt_template, tags)
+            prefill = f"{tags.level_open}{level}{tags.level_close}\n{tags.think_open}"
+            contexts.append(_render_user_prompt(trainer, text) + tokenizer.encode(prefill, add_special_tokens=False))
+        budget = args.rlvcr_max_thinking_tokens
+        if not contexts:  # dummy call: another process generates
+            contexts = [prompts[0] if num_rows and prompts[0] else [tokenizer.eos_token_id]]
+        with _generation_budget(trainer, budget):
+            generated, _ = trainer._generate_single_turn(contexts, None, {}, num_generations=1)
+        for (s, level), ids in zip(requests, generated):
+            think = cut_before_action(tags.think_open + decode(list(ids)[:budget]) + tags.think_close, tags)
+            s.thinking[level] = think
+            failed_alternatives += think is None
+
+    # 5. Scoring: context + canonical prefix of each level + the step's own action (and the rest of the turn).
+    sequences, tails, owners = [], [], []
+    for n, s in enumerate(items):
+        context = prompts[s.row] + completion_ids[s.row][: s.start]
+        action = completion_ids[s.row][s.action_start : s.action_end]
+        rest = completion_ids[s.row][s.action_end : s.end]
+        for level in LEVELS:
+            think = s.thinking[level]
+            if think is None:
+                continue
+            prefix = tokenizer.encode(render_prefix(level, think, tags), add_special_tokens=False)
+            s.prefix_ids[level] = prefix
+            s.costs[level] = len(tokenizer.encode(think, add_special_tokens=False))
+            sequences.append(context + prefix + action + rest)
+            tails.append(len(prefix) + len(action) + len(rest))
+            owners.append((n, level))
+    logps = _score(trainer, sequences, tails, num_chunks, chunk_size) if num_chunks else []
+    confidence = torch.full((len(items), len(LEVELS)), math.nan, dtype=torch.float64)
+    cost = torch.full((len(items), len(LEVELS)), math.nan, dtype=torch.float64)
+    step_logps = {}
+    for (n, level), lp in zip(owners, logps):
+        s = items[n]
+        a0 = len(s.prefix_ids[level])
+        a1 = a0 + s.action_end - s.action_start
+        mask = torch.zeros((1, lp.numel()), dtype=torch.bool)
+        mask[0, a0:a1] = True
+        confidence[n, level - 1] = action_confidence(lp[None], mask)[0]
+        cost[n, level - 1] = s.costs[level]
+        step_logps[(n, level)] = lp
+
+    # 6. Token advantages.
+    levels = torch.tensor([s.parsed.level for s in items], dtype=torch.long)
+    per_step = torch.full((num_rows, num_steps), math.nan, dtype=torch.float64)
+    weights = None
+    if mode == "copo":
+        weights = copo_weights(confidence, k=args.rlvcr_k).double()
+        chosen = chosen_level_values(weights, levels) if items else torch.zeros(0, dtype=torch.float64)
+    else:
+        think_adv = thinking_advantages(
+            confidence, cost, alpha=args.rlvcr_alpha, cost_max=args.rlvcr_cost_max, mode=args.rlvcr_norm_mode
+        )
+        chosen = chosen_level_values(think_adv, levels) if items else torch.zeros(0, dtype=torch.float64)
+    for n, s in enumerate(items):
+        per_step[s.row, s.index] = chosen[n]
+    per_step = per_step.to(device)
+    if mode == "copo":
+        advantages = combine_copo(episode.double(), per_step, step_ids)
+    else:
+        advantages = combine_additive(episode.double(), per_step, step_ids, args.rlvcr_step_advantage_w)
+    advantages = advantages.to(torch.float32)
+
+    # 7. Expansion rows.
+    extra_rows, extra_adv = [], []
+    if expand:
+        for n, s in enumerate(items):
+            if torch.isnan(confidence[n]).any():
+                continue  # an unscored level: the step keeps the plain episode advantage, no rows
+            context = completion_ids[s.row][: s.start]
+            action_and_rest = completion_ids[s.row][s.action_start : s.end]
+            for level in LEVELS:
+                if level == s.parsed.level:
+                    continue
+                step = s.prefix_ids[level] + action_and_rest
+                extra_rows.append(
+                    ExtraRow(
+                        kind=RowKind.EXPANSION,
+                        parent=s.row,
+                        prompt_ids=list(prompts[s.row]),
+                        completion_ids=context + step,
+                        tool_mask=[0] * len(context) + [1] * len(step),
+                        logprobs=[0.0] * len(context) + step_logps[(n, level)].tolist(),
+                    )
+                )
+                extra_adv.append(float(episode[s.row]) * float(weights[n, level - 1]))
+
+    # 8. Metrics, summed over processes (one reduce, same order everywhere).
+    valid = [s for steps in steps_by_row for s in steps if s.parsed is not None]
+    invalid = sum(1 for steps in steps_by_row for s in steps if s.parsed is None)
+    think_tokens = sum(len(tokenizer.encode(s.parsed.think, add_special_tokens=False)) for s in valid)
+    finite_conf = confidence[torch.isfinite(confidence)]
+    local = [
+        len(valid),
+        *(sum(1 for s in valid if s.parsed.level == level) for level in LEVELS),
+        think_tokens,
+        len(items),
+        invalid,
+        float(finite_conf.sum()) if finite_conf.numel() else 0.0,
+        finite_conf.numel(),
+        failed_alternatives,
+    ]
+    total = trainer.accelerator.reduce(
+        torch.tensor(local, dtype=torch.float64, device=trainer.accelerator.device), reduction="sum"
+    ).tolist()
+    n_valid, l1, l2, l3, l4, tokens, expanded, n_invalid, conf_sum, conf_n, failed = total
+    metrics = trainer._metrics["train"]
+    for level, count in zip(LEVELS, (l1, l2, l3, l4)):
+        metrics[f"rlvcr/level_frac_{level}"].append(count / n_valid if n_valid else math.nan)
+    metrics["rlvcr/thinking_tokens_mean"].append(tokens / n_valid if n_valid else math.nan)
+    metrics["rlvcr/expanded_steps"].append(expanded)
+    metrics["rlvcr/invalid_format"].append(n_invalid)
+    metrics["rlvcr/confidence_mean"].append(conf_sum / conf_n if conf_n else math.nan)
+    metrics["rlvcr/failed_alternatives"].append(failed)
+
+    if expand:
+        return EstimatorResult(
+            advantages=advantages,
+            extra_rows=extra_rows,
+            extra_advantages=torch.tensor(extra_adv, dtype=torch.float32, device=device),
+        )
+    return advantages

@@ -1,0 +1,314 @@
+"""Warm start: a short SFT stage on synthetic tool-use traces, before GRPO.
+
+A small instruct model that has never seen the tool-call format gets zero reward on every rollout, so GRPO has no
+signal (every group has zero reward variance). The warm start shows it the format on a few hundred generated traces
+of the task, then GRPO continues training the same LoRA adapter with the tool.
+
+A trace is the conversation the rollout loop would produce, token for token:
+
+```
+<prompt: system + tools + user question><|im_start|>assistant\\n
+<tool_call>\\n{"name": "calculate", "arguments": {"expression": "64 * 16 - 275"}}\\n</tool_call><|im_end|>   (trained)
+\\n<|im_start|>user\\n<tool_response>\\n749\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n            (masked)
+Answer: 749<|im_end|>                                                                                      (trained)
+```
+
+The prompt is rendered with the chat template GRPO uses, the tool results are produced by running the task's real
+environment on the call (errors formatted exactly as the rollout loop shows them) and appended with the same suffix
+construction as TRL's `_get_tool_suffix_ids`; only the model's own tokens carry labels. The traces are imperfect on
+purpose: a fraction `error_fraction` of them first make a call the calculator rejects (`47 x 523`, a trailing `=`,
+implicit multiplication `47(523)`), see the error and then make the correct call. A warm-started policy therefore
+still makes malformed calls now and then, which gives rollback and negative samples something to fix during GRPO.
+
+Training is TRL's `SFTTrainer` with the LoRA config of the run, on the pre-tokenized traces (`input_ids` + `labels`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .envs.protocol import tool_methods
+from .evaluation import ChatRenderer
+from .rollout.tools import run_tool_call
+
+
+def tool_call_text(name: str, arguments: dict) -> str:
+    """An assistant tool-call turn as Qwen3/Hermes templates write it (what TRL's response parser reads back)."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+
+
+def _mistakes(expression: str) -> list[str]:
+    """Plausible malformed versions of an arithmetic expression that the calculator rejects."""
+    out = []
+    if "*" in expression:
+        out.append(expression.replace(" * ", " x ", 1))  # the multiplication sign of school maths
+        out.append(re.sub(r"(\d+) \* (\d+)", r"\1(\2)", expression, count=1))  # implicit multiplication
+    out.append(expression + " =")
+    return out
+
+
+def make_tool_traces(
+    rows: Sequence[dict],
+    environment_factory: Callable,
+    *,
+    error_fraction: float = 0.0,
+    seed: int = 0,
+    tool_name: str = "calculate",
+    argument: str = "expression",
+    argument_template: str = "{expression}",
+    answer_template: str = "Answer: {result}",
+) -> list[dict]:
+    """
+    Build synthetic tool-use conversations for arithmetic rows (with an `expression` and an `answer` column).
+
+    Args:
+        rows (`Sequence[dict]`):
+            Task rows: a conversational `prompt`, the ground-truth `expression` and `answer`.
+        environment_factory (`Callable`):
+            Builds the task's environment; its tool is really called so every tool message is exact.
+        error_fraction (`float`, *optional*, defaults to `0.0`):
+            Fraction of traces that first make a malformed call, get the tool's error and then make the right call.
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the choice of faulty traces and mistakes.
+        tool_name (`str`, *optional*, defaults to `"calculate"`):
+            Name of the tool to call.
+        argument (`str`, *optional*, defaults to `"expression"`):
+            Name of the tool's argument that receives the expression.
+        argument_template (`str`, *optional*, defaults to `"{expression}"`):
+            Value of that argument; e.g. `"print({expression})"` for a Python tool.
+        answer_template (`str`, *optional*, defaults to `"Answer: {result}"`):
+            Final assistant message; `{result}` is the tool's result.
+
+    Returns:
+        `list[dict]`: One dict per row: `prompt` (the row's messages), `turns` (assistant and tool messages, in order),
+        `faulty` (whether the trace contains a rejected call).
+    """
+    rng = random.Random(seed)
+    traces = []
+    for row in rows:
+        env = environment_factory()
+        env.reset(**row)
+        tools = tool_methods(env)
+        if tool_name not in tools:
+            raise ValueError(f"The environment has no tool {tool_name!r} (tools: {sorted(tools)}).")
+
+        def call(expression: str, tools=tools) -> tuple[dict, dict, bool]:
+            value = argument_template.format(expression=expression)
+            request = {"type": "function", "function": {"name": tool_name, "arguments": {argument: value}}}
+            outcome = run_tool_call(
+                request, tools, {}, timeout=0, max_chars=4000, infra_patterns=[], rollback_patterns=[]
+            )
+            assistant = {"role": "assistant", "content": "", "tool_calls": [request]}
+            return assistant, {"role": "tool", "name": tool_name, "content": outcome.content}, not outcome.failed
+
+        turns: list[dict] = []
+        faulty = rng.random() < error_fraction
+        if faulty:
+            candidates = _mistakes(row["expression"])
+            rng.shuffle(candidates)
+            for bad in candidates:
+                assistant, tool, ok = call(bad)
+                if not ok:  # only mistakes the tool really rejects
+                    turns += [assistant, tool]
+                    break
+            else:
+                faulty = False
+        assistant, tool, ok = call(row["expression"])
+        if not ok:
+            raise ValueError(f"The tool rejected the ground-truth expression {row['expression']!r}: {tool['content']}")
+        turns += [
+            assistant,
+            tool,
+            {"role": "assistant", "content": answer_template.format(result=tool["content"].strip())},
+        ]
+        traces.append({"prompt": copy.deepcopy(list(row["prompt"])), "turns": turns, "faulty": faulty})
+    return traces
+
+
+def tokenize_trace(renderer: ChatRenderer, trace: dict, tools: Sequence[Callable]) -> dict:
+    """
+    Tokenize a trace exactly as the rollout loop lays out a multi-turn completion.
+
+    Args:
+        renderer ([`ChatRenderer`]):
+            Renders prompts and tool-result suffixes with the chat template GRPO uses.
+        trace (`dict`):
+            A trace of [`make_tool_traces`].
+        tools (`Sequence[Callable]`):
+            The environment's tools (rendered into the system prompt).
+
+    Returns:
+        `dict`: `input_ids` and `labels` (`-100` on the prompt and on the tool results).
+    """
+    tokenizer = renderer.tokenizer
+    input_ids = renderer.prompt_ids(trace["prompt"], tools=list(tools))
+    labels = [-100] * len(input_ids)
+    turns = trace["turns"]
+    k = 0
+    while k < len(turns):
+        message = turns[k]
+        if message["role"] != "assistant":
+            raise ValueError(f"Expected an assistant turn at position {k}, got {message['role']!r}.")
+        text = message.get("content") or ""
+        for request in message.get("tool_calls") or []:
+            function = request["function"]
+            text += ("\n" if text else "") + tool_call_text(function["name"], function["arguments"])
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        input_ids += ids
+        labels += ids
+        k += 1
+        tool_messages = []
+        while k < len(turns) and turns[k]["role"] == "tool":
+            tool_messages.append(turns[k])
+            k += 1
+        if tool_messages:
+            suffix = renderer.tool_suffix_ids(tool_messages)
+            input_ids += suffix
+            labels += [-100] * len(suffix)
+    return {"input_ids": input_ids, "labels": labels}
+
+
+@dataclass
+class WarmStartResult:
+    """What [`run_warmstart`] returns.
+
+    Attributes:
+        model: The model with the trained LoRA adapter (a `PeftModel`), ready for GRPO.
+        log_history: `trainer.state.log_history` of the SFT run.
+        seconds: Wall time of the stage.
+        num_traces: Number of traces built.
+        faulty_traces: How many of them contain a rejected call.
+        sample_trace: The decoded first trace (to show in logs and docs).
+    """
+
+    model: object
+    log_history: list[dict]
+    seconds: float
+    num_traces: int
+    faulty_traces: int
+    sample_trace: str
+
+
+def run_warmstart(
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    *,
+    environment_factory: Callable,
+    peft_config,
+    output_dir: str,
+    max_steps: int = 40,
+    batch_size: int = 8,
+    micro_batch_size: int = 2,
+    learning_rate: float = 2e-4,
+    error_fraction: float = 0.0,
+    seed: int = 0,
+    use_cpu: bool = True,
+    callbacks: list | None = None,
+    trace_options: dict | None = None,
+    compact_progress: bool = True,
+) -> WarmStartResult:
+    """
+    Train a LoRA adapter with TRL's `SFTTrainer` on synthetic tool-use traces of the task.
+
+    Args:
+        model (`str` or `PreTrainedModel`):
+            Model path or instance (e.g. the resolved embedded SmolLM2 folder).
+        tokenizer:
+            Its tokenizer (tool-calling chat template).
+        rows (`Sequence[dict]`):
+            Task rows the traces are made from (use problems other than the held-out evaluation ones).
+        environment_factory (`Callable`):
+            The task's environment (its tool produces the tool messages).
+        peft_config (`peft.PeftConfig`):
+            LoRA config; GRPO later continues training this adapter.
+        output_dir (`str`):
+            Directory of the SFT trainer (nothing is saved there unless asked for).
+        max_steps (`int`, *optional*, defaults to `40`):
+            Optimizer steps.
+        batch_size (`int`, *optional*, defaults to `8`):
+            Traces per optimizer step.
+        micro_batch_size (`int`, *optional*, defaults to `2`):
+            Traces per forward/backward pass (gradient accumulation makes up `batch_size`). On CPU in float32 a
+            ~400-token trace of a 135M model takes ~1.3 GB of activations, so small micro-batches bound the memory at
+            no cost in speed.
+        learning_rate (`float`, *optional*, defaults to `2e-4`):
+            Peak learning rate (linear decay, no warm-up).
+        error_fraction (`float`, *optional*, defaults to `0.0`):
+            See [`make_tool_traces`].
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the traces and of the trainer.
+        use_cpu (`bool`, *optional*, defaults to `True`):
+            Train on CPU.
+        callbacks (`list`, *optional*):
+            Extra `TrainerCallback`s.
+        trace_options (`dict`, *optional*):
+            Extra keyword arguments of [`make_tool_traces`] (tool name, argument, templates).
+        compact_progress (`bool`, *optional*, defaults to `True`):
+            Show one compact line per step (loss, token accuracy, s/step) under the progress bar.
+
+    Returns:
+        [`WarmStartResult`].
+    """
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    micro_batch_size = min(micro_batch_size, batch_size)
+    if batch_size % micro_batch_size:
+        raise ValueError(f"`batch_size` ({batch_size}) must be a multiple of `micro_batch_size` ({micro_batch_size}).")
+    start = time.perf_counter()
+    traces = make_tool_traces(
+        rows, environment_factory, error_fraction=error_fraction, seed=seed, **(trace_options or {})
+    )
+    renderer = ChatRenderer(tokenizer)
+    tools = list(tool_methods(environment_factory()).values())
+    examples = [tokenize_trace(renderer, trace, tools) for trace in traces]
+    dataset = Dataset.from_list(examples)
+    args = SFTConfig(
+        output_dir=output_dir,
+        max_steps=max_steps,
+        per_device_train_batch_size=micro_batch_size,
+        gradient_accumulation_steps=batch_size // micro_batch_size,
+        learning_rate=learning_rate,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=use_cpu,
+        bf16=False,
+        seed=seed,
+        max_length=None,
+        gradient_checkpointing=False,
+        # The traces are short and of similar length: padding wastes little, packing would mix problems.
+        packing=False,
+        dataloader_num_workers=0,
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=callbacks,
+    )
+    if compact_progress:
+        from .reporting import install_compact_progress
+
+        install_compact_progress(trainer)
+    trainer.train()
+    sample = tokenizer.decode(examples[0]["input_ids"][len(renderer.prompt_ids(traces[0]["prompt"], tools)) :])
+    return WarmStartResult(
+        model=trainer.model,
+        log_history=list(trainer.state.log_history),
+        seconds=time.perf_counter() - start,
+        num_traces=len(traces),
+        faulty_traces=sum(t["faulty"] for t in traces),
+        sample_trace=sample,
+    )
