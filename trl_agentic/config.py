@@ -157,6 +157,14 @@ class AgenticGRPOConfig(GRPOConfig):
         rlvcr_score_batch_size (`int`, *optional*, defaults to `16`):
             Rows per forward pass when scoring the action under the 4 thinking contexts.
 
+        > vLLM
+
+        vllm_lora_sync (`bool`, *optional*, defaults to `True`):
+            With `use_vllm` and a PEFT LoRA policy, hand vLLM only the adapter each step instead of TRL's
+            merge-and-push of every base weight (the only sync that works on vLLM's CPU build). Falls back to TRL's
+            sync for adapters vLLM cannot serve. This is the one default that differs from `GRPOTrainer`, and only
+            for vLLM + PEFT runs.
+
         > TracIn-filtered training (seed 003)
 
         tracin_enabled (`bool`, *optional*, defaults to `False`):
@@ -336,6 +344,16 @@ class AgenticGRPOConfig(GRPOConfig):
     tracin_top_fraction: float = field(default=0.5, metadata={"help": "Fraction kept by 'top_fraction'."})
     tracin_threshold: float = field(default=0.0, metadata={"help": "Score threshold of 'threshold'."})
     tracin_min_selected: int = field(default=1, metadata={"help": "Fallback: at least this many rows (top scores)."})
+
+    # --- vLLM --------------------------------------------------------------------------------------------------
+    vllm_lora_sync: bool = field(
+        default=True,
+        metadata={
+            "help": "With vLLM and a PEFT LoRA policy, hand vLLM only the adapter each step (loaded as a vLLM LoRA "
+            "adapter) instead of TRL's merge-and-push of every base weight. Falls back to TRL's sync for adapters "
+            "vLLM cannot serve (DoRA, modules_to_save, biases, rank/alpha patterns) and with sleep mode."
+        },
+    )
 
     # Fields whose dict values arrive as JSON strings from the command line.
     _VALID_DICT_FIELDS = [*GRPOConfig._VALID_DICT_FIELDS, "negative_reward_by_error"]

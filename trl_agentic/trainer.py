@@ -20,6 +20,7 @@ from .rollout.loop import AgenticRolloutLoop, LoopConfig
 from .rollout.trl_backend import TrainerBackend
 from .rollout.types import RowKind
 from .tracin.trainer_mixin import TracInMixin
+from .vllm_lora import lora_sync_vllm
 
 STATE_FILE = "trl_agentic_state.json"
 
@@ -102,14 +103,16 @@ class AgenticGRPOTrainer(TracInMixin, GRPOTrainer):
                 "`multi_objective_aggregation` must be 'sum_then_normalize' when rollback or snapshots are on: "
                 "negative and snapshot rows have a single reward, not one per reward function."
             )
-        super().__init__(
-            model,
-            reward_funcs if reward_funcs is not None else [],
-            args=args,
-            tools=tools,
-            environment_factory=environment_factory,
-            **kwargs,
-        )
+        # TRL builds its vLLM engine in here; LoRA support must be on from creation (docs/vllm.md).
+        with lora_sync_vllm(args.use_vllm and args.vllm_lora_sync):
+            super().__init__(
+                model,
+                reward_funcs if reward_funcs is not None else [],
+                args=args,
+                tools=tools,
+                environment_factory=environment_factory,
+                **kwargs,
+            )
         if args.enable_tool_rollback and self.environment_factories is not None:
             for pool in self._environment_pool.values():
                 check_checkpointable(pool[0])
