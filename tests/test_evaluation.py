@@ -78,6 +78,7 @@ def test_metrics_of_a_scripted_policy(tiny_tokenizer):
     assert m["tool_success_rate"] == 0.75 and m["no_tool_call_rate"] == 0.25
     # Calls: right 1, bad-then-right 2 (one failed), no-tool 0, wrong-copy 1 -> 4 per 4 problems, 1 failure in 4.
     assert m["tool_calls_per_problem"] == 1.0 and m["tool_failure_rate"] == 0.25
+    assert m["tool_call_success_rate"] == 0.75
     by_behaviour = {PLAN[k % 4]: r for k, r in enumerate(result.records)}
     assert by_behaviour["bad-then-right"]["tool_failures"] == 1 and by_behaviour["bad-then-right"]["correct"]
     tool_messages = [x for x in by_behaviour["bad-then-right"]["messages"] if x["role"] == "tool"]
@@ -133,3 +134,26 @@ def test_real_model_loop_runs_greedy_and_sampled(tiny_model_dir, tiny_tokenizer,
     )
     assert result.metrics["num_problems"] == 4 and not math.isnan(result.metrics["success_rate"])
     assert all(0 < r["completion_tokens"] <= 16 for r in result.records)
+
+
+class _RewardingEnv(CalculatorEnv):
+    """An environment that owns a reward (TRL's `get_reward`): 1 when at least one call went through."""
+
+    def get_reward(self):
+        return float(self.calls > self.failures)
+
+
+def test_environment_reward_is_added_like_trl(tiny_tokenizer):
+    rows = make_arithmetic_tasks(4, 11, "medium")
+    result = evaluate_policy(
+        ScriptedModel(tiny_tokenizer, rows, PLAN),
+        tiny_tokenizer,
+        rows,
+        environment_factory=_RewardingEnv,
+        reward_funcs=[answer_reward],
+        max_completion_length=4096,
+        prefix_caching=False,
+        progress=False,
+    )
+    assert [r["rewards"] for r in result.records] == [[1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 1.0]]
+    assert result.metrics["success_rate"] == 0.5 and result.metrics["reward"] == 1.25

@@ -50,7 +50,11 @@ def test_hub_folder_has_adapter_tokenizer_and_card(tiny_model_dir, tmp_path):
     )
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]] * 4})
     trainer = AgenticGRPOTrainer(
-        model=tiny_model_dir, reward_funcs=reward, args=args, train_dataset=dataset, environment_factory=EchoEnv,
+        model=tiny_model_dir,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        environment_factory=EchoEnv,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
     )
     trainer.train()
@@ -58,8 +62,13 @@ def test_hub_folder_has_adapter_tokenizer_and_card(tiny_model_dir, tmp_path):
     trainer.create_model_card(model_name="calc-agent")
 
     names = {p.name for p in out.iterdir()}
-    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "README.md"} <= names
+    assert {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "README.md",
+    } <= names
     card = (out / "README.md").read_text()
     assert "AgenticGRPOTrainer" in card and "trl-agentic" in card
     assert "| rollback |" in card and "`max_tool_retries=3`" in card
@@ -75,7 +84,8 @@ def test_hub_folder_has_adapter_tokenizer_and_card(tiny_model_dir, tmp_path):
     assert all(torch.equal(trained[k], reloaded[k]) for k in trained)
     assert any(v.abs().sum() > 0 for k, v in reloaded.items() if "lora_B" in k)  # the adapter was trained
     tokenizer = AutoTokenizer.from_pretrained(str(out))
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     generated = loaded.generate(**ids, max_new_tokens=5, do_sample=False)
     assert generated.shape[1] == ids["input_ids"].shape[1] + 5 or tokenizer.eos_token_id in generated[0].tolist()

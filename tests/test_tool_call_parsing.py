@@ -17,7 +17,9 @@ def test_parses_one_and_several_calls():
     text = "Let me compute. " + block({"name": "calculate", "arguments": {"expression": "17*23"}}) + "<|im_end|>"
     parsed = parse_tool_calls(text)
     assert parsed.errors == []
-    assert parsed.calls == [{"type": "function", "function": {"name": "calculate", "arguments": {"expression": "17*23"}}}]
+    assert parsed.calls == [
+        {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "17*23"}}}
+    ]
     assert parsed.content == "Let me compute. <|im_end|>"
     two = parse_tool_calls(block({"name": "a", "arguments": {}}) + block({"name": "b", "arguments": '{"x": 1}'}))
     assert [c["function"]["name"] for c in two.calls] == ["a", "b"]
@@ -57,8 +59,30 @@ def test_non_text_input():
 
 
 FRAGMENTS = st.sampled_from(
-    ["<tool_call>", "</tool_call>", "{", "}", '"name"', ":", '"arguments"', "[", "]", ",", '"f"', "null", "1e999",
-     "\\u0000", "é", "😀", "\n", " ", '"', "<|im_end|>", "<tool_call", "tool_call>"]
+    [
+        "<tool_call>",
+        "</tool_call>",
+        "{",
+        "}",
+        '"name"',
+        ":",
+        '"arguments"',
+        "[",
+        "]",
+        ",",
+        '"f"',
+        "null",
+        "1e999",
+        "\\u0000",
+        "é",
+        "😀",
+        "\n",
+        " ",
+        '"',
+        "<|im_end|>",
+        "<tool_call",
+        "tool_call>",
+    ]
 )
 
 
@@ -76,8 +100,10 @@ def test_fuzz_never_raises_and_is_consistent(text):
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.dictionaries(st.text(min_size=1, max_size=8), st.one_of(st.integers(), st.text(max_size=20)), max_size=4),
-       st.text(min_size=1, max_size=12))
+@given(
+    st.dictionaries(st.text(min_size=1, max_size=8), st.one_of(st.integers(), st.text(max_size=20)), max_size=4),
+    st.text(min_size=1, max_size=12),
+)
 def test_fuzz_valid_calls_round_trip(arguments, name):
     parsed = parse_tool_calls(block({"name": name, "arguments": arguments}))
     assert parsed.errors == []

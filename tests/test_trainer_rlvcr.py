@@ -313,7 +313,9 @@ def test_rlvcr_expansion_rows_reach_the_batch(peaked_model_dir, tiny_tokenizer, 
         ids = batch["completion_ids"][i][mask].tolist()
         text = tok.decode(ids)
         # Only the alternative step is trained: a canonical prefix, the original action, the end of the turn.
-        assert re.fullmatch(r"<level>\d</level>\n<think>[^<]*</think>\n<tool_call>\{.*\}\n</tool_call><\|im_end\|>", text)
+        assert re.fullmatch(
+            r"<level>\d</level>\n<think>[^<]*</think>\n<tool_call>\{.*\}\n</tool_call><\|im_end\|>", text
+        )
         assert mask[context_len:].sum() == len(ids)  # the context is one block before the step
         level = int(text[len("<level>")])
         thinking = text[text.index("<think>") + len("<think>") : text.index("</think>")]

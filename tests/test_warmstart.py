@@ -49,7 +49,8 @@ def test_error_fraction_is_respected_and_seeded():
     first = make_tool_traces(rows, CalculatorEnv, error_fraction=0.25, seed=7)
     again = make_tool_traces(rows, CalculatorEnv, error_fraction=0.25, seed=7)
     assert first == again
-    assert 30 <= sum(t["faulty"] for t in first) <= 70
+    assert sum(t["faulty"] for t in first) == 50
+    assert sum(t["faulty"] for t in make_tool_traces(rows[:16], CalculatorEnv, error_fraction=0.25)) == 4
 
 
 def test_python_tool_traces():

@@ -229,9 +229,9 @@ def _evaluate_into(stage, model, tokenizer, task, task_args, training_args, resu
         results[stage], records[stage] = result.metrics, result.records
         m = result.metrics
         print(
-            f"[{stage}] success {m['success_rate']:.1%} | problems with a successful tool call "
-            f"{m['tool_success_rate']:.1%} | tool call failures {m['tool_failure_rate']:.1%} | "
-            f"{m['tool_calls_per_problem']:.2f} calls/problem | {m['seconds']:.0f} s",
+            f"[{stage}] success {m['success_rate']:.1%} | successful tool calls {m['tool_call_success_rate']:.1%} | "
+            f"problems with a successful call {m['tool_success_rate']:.1%} | {m['tool_calls_per_problem']:.2f} "
+            f"calls/problem | {m['seconds']:.0f} s",
             flush=True,
         )
     state.wait_for_everyone()
@@ -316,8 +316,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trl-agentic: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
     task_args, training_args, model_args = make_parser().parse_args_and_config(args=rest)
-    train(task_args, training_args, model_args)
+    try:
+        train(task_args, training_args, model_args)
+    finally:
+        _shutdown_distributed()
     return 0
+
+
+def _shutdown_distributed() -> None:
+    """Destroy the process group before the interpreter exits.
+
+    Left to interpreter shutdown, the gloo process group's C++ threads can be destroyed while still joinable, and a rank
+    that has already finished training aborts with "terminate called without an active exception" (SIGABRT), which
+    `accelerate launch` reports as a failed run.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

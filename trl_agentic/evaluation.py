@@ -14,9 +14,10 @@ Metrics (all over problems unless said otherwise):
 
 - `success_rate`: mean of the first reward function (for `answer_reward`: the share of correct final answers);
 - `reward`: mean of the summed rewards;
-- `tool_success_rate`: share of problems with at least one tool call that ran without error;
+- `tool_call_success_rate`: tool calls that ran without error / tool calls (0 when there are no calls);
 - `tool_failure_rate`: failed tool calls / tool calls (malformed calls, unknown tools, exceptions), like TRL's
-  `tools/failure_frequency`;
+  `tools/failure_frequency` (the complement of `tool_call_success_rate` when there are calls);
+- `tool_success_rate`: share of problems with at least one tool call that ran without error;
 - `tool_calls_per_problem`, `no_tool_call_rate`, `mean_completion_tokens`, `seconds`.
 """
 
@@ -306,7 +307,7 @@ def evaluate_policy(
             Builds one environment per problem (TRL's environment protocol: `reset(**row)` plus public tool methods).
         reward_funcs (`Sequence[Callable]`):
             TRL-style reward functions `f(completions=..., prompts=..., **columns) -> list[float]`; the first one
-            defines `success_rate`.
+            defines `success_rate`. An environment with a `get_reward()` method adds its reward last, as in TRL.
         max_completion_length (`int`, *optional*, defaults to `96`):
             Token budget of a whole completion (all turns), as `max_completion_length` in GRPO.
         max_tool_calling_iterations (`int`, *optional*, defaults to `3`):
@@ -399,6 +400,8 @@ def evaluate_policy(
                     **columns,
                 )
                 per_func.append([math.nan if v is None else float(v) for v in values])
+            if callable(getattr(envs[0], "get_reward", None)):  # an environment that owns its reward, as in TRL
+                per_func.append([math.nan if (v := env.get_reward()) is None else float(v) for env in envs])
             for k, row in enumerate(chunk):
                 messages = completions[k]
                 tool_msgs = [m for m in messages if m.get("role") == "tool"]
@@ -417,6 +420,10 @@ def evaluate_policy(
                         "completion_tokens": sum(tool_mask[k]),
                     }
                 )
+            for env in envs:  # e.g. the Python sandbox's interpreter process
+                close = getattr(env, "_close", None)
+                if callable(close):
+                    close()
             bar.update(len(chunk))
     return EvalResult(summarize(records, time.perf_counter() - start), records)
 
@@ -434,6 +441,7 @@ def summarize(records: list[dict], seconds: float = 0.0) -> dict[str, float]:
         "success_rate": sum(first) / len(first) if first else math.nan,
         "reward": sum(r["reward"] for r in records) / n,
         "tool_success_rate": sum(r["tool_calls"] > r["tool_failures"] for r in records) / n,
+        "tool_call_success_rate": (calls - failures) / calls if calls else 0.0,
         "tool_failure_rate": failures / calls if calls else 0.0,
         "tool_calls_per_problem": calls / n,
         "no_tool_call_rate": sum(r["tool_calls"] == 0 for r in records) / n,
@@ -446,8 +454,8 @@ def format_comparison(results: dict[str, dict[str, float]]) -> str:
     """A small fixed-width table of evaluation metrics, one column per stage (e.g. before / after GRPO)."""
     keys = [
         ("success_rate", "success rate", True),
+        ("tool_call_success_rate", "successful tool calls", True),
         ("tool_success_rate", "problems with a successful tool call", True),
-        ("tool_failure_rate", "tool call failure rate", True),
         ("tool_calls_per_problem", "tool calls per problem", False),
         ("mean_completion_tokens", "completion tokens", False),
         ("seconds", "eval time (s)", False),

@@ -73,7 +73,8 @@ def make_tool_traces(
         environment_factory (`Callable`):
             Builds the task's environment; its tool is really called so every tool message is exact.
         error_fraction (`float`, *optional*, defaults to `0.0`):
-            Fraction of traces that first make a malformed call, get the tool's error and then make the right call.
+            Fraction of traces (rounded to a whole number of traces, chosen at random) that first make a malformed
+            call, get the tool's error and then make the right call.
         seed (`int`, *optional*, defaults to `0`):
             Seed of the choice of faulty traces and mistakes.
         tool_name (`str`, *optional*, defaults to `"calculate"`):
@@ -90,8 +91,10 @@ def make_tool_traces(
         `faulty` (whether the trace contains a rejected call).
     """
     rng = random.Random(seed)
+    # An exact share of faulty traces (not a coin flip per trace): small warm starts get the fraction asked for.
+    faulty_rows = set(rng.sample(range(len(rows)), round(error_fraction * len(rows))))
     traces = []
-    for row in rows:
+    for index, row in enumerate(rows):
         env = environment_factory()
         env.reset(**row)
         tools = tool_methods(env)
@@ -108,7 +111,7 @@ def make_tool_traces(
             return assistant, {"role": "tool", "name": tool_name, "content": outcome.content}, not outcome.failed
 
         turns: list[dict] = []
-        faulty = rng.random() < error_fraction
+        faulty = index in faulty_rows
         if faulty:
             candidates = _mistakes(row["expression"])
             rng.shuffle(candidates)
@@ -128,6 +131,9 @@ def make_tool_traces(
             {"role": "assistant", "content": answer_template.format(result=tool["content"].strip())},
         ]
         traces.append({"prompt": copy.deepcopy(list(row["prompt"])), "turns": turns, "faulty": faulty})
+        close = getattr(env, "_close", None)  # e.g. the Python sandbox's interpreter process
+        if callable(close):
+            close()
     return traces
 
 

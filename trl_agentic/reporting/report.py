@@ -164,8 +164,9 @@ def _badges(t: dict, children: dict[str, list[str]]) -> str:
         out.append(f'<span class="badge badge-snapshot">snapshot segment {_e(t.get("segment_index", 0))}</span>')
     for level in t.get("levels") or []:
         out.append(f'<span class="badge badge-level">level {_e(level)}</span>')
-    correct = (t.get("rewards") or {}).get("answer_reward")
-    if t.get("kind") == "regular" and correct is not None:
+    # Correct / wrong for answer-checking rewards (the first reward function, e.g. `answer_reward`).
+    name, correct = next(iter((t.get("rewards") or {}).items()), (None, None))
+    if t.get("kind") == "regular" and correct is not None and name and ("answer" in name or "correct" in name):
         label = "correct" if correct >= 0.5 else "wrong answer"
         out.append(f'<span class="badge badge-{"correct" if correct >= 0.5 else "wrong"}">{label}</span>')
     if children.get(t.get("id")):
@@ -261,8 +262,8 @@ def _render_trajectory(t: dict, scale: float, children: dict[str, list[str]]) ->
 def _metrics_table(results: dict[str, dict]) -> str:
     rows = [
         ("success_rate", "success rate (correct final answer)", ".1%"),
+        ("tool_call_success_rate", "successful tool calls (of all calls)", ".1%"),
         ("tool_success_rate", "problems with a successful tool call", ".1%"),
-        ("tool_failure_rate", "tool call failure rate", ".1%"),
         ("tool_calls_per_problem", "tool calls per problem", ".2f"),
         ("no_tool_call_rate", "problems without a tool call", ".1%"),
         ("mean_completion_tokens", "completion tokens per problem", ".1f"),

@@ -250,19 +250,20 @@ class TracInMixin:
             for name, value in saved.items():
                 setattr(self, name, value)
 
+    def _tracin_no_reentrant_checkpointing(self):
+        """Disables gradient checkpointing while it is reentrant (the hooks cannot see through its no-grad forward)."""
+        from trl.models.utils import disable_gradient_checkpointing
+
+        if not self._tracin.disable_checkpointing:
+            return nullcontext()
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        return disable_gradient_checkpointing(unwrapped, self.args.gradient_checkpointing_kwargs)
+
     @contextmanager
     def _tracin_hooks(self):
         """LoRA ghost hooks on the policy, registered for one influence pass only."""
-        from trl.models.utils import disable_gradient_checkpointing
-
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        checkpointing = (
-            disable_gradient_checkpointing(unwrapped, self.args.gradient_checkpointing_kwargs)
-            if self._tracin.disable_checkpointing
-            else nullcontext()
-        )
-        with checkpointing, LoraGhostHooks(unwrapped) as hooks:
-            yield hooks
+        with self._tracin_no_reentrant_checkpointing(), LoraGhostHooks(self.accelerator.unwrap_model(self.model)) as h:
+            yield h
 
     @contextmanager
     def _tracin_forward_override(self, capture: dict | None = None, replay: tuple | None = None):
@@ -484,7 +485,10 @@ class TracInMixin:
         DeepSpeed prologue and epilogue, ZeRO-3 gathers) run once per micro-step, as in an ordinary step.
         """
         ids = inputs["prompt_ids"][:1, -1:]
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+        # Not under reentrant checkpointing: its nested backward would accumulate the LoRA gradients a second time in
+        # the same engine backward (ZeRO-3 rejects a parameter reduced twice in one bucket).
+        with self._tracin_no_reentrant_checkpointing():
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
         return logits.float().sum() * 0.0
 
     def _tracin_fused_loss(self, model, inputs: dict) -> torch.Tensor:

@@ -406,6 +406,15 @@ def run(argv=None) -> None:
     except BaseException:
         (out / f"error_rank{rank}.txt").write_text(traceback.format_exc())
         raise
+    finally:
+        _shutdown_distributed()
+
+
+def _shutdown_distributed() -> None:
+    """Same teardown as the CLI (`trl_agentic.cli._shutdown_distributed`): without it a finished rank can abort at exit."""
+    from trl_agentic.cli import _shutdown_distributed as shutdown
+
+    shutdown()
 
 
 def _no_shm_kernel() -> None:
