@@ -44,6 +44,7 @@ def test_bad_value_names_the_field(field, value):
     [
         (dict(enable_tool_rollback=True, rollback_on_errors=[]), "rollback_on_errors"),
         (dict(rollback_feedback="hint", rollback_hint_template="no placeholder"), "rollback_hint_template"),
+        (dict(advantage_estimator="rlvcr", rlvcr_mode="additive", rlvcr_expand=True), "rlvcr_expand"),
     ],
 )
 def test_bad_combinations(combo, field):

@@ -277,7 +277,8 @@ class AgenticGRPOConfig(GRPOConfig):
     advantage_estimator: str = field(
         default="grpo",
         metadata={
-            "help": "Advantage estimator: 'grpo' (variable-group GRPO) or an import path 'pkg.module:function'."
+            "help": "Advantage estimator: 'grpo' (variable-group GRPO), 'rlvcr' (RLVCR / CoPO thinking levels) or an "
+            "import path 'pkg.module:function'."
         },
     )
 
@@ -440,6 +441,11 @@ class AgenticGRPOConfig(GRPOConfig):
         if self.rlvcr_level_prompt_template is not None and "{action}" not in self.rlvcr_level_prompt_template:
             raise ValueError(
                 "`rlvcr_level_prompt_template` must contain '{action}' (the thinking justifies the action)."
+            )
+        if self.rlvcr_expand and self.rlvcr_mode != "copo":
+            raise ValueError(
+                f"`rlvcr_expand` (True) needs `rlvcr_mode` = 'copo' (expansion rows carry CoPO advantages), "
+                f"got `rlvcr_mode` = {self.rlvcr_mode!r}."
             )
         for name in ("rlvcr_cost_max", "rlvcr_k"):
             if not getattr(self, name) > 0:
