@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -23,6 +24,7 @@ from .tracin.trainer_mixin import TracInMixin
 from .vllm_lora import lora_sync_vllm
 
 STATE_FILE = "trl_agentic_state.json"
+TRACIN_STATE_FILE = "tracin_state.pt"
 
 
 def _jsonable(value):
@@ -178,9 +180,14 @@ class AgenticGRPOTrainer(TracInMixin, GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        # Our own state beside TRL's: the snapshot-downsampling RNG (everything else is rebuilt deterministically).
+        # Our own state beside TRL's: the snapshot-downsampling RNG and the TracIn state (V and its refresh schedule);
+        # everything else is rebuilt deterministically.
         if self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            tracin_state = self._tracin_state_dict()
+            if tracin_state is not None:
+                # Written before STATE_FILE, whose presence marks our part of the checkpoint as complete.
+                torch.save(tracin_state, os.path.join(folder, TRACIN_STATE_FILE))
             with open(os.path.join(folder, STATE_FILE), "w") as f:
                 json.dump({"rng": _jsonable(self._rng.getstate())}, f)
 
@@ -191,6 +198,18 @@ class AgenticGRPOTrainer(TracInMixin, GRPOTrainer):
             with open(path) as f:
                 state = json.load(f)
             self._rng.setstate(_tupled(state["rng"]))
+        if checkpoint is not None and self._tracin is not None:
+            tracin_path = os.path.join(checkpoint, TRACIN_STATE_FILE)
+            if os.path.exists(tracin_path):
+                self._tracin_load_state_dict(torch.load(tracin_path, map_location="cpu", weights_only=True))
+            else:
+                # E.g. a checkpoint of a run without TracIn: V is computed afresh at the next step.
+                warnings.warn(
+                    f"TracIn is on but {tracin_path} does not exist; the validation gradient is recomputed at the "
+                    "next step, so the run does not continue exactly as an uninterrupted one would.",
+                    UserWarning,
+                    stacklevel=2,
+                )
 
     def _compute_loss(self, model, inputs):
         loss = super()._compute_loss(model, inputs)

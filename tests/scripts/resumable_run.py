@@ -1,15 +1,18 @@
-"""A deterministic tiny-model run with rollback, negatives and snapshots, used by the kill-and-resume test.
+"""A deterministic tiny-model LoRA run with rollback, negatives, snapshots and TracIn, used by the kill-and-resume test.
 
 usage: python resumable_run.py MODEL_DIR OUTPUT_DIR MAX_STEPS [RESUME_CHECKPOINT]
-Writes OUTPUT_DIR/losses-<pid>.jsonl with one {"step", "loss"} line per optimizer step.
+Writes OUTPUT_DIR/losses-<pid>.jsonl with one line per optimizer step: {"step", "loss", "tracin": the logged
+`tracin/*` metrics, "tracin_v": a SHA-256 of the validation gradient V the step used, "tracin_refreshes"}.
 """
 
+import hashlib
 import json
 import os
 import sys
 
 import torch
 from datasets import Dataset
+from peft import LoraConfig
 from transformers import AutoTokenizer, TrainerCallback
 
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
@@ -61,20 +64,40 @@ class Script:
         return [self.tok.encode(s, add_special_tokens=False) for s in out], None
 
 
+def digest(direction) -> str:
+    """SHA-256 of V's exact bytes, layer by layer in name order (equal digests: bitwise-equal V)."""
+    sha = hashlib.sha256()
+    for name in sorted(direction):
+        sha.update(name.encode())
+        for tensor in direction[name]:
+            sha.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return sha.hexdigest()
+
+
 class LossFile(TrainerCallback):
     def __init__(self, path):
         self.path = path
+        self.trainer = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
+            tracin = self.trainer._tracin  # V is refreshed at the start of a step, so this is the step's V
+            record = {
+                "step": state.global_step,
+                "loss": logs["loss"],
+                "tracin": {k: v for k, v in logs.items() if k.startswith("tracin/")},
+                "tracin_v": digest(tracin.direction),
+                "tracin_refreshes": tracin.refreshes,
+            }
             with open(self.path, "a") as f:
-                f.write(json.dumps({"step": state.global_step, "loss": logs["loss"]}) + "\n")
+                f.write(json.dumps(record) + "\n")
 
 
 def main():
     model_dir, out, max_steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     resume = sys.argv[4] if len(sys.argv) > 4 else None
     prompts = [[{"role": "user", "content": f"Task {i}: add numbers."}] for i in range(8)]
+    val_prompts = [[{"role": "user", "content": f"Check {i}: add numbers."}] for i in range(6)]
     args = AgenticGRPOConfig(
         output_dir=out,
         use_cpu=True,
@@ -95,15 +118,24 @@ def main():
         max_tool_retries=2,
         max_negative_samples_per_group=2,
         enable_context_snapshots=True,
+        tracin_enabled=True,
+        tracin_val_batch_size=2,
+        tracin_val_num_generations=2,
+        # V is refreshed at steps 1 and 4: the resumed run's first step (3) must reuse the V saved in checkpoint-2.
+        tracin_val_refresh_steps=3,
     )
+    loss_file = LossFile(os.path.join(out, f"losses-{os.getpid()}.jsonl"))
     trainer = AgenticGRPOTrainer(
         model=model_dir,
         reward_funcs=reward,
         args=args,
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         environment_factory=Env,
-        callbacks=[LossFile(os.path.join(out, f"losses-{os.getpid()}.jsonl"))],
+        tracin_eval_dataset=Dataset.from_dict({"prompt": val_prompts}),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+        callbacks=[loss_file],
     )
+    loss_file.trainer = trainer
     trainer._generate_single_turn = Script(AutoTokenizer.from_pretrained(model_dir))
     trainer.train(resume_from_checkpoint=resume)
 

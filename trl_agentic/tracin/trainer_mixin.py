@@ -142,8 +142,9 @@ class TracInMixin:
 
     Overrides `_prepare_inputs` (refresh of V; two-pass scoring and masking of the buffered generation batch) and
     `_compute_loss` (the fused step). Its own passes call `GRPOTrainer._compute_loss`, so they use the configured
-    `loss_type` and every TRL loss option; their metrics are discarded. See the module docstring and
-    `docs/tracin.md`.
+    `loss_type` and every TRL loss option; their metrics are discarded. `_tracin_state_dict` and
+    `_tracin_load_state_dict` give the state that the trainer's checkpoints save and restore. See the module
+    docstring and `docs/tracin.md`.
     """
 
     _tracin: TracInState | None = None
@@ -211,6 +212,62 @@ class TracInMixin:
             and self.top_entropy_quantile >= 1.0
         )
         self._tracin = TracInState(dataset=dataset, fused=fused, disable_checkpointing=disable_checkpointing)
+
+    # ----------------------------------------------------------------------------------------------- checkpoints
+
+    def _tracin_state_dict(self) -> dict[str, Any] | None:
+        """The TracIn state a resumed run needs to continue exactly like an uninterrupted one.
+
+        Saved: V (it is the gradient at the weights of its last refresh, which are gone once a step has trained, so it
+        cannot be recomputed on resume), whether it is zero, the step of its last refresh (the refresh schedule) and
+        the refresh count (it seeds the next draw of validation prompts). Everything else is rebuilt: the validation
+        set, the fused/two-pass choice and the checkpointing flag come from the arguments at start-up, the prompt
+        generator is re-seeded from the refresh count at every refresh, the validation rollouts draw from the global
+        RNG that the `Trainer` checkpoints, the metrics are TRL's (flushed at every log), and `last` is for inspection
+        only.
+
+        V is identical on every process (averaged over processes), so one copy serves every rank.
+
+        Returns:
+            A dict of tensors and plain values for `torch.save` (CPU tensors, so the file loads on any device), or
+            None when TracIn is off.
+        """
+        state = self._tracin
+        if state is None:
+            return None
+        direction = None
+        if state.direction is not None:
+            direction = {
+                name: {"A": grad.A.detach().cpu(), "B": grad.B.detach().cpu()}
+                for name, grad in state.direction.items()
+            }
+        return {
+            "direction": direction,
+            "direction_is_zero": state.direction_is_zero,
+            "refreshed_at": state.refreshed_at,
+            "refreshes": state.refreshes,
+        }
+
+    def _tracin_load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what `_tracin_state_dict` saved (a no-op when TracIn is off).
+
+        Args:
+            state_dict (`dict`):
+                The output of `_tracin_state_dict`, e.g. as read back by `torch.load`.
+        """
+        state = self._tracin
+        if state is None:
+            return
+        direction = state_dict["direction"]
+        if direction is not None:
+            device = self.accelerator.device
+            direction = {
+                name: LoraGradient(A=grad["A"].to(device), B=grad["B"].to(device)) for name, grad in direction.items()
+            }
+        state.direction = direction
+        state.direction_is_zero = bool(state_dict["direction_is_zero"])
+        state.refreshed_at = int(state_dict["refreshed_at"])
+        state.refreshes = int(state_dict["refreshes"])
 
     # ----------------------------------------------------------------------------------------------- overrides
 
