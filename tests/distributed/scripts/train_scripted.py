@@ -16,7 +16,9 @@ import argparse
 import faulthandler
 import importlib
 import json
+import os
 import re
+import sys
 import traceback
 from collections import Counter
 from pathlib import Path
@@ -405,15 +407,21 @@ def run(argv=None) -> None:
             (out / "DONE").write_text("ok")
     except BaseException:
         (out / f"error_rank{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
         _shutdown_distributed()
+        raise
+    _shutdown_distributed()
+    # Results are on disk: exit without interpreter finalization, where C++ threads of gloo or DeepSpeed destroyed
+    # late have aborted finished ranks in CI ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _shutdown_distributed() -> None:
     """Same teardown as the CLI (`trl_agentic.cli._shutdown_distributed`): without it a finished rank can abort at exit."""
     from trl_agentic.cli import _shutdown_distributed as shutdown
 
+    faulthandler.cancel_dump_traceback_later()
     shutdown()
 
 

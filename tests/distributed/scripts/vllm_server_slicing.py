@@ -11,7 +11,10 @@ through `generate_single_turn`.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -83,8 +86,6 @@ def main():
     parser.add_argument("--stack_dump_after", type=float, default=0.0)
     args = parser.parse_args()
     if args.stack_dump_after > 0:
-        import faulthandler
-
         faulthandler.dump_traceback_later(args.stack_dump_after, exit=True)
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
@@ -110,6 +111,21 @@ def main():
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (out / "DONE").write_text("ok")
+    # Tear the process group down before interpreter exit: left to it, a finished rank can abort with "terminate
+    # called without an active exception" (SIGABRT), which `accelerate launch` reports as a failed run.
+    from trl_agentic.cli import _shutdown_distributed
+
+    faulthandler.cancel_dump_traceback_later()
+    _shutdown_distributed()
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Exit without interpreter finalization once the results are on disk (the test reads the files, not our exit
+    path): C++ threads of gloo or DeepSpeed destroyed during finalization have aborted finished ranks in CI."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
