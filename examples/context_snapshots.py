@@ -46,7 +46,7 @@ from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer  # noqa: E402
 from trl_agentic.envs.textworld import make_textworld_tasks  # noqa: E402
 from trl_agentic.models import resolve_model_path  # noqa: E402
-from trl_agentic.reporting import install_compact_progress  # noqa: E402
+from trl_agentic.reporting import format_metric_table, install_compact_progress  # noqa: E402
 from trl_agentic.rollout.context import delete_context  # noqa: E402
 from trl_agentic.tasks import TaskArguments, build_task  # noqa: E402
 from trl_agentic.warmstart import run_warmstart  # noqa: E402
@@ -168,17 +168,8 @@ def main(argv: list[str] | None = None) -> AgenticGRPOTrainer:
     trainer.save_model(training_args.output_dir)
 
     if trainer.accelerator.is_main_process:
-        print_metrics(trainer.state.log_history, SNAPSHOT_METRICS)
+        print("\n" + format_metric_table(trainer.state.log_history, SNAPSHOT_METRICS))
     return trainer
-
-
-def print_metrics(log_history: list[dict], names) -> None:
-    """A table of the given metrics (rows) at every logged training step (columns); `n/a` when not logged."""
-    steps = [h for h in log_history if "reward" in h]
-    print("\n" + f"{'metric':<28}" + "".join(f"{'step ' + str(h['step']):>12}" for h in steps))
-    for name in ("reward", *names):
-        cells = "".join(f"{h[name]:>12.4g}" if h.get(name) is not None else f"{'n/a':>12}" for h in steps)
-        print(f"{name:<28}{cells}")
 
 
 if __name__ == "__main__":

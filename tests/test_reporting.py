@@ -358,3 +358,17 @@ def test_selection_keeps_whole_groups_and_the_interesting_ones():
     assert all(steps.count(s) == 8 for s in set(steps))  # whole groups
     assert {1, 20, 40} <= set(steps)
     assert steps == sorted(steps)
+
+
+def test_metric_table_has_one_column_per_logged_step():
+    from trl_agentic.reporting import format_metric_table
+
+    history = [
+        {"step": 1, "reward": 0.25, "rollback/attempts": 3.0},
+        {"step": 1, "train_runtime": 9.0},  # the end-of-training record has no reward: not a column
+        {"step": 2, "reward": 0.5},
+    ]
+    lines = format_metric_table(history, ["rollback/attempts"]).splitlines()
+    assert lines[0].split() == ["metric", "step", "1", "step", "2"]
+    assert lines[1].split() == ["reward", "0.25", "0.5"]
+    assert lines[2].split() == ["rollback/attempts", "3", "n/a"]

@@ -31,6 +31,25 @@ def _fmt(value, spec: str) -> str:
     return format(value, spec)
 
 
+def format_metric_table(log_history: list[dict], names) -> str:
+    """A table of `reward` and the given metrics (rows) at every logged training step (columns); `n/a` when a step
+    did not log a metric. Used by the examples to show their feature's metrics at the end of a run.
+
+    Args:
+        log_history (`list[dict]`):
+            `trainer.state.log_history`.
+        names (`Sequence[str]`):
+            Metric names, e.g. `("rollback/attempts", "negatives/rows")`.
+    """
+    steps = [h for h in log_history if "reward" in h]
+    width = max(len(n) for n in ("reward", *names)) + 2
+    lines = [f"{'metric':<{width}}" + "".join(f"{'step ' + str(h['step']):>12}" for h in steps)]
+    for name in ("reward", *names):
+        cells = "".join(f"{h[name]:>12.4g}" if h.get(name) is not None else f"{'n/a':>12}" for h in steps)
+        lines.append(f"{name:<{width}}{cells}")
+    return "\n".join(lines)
+
+
 def format_step_line(logs: dict, step: int, max_steps: int, seconds_per_step: float | None) -> str:
     """The compact per-step line: step, reward, tool failure rate, rollbacks, negatives, seconds per step.
 
