@@ -23,3 +23,19 @@ def test_reference_lists_every_agentic_field():
         "task",
     ):
         assert f"| `{name}` |" in text
+
+
+def test_relative_links_in_readme_and_docs_resolve():
+    """Every relative markdown link of README.md and docs/*.md points at a file of the repository."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    broken = []
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(root)} -> {target}")
+    assert not broken, broken
