@@ -63,6 +63,16 @@ def _is_complete(path: Path) -> bool:
     return (path / _MARKER_FILE).is_file()
 
 
+def _already_built(path: Path, metadata: dict) -> bool:
+    """Whether `path` holds a finished build with this metadata; a finished build of another model is an error."""
+    if not _is_complete(path):
+        return False
+    existing = _read_marker(path)
+    if existing != metadata:
+        raise ValueError(f"{path} already holds a different model ({existing}); expected {metadata}.")
+    return True
+
+
 def _read_marker(path: Path) -> dict:
     return json.loads((path / _MARKER_FILE).read_text(encoding="utf-8"))
 
@@ -404,10 +414,7 @@ def build_tiny_model(path: str | Path, *, seed: int = 0) -> str:
     """
     path = Path(path)
     metadata = {"name": "tiny-qwen3", "version": _TINY_MODEL_VERSION, "seed": seed}
-    if _is_complete(path):
-        existing = _read_marker(path)
-        if existing != metadata:
-            raise ValueError(f"{path} already holds a different model ({existing}); expected {metadata}.")
+    if _already_built(path, metadata):
         return str(path)
 
     def write(out_dir: Path) -> None:
@@ -486,10 +493,7 @@ def build_tiny_step_model(path: str | Path, *, seed: int = 0, train_steps: int =
     """
     path = Path(path)
     metadata = {"name": "tiny-qwen3-rlvcr-steps", "version": _STEP_MODEL_VERSION, "seed": seed, "steps": train_steps}
-    if _is_complete(path):
-        existing = _read_marker(path)
-        if existing != metadata:
-            raise ValueError(f"{path} already holds a different model ({existing}); expected {metadata}.")
+    if _already_built(path, metadata):
         return str(path)
 
     def write(out_dir: Path) -> None:
