@@ -13,6 +13,8 @@ import os
 import sys
 import time
 
+from .gloo_exit import register_gloo_exit_pause
+
 USAGE = """usage: trl-agentic <command> [options]
 
 commands:
@@ -324,15 +326,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _shutdown_distributed() -> None:
-    """Destroy the process group before the interpreter exits.
-
-    Left to interpreter shutdown, the gloo process group's C++ threads can be destroyed while still joinable, and a rank
-    that has already finished training aborts with "terminate called without an active exception" (SIGABRT), which
-    `accelerate launch` reports as a failed run.
-    """
+    """Destroy the process group once the run is over, and make sure the interpreter exit waits for gloo's worker
+    threads (a rank that exits right after its last collective can otherwise abort; see `trl_agentic.gloo_exit`)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        register_gloo_exit_pause()
         dist.destroy_process_group()
 
 

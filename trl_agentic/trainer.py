@@ -15,6 +15,7 @@ from .batch import BatchAugmenter
 from .config import AgenticGRPOConfig
 from .envs.protocol import check_checkpointable
 from .estimators import resolve_estimator
+from .gloo_exit import register_gloo_exit_pause
 from .model_card import card_section, feature_tags
 from .rollout.context import delete_context
 from .rollout.loop import AgenticRolloutLoop, LoopConfig
@@ -125,6 +126,7 @@ class AgenticGRPOTrainer(TracInMixin, GRPOTrainer):
         self._last_rewards_per_func = None
         self._last_loop_result = None
         self._init_tracin(tracin_eval_dataset)
+        register_gloo_exit_pause()  # gloo worker threads must not outlive the interpreter (see gloo_exit.py)
 
     # ------------------------------------------------------------------------------------------------------------
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):

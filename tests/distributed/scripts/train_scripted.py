@@ -16,9 +16,7 @@ import argparse
 import faulthandler
 import importlib
 import json
-import os
 import re
-import sys
 import traceback
 from collections import Counter
 from pathlib import Path
@@ -409,12 +407,7 @@ def run(argv=None) -> None:
         (out / f"error_rank{rank}.txt").write_text(traceback.format_exc())
         _shutdown_distributed()
         raise
-    _shutdown_distributed()
-    # Results are on disk: exit without interpreter finalization, where C++ threads of gloo or DeepSpeed destroyed
-    # late have aborted finished ranks in CI ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _shutdown_distributed()  # then a normal interpreter exit: the trainer registered trl_agentic.gloo_exit's pause
 
 
 def _shutdown_distributed() -> None:

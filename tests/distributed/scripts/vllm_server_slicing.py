@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
-import os
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -111,21 +109,10 @@ def main():
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (out / "DONE").write_text("ok")
-    # Tear the process group down before interpreter exit: left to it, a finished rank can abort with "terminate
-    # called without an active exception" (SIGABRT), which `accelerate launch` reports as a failed run.
-    from trl_agentic.cli import _shutdown_distributed
+    from trl_agentic.cli import _shutdown_distributed  # the CLI's teardown, with trl_agentic.gloo_exit's exit pause
 
     faulthandler.cancel_dump_traceback_later()
     _shutdown_distributed()
-    _exit_now()
-
-
-def _exit_now() -> None:
-    """Exit without interpreter finalization once the results are on disk (the test reads the files, not our exit
-    path): C++ threads of gloo or DeepSpeed destroyed during finalization have aborted finished ranks in CI."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
