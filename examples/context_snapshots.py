@@ -39,12 +39,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is embedded: never touch the Hub
 
-from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402
 
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer  # noqa: E402
-from trl_agentic.envs.textworld import make_textworld_tasks  # noqa: E402
 from trl_agentic.models import resolve_model_path  # noqa: E402
 from trl_agentic.reporting import format_metric_table, install_compact_progress  # noqa: E402
 from trl_agentic.rollout.context import delete_context  # noqa: E402
@@ -117,12 +115,8 @@ def main(argv: list[str] | None = None) -> AgenticGRPOTrainer:
     if not training_args.enable_context_snapshots:
         raise SystemExit("This example is about context snapshots: set `enable_context_snapshots: true`.")
     task = build_task(task_args)
-    train_dataset, hint = task.train_dataset, DELETE_CONTEXT_HINT
-    if task_args.task == "textworld":
-        # The task's rows ask for RLVCR `<action>` blocks; here every action is a call of the environment's `act` tool.
-        rows = make_textworld_tasks(task_args.num_train_tasks, task_args.task_seed, tool_format=True)
-        train_dataset, hint = Dataset.from_list(rows), TEXTWORLD_HINT
-    train_dataset = train_dataset.map(with_hint, fn_kwargs={"hint": hint})
+    hint = TEXTWORLD_HINT if task_args.task == "textworld" else DELETE_CONTEXT_HINT
+    train_dataset = task.train_dataset.map(with_hint, fn_kwargs={"hint": hint})
 
     model_path = resolve_model_path(model_args.model_name_or_path or "smollm2-135m")  # converted once, cached
     peft_config = get_peft_config(model_args)

@@ -212,7 +212,8 @@ def build_task(args: TaskArguments) -> Task:
     if args.task == "textworld":
         from .envs.textworld import TextWorldToolEnv, make_textworld_tasks
 
-        train = Dataset.from_list(make_textworld_tasks(args.num_train_tasks, args.task_seed))
-        evaluation = Dataset.from_list(make_textworld_tasks(args.num_eval_tasks, args.task_seed + 1))
+        # The environment acts only on `act` tool calls, so the prompts must ask for them (not RLVCR `<action>` blocks).
+        train = Dataset.from_list(make_textworld_tasks(args.num_train_tasks, args.task_seed, tool_format=True))
+        evaluation = Dataset.from_list(make_textworld_tasks(args.num_eval_tasks, args.task_seed + 1, tool_format=True))
         return Task(train, evaluation, TextWorldToolEnv, list(extra))
     return import_object(args.task)(args)
