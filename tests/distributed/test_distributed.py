@@ -386,6 +386,98 @@ def test_all_features_under_deepspeed(tiny_model_dir, tmp_path, zero):
     assert start_b == 0.0 and moved > 1e-4
 
 
+def _tracin_index(records: list[dict]) -> dict:
+    """Scored rows keyed by content: (prompt, completion, kind) -> sorted [(score, selected)]."""
+    index = defaultdict(list)
+    for record in records:
+        for r in record["tracin_rows"]:
+            index[(tuple(r["prompt"]), tuple(r["completion"]), r["kind"])].append((r["score"], r["selected"]))
+    return {k: sorted(v) for k, v in index.items()}
+
+
+def _tracin_run(tiny_model_dir, tmp_path, name: str, processes: int, selection: list[str]) -> list[dict]:
+    """The parity scenario with TracIn (fused step): 12 rollouts in one generation batch, SGD, no clipping."""
+    common = [
+        "--model",
+        tiny_model_dir,
+        "--scenario",
+        "parity",
+        "--rows_per_rank",
+        "6",
+        "--num_generations",
+        "4",
+        "--lora",
+        "--tracin",
+        "--exercise_model",
+        "--optim",
+        "sgd",
+        "--learning_rate",
+        "0.1",
+        *selection,
+    ]
+    config = cpu_config(name, tmp_path, processes) if processes == 1 else cpu_config(name, tmp_path)
+    # The same 2 validation prompts and 12 training rollouts in both layouts.
+    per_process = [
+        "--per_device_train_batch_size",
+        str(12 // processes),
+        "--tracin_val_batch_size",
+        str(2 // processes),
+    ]
+    out = tmp_path / f"{name}_{processes}"
+    return launch(config, out, *common, *per_process) + [out]
+
+
+@pytest.mark.parametrize(
+    "selection",
+    [
+        pytest.param([], id="positive"),
+        # One row in all (ceil(0.05 * 17)): one process selects nothing and must still step with the other.
+        pytest.param(
+            ["--tracin_selection", "top_fraction", "--tracin_top_fraction", "0.05", "--tracin_min_selected", "0"],
+            id="one_rank_selects_nothing",
+        ),
+    ],
+)
+def test_tracin_scores_and_selection_match_one_process(tiny_model_dir, tmp_path, selection):
+    """TracIn under DeepSpeed ZeRO-2 and ZeRO-3 (2 processes) against 1 process on the same global batch: the same
+    per-row influence scores (1e-6 relative), the same validation gradient V, the same selected rows, and the same
+    adapter after the step. Rank 0 has 3 negative rows and rank 1 has 2, so the ranks also carry padding rows."""
+    *single, single_out = _tracin_run(tiny_model_dir, tmp_path, "single", 1, selection)
+    ref = _tracin_index(single)
+    assert len(ref) == 12 + 5
+    scale = max(abs(score) for v in ref.values() for score, _ in v)
+    assert scale > 0
+    v_ref = torch.tensor(single[0]["tracin_direction"])
+    from safetensors.torch import load_file
+
+    adapter_ref = load_file(single_out / "final" / "adapter_model.safetensors")
+    moved, _ = _lora_moved(single_out)
+    assert moved > 1e-4
+    n_selected = sum(chosen for v in ref.values() for _, chosen in v)
+    assert n_selected == (1 if selection else sum(score > 0 for v in ref.values() for score, _ in v))
+    for zero in ("zero2", "zero3"):
+        *records, out = _tracin_run(tiny_model_dir, tmp_path, zero, 2, selection)
+        assert "DEEPSPEED" in records[0]["distributed_type"]
+        _assert_trained(records)
+        ours = _tracin_index(records)
+        assert ours.keys() == ref.keys(), zero
+        for key, expected in ref.items():
+            assert [chosen for _, chosen in ours[key]] == [chosen for _, chosen in expected], (zero, key)
+            for (score, _), (ref_score, _) in zip(ours[key], expected):
+                assert abs(score - ref_score) <= 1e-6 * scale, (zero, score, ref_score)
+        per_rank = [sum(r["selected"] for r in record["tracin_rows"]) for record in records]
+        assert sum(per_rank) == n_selected, per_rank
+        if selection:
+            assert 0 in per_rank, per_rank  # the case under test: one process trained on no row
+        for record in records:
+            v = torch.tensor(record["tracin_direction"])
+            assert torch.allclose(v, v_ref, rtol=0, atol=1e-4 * v_ref.abs().max().item()), zero
+        adapter = load_file(out / "final" / "adapter_model.safetensors")
+        assert adapter.keys() == adapter_ref.keys()
+        for key, value in adapter_ref.items():
+            assert torch.allclose(adapter[key], value, rtol=0, atol=1e-7), (zero, key)
+
+
 def test_unequal_generation_calls_get_their_own_vllm_server_outputs(tmp_path):
     """TRL's vLLM server mode slices the gathered outputs by `process_index * len(prompts)`: with 3 contexts on rank 0
     and 1 on rank 1, rank 1 receives one of rank 0's completions. `TrainerBackend` pads the calls to equal counts."""

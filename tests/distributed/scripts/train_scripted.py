@@ -186,6 +186,7 @@ class Recorder(TrainerCallback):
         self.out_dir = out_dir
         self.record_grads = record_grads
         self.batches, self.losses, self.loop_stats = [], [], []
+        self.tracin_rows = []  # per scored row: content, TracIn score and selection
         self.validation_batches = 0
         self.in_validation = False
         self.grads = None
@@ -229,6 +230,18 @@ class Recorder(TrainerCallback):
                     self.in_validation = False
 
             trainer._tracin_rollout_validation = rollout_validation
+            original_select = trainer._tracin_select
+
+            def tracin_select(scores, batches):
+                mine = original_select(scores, batches)
+                local = trainer._tracin.last["scores"]  # this process's share of the global objective's scores
+                rows = [_row_record(b, k, pad_id) for b in batches for k in range(b["prompt_ids"].size(0))]
+                for row, score, chosen in zip(rows, local.tolist(), mine.tolist(), strict=True):
+                    if row["kind"] != 3:  # padding rows are never selected and have no counterpart in 1 process
+                        self.tracin_rows.append({**row, "score": score, "selected": bool(chosen)})
+                return mine
+
+            trainer._tracin_select = tracin_select
 
         # Tell the scripted generation which calls are the loop's dummy ones (observation only).
         original_loop_generate = loop_module.AgenticRolloutLoop._generate
@@ -254,6 +267,13 @@ class Recorder(TrainerCallback):
             return None
         return [bool(x) for x in torch.as_tensor(last["selected"]).flatten().tolist()]
 
+    def _tracin_direction(self):
+        """The validation gradient V, flattened (None without TracIn)."""
+        state = getattr(self.trainer, "_tracin", None)
+        if state is None or not state.direction:
+            return None
+        return torch.cat([torch.cat([g.A.flatten(), g.B.flatten()]) for g in state.direction.values()]).tolist()
+
     def dump(self, extra: dict | None = None) -> None:
         rank = self.trainer.accelerator.process_index
         record = {
@@ -268,6 +288,8 @@ class Recorder(TrainerCallback):
             "forcing_calls": self.generation.forcing_calls,
             "validation_batches": self.validation_batches,
             "tracin_selected": self._tracin_selected(),
+            "tracin_rows": self.tracin_rows,
+            "tracin_direction": self._tracin_direction(),
             "log_history": self.trainer.state.log_history,
             **(extra or {}),
         }
@@ -311,6 +333,10 @@ def parse_args(argv=None):
     p.add_argument("--learning_rate", type=float, default=1e-2)
     p.add_argument("--rlvcr", action="store_true", help="RLVCR (CoPO) advantages with expansion rows")
     p.add_argument("--tracin", action="store_true", help="TracIn-filtered training (needs --lora)")
+    p.add_argument("--tracin_val_batch_size", type=int, default=1, help="validation prompts per process")
+    p.add_argument("--tracin_selection", default="positive")
+    p.add_argument("--tracin_top_fraction", type=float, default=0.5)
+    p.add_argument("--tracin_min_selected", type=int, default=1)
     p.add_argument(
         "--stack_dump_after", type=float, default=0.0, help="print every thread's stack and exit after this many s"
     )
@@ -334,7 +360,14 @@ def build(args):
     if args.rlvcr:
         extra.update(advantage_estimator="rlvcr", rlvcr_mode="copo", rlvcr_action_tag="tool_call", rlvcr_expand=True)
     if args.tracin:
-        extra.update(tracin_enabled=True, tracin_val_num_generations=2, tracin_val_batch_size=1)
+        extra.update(
+            tracin_enabled=True,
+            tracin_val_num_generations=2,
+            tracin_val_batch_size=args.tracin_val_batch_size,
+            tracin_selection=args.tracin_selection,
+            tracin_top_fraction=args.tracin_top_fraction,
+            tracin_min_selected=args.tracin_min_selected,
+        )
     config = AgenticGRPOConfig(
         output_dir=str(out / "trainer"),
         use_cpu=True,
