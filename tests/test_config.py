@@ -30,6 +30,23 @@ BAD_VALUES = [
     ("negative_reward_by_error", "{not json"),
     ("snapshot_reward_func", "no_colon_path"),
     ("advantage_estimator", "ppo"),
+    ("rlvcr_mode", "multiplicative"),
+    ("rlvcr_level_tag", ""),
+    ("rlvcr_think_tag", "  "),
+    ("rlvcr_action_tag", "<action>"),
+    ("rlvcr_level_prompt_template", "Think at level {level}."),
+    ("rlvcr_cost_max", 0.0),
+    ("rlvcr_k", -1.0),
+    ("rlvcr_max_thinking_tokens", 0),
+    ("rlvcr_score_batch_size", 2.5),
+    ("rlvcr_expand_steps", "some"),
+    ("tracin_selection", "best"),
+    ("tracin_val_num_generations", 1),
+    ("tracin_val_batch_size", 0),
+    ("tracin_val_refresh_steps", -1),
+    ("tracin_top_fraction", 0.0),
+    ("tracin_top_fraction", 1.5),
+    ("tracin_min_selected", -1),
 ]
 
 
@@ -45,6 +62,7 @@ def test_bad_value_names_the_field(field, value):
         (dict(enable_tool_rollback=True, rollback_on_errors=[]), "rollback_on_errors"),
         (dict(rollback_feedback="hint", rollback_hint_template="no placeholder"), "rollback_hint_template"),
         (dict(advantage_estimator="rlvcr", rlvcr_mode="additive", rlvcr_expand=True), "rlvcr_expand"),
+        (dict(rlvcr_think_tag="step", rlvcr_action_tag="step"), "rlvcr_level_tag"),
     ],
 )
 def test_bad_combinations(combo, field):
@@ -84,6 +102,8 @@ def test_every_field_has_help():
         (["--max_tool_retries", "-3"], "max_tool_retries"),
         (["--task", "chess"], "task"),
         (["--num_train_tasks", "-5"], "num_train_tasks"),
+        (["--tracin_enabled", "true"], "tracin_enabled"),  # TracIn without LoRA (`use_peft` is off)
+        (["--rlvcr_action_tag", ""], "rlvcr_action_tag"),
     ],
 )
 def test_cli_fails_before_any_model_loads(tmp_path, monkeypatch, override, field):
@@ -115,3 +135,38 @@ def test_cli_rejects_unknown_yaml_keys(tmp_path):
     config.write_text(yaml.safe_dump({"output_dir": str(tmp_path), "max_tool_retriez": 2}))
     with pytest.raises((ValueError, SystemExit)):
         cli_main(["train", "--config", str(config)])
+
+
+def _forbid_model_loading(monkeypatch):
+    import transformers
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a model was loaded before the set-up was validated")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", forbidden)
+
+
+def test_trainer_rejects_tracin_without_lora_before_loading(monkeypatch, tmp_path):
+    from datasets import Dataset
+
+    from trl_agentic import AgenticGRPOTrainer
+
+    _forbid_model_loading(monkeypatch)
+    args = AgenticGRPOConfig(**{**BASE, "output_dir": str(tmp_path)}, tracin_enabled=True)
+    with pytest.raises(ValueError, match="`tracin_enabled=True` needs a PEFT LoRA policy"):
+        AgenticGRPOTrainer(
+            "some/model", reward_funcs=[], args=args, train_dataset=Dataset.from_dict({"prompt": ["x"]})
+        )
+
+
+def test_trainer_rejects_snapshots_without_tools_before_loading(monkeypatch, tmp_path):
+    from datasets import Dataset
+
+    from trl_agentic import AgenticGRPOTrainer
+
+    _forbid_model_loading(monkeypatch)
+    args = AgenticGRPOConfig(**{**BASE, "output_dir": str(tmp_path)}, enable_context_snapshots=True)
+    with pytest.raises(ValueError, match="`enable_context_snapshots=True` needs a multi-turn tool setup"):
+        AgenticGRPOTrainer(
+            "some/model", reward_funcs=[], args=args, train_dataset=Dataset.from_dict({"prompt": ["x"]})
+        )

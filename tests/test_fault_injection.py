@@ -128,11 +128,17 @@ def test_many_faulty_rollouts_complete_counted_and_finite(tiny_model_dir, tiny_t
     infra_retries = sum(r.stats.infra_retries for _, r, _ in seen)
     calls = sum(r.stats.tool_calls for _, r, _ in seen)
     rollbacks = sum(r.stats.rollback_attempts for _, r, _ in seen)
+    truncated = sum(r.stats.truncated_outputs for _, r, _ in seen)
     # Every executed call is in the ledger once; every faulty execution is either retried (infra) or counted.
     assert len(FaultyEnv.ledger) == calls + infra_retries
     counted_faults = injected["raise"] + injected["hang"] + injected["crash"] + injected["model_error"]
     assert failures + infra_retries == counted_faults
     assert rollbacks > 0
+    # Every huge output was cut (and counted); nothing else was that long.
+    assert truncated == injected["huge"]
+    # Leaked class-level state is invisible to the trainer by construction (the built-in Python sandbox prevents it by
+    # running each episode in a fresh process); here it must not have cost or duplicated a row (checked below).
+    assert FaultyEnv.leaked == injected["leak"]
     for n_inputs, result, batch in seen:
         kinds = batch["row_kind"]
         # No rollout lost or duplicated: one regular row per input, each prompt group complete.
@@ -152,3 +158,7 @@ def test_many_faulty_rollouts_complete_counted_and_finite(tiny_model_dir, tiny_t
         h["tools/failure_frequency"] for h in trainer.state.log_history if "tools/failure_frequency" in h
     ]
     assert len(failure_metrics) == 3 and all(0 < f <= 1 for f in failure_metrics)
+    logged_truncated = [
+        h["tools/truncated_outputs"] for h in trainer.state.log_history if "tools/truncated_outputs" in h
+    ]
+    assert len(logged_truncated) == 3 and sum(logged_truncated) == injected["huge"]

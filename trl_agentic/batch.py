@@ -412,9 +412,10 @@ class BatchAugmenter:
                         len(loop_result.num_segments),
                         stats.regenerated_tokens,
                         stats.failed_turn_tokens,
+                        stats.truncated_outputs,
                     ]
                     if stats is not None
-                    else [0] * 12
+                    else [0] * 13
                 ),
             ],
             dtype=torch.float64,
@@ -437,6 +438,7 @@ class BatchAugmenter:
             episodes,
             regen_tokens,
             failed_tokens,
+            truncated,
         ) = total
         sizes = torch.bincount(group_t - group_t.min()) if group_t.numel() else torch.zeros(1)
         sizes = sizes[sizes > 0].float()
@@ -456,6 +458,7 @@ class BatchAugmenter:
             metrics["infra/retries"].append(infra_retries)
         if t.tools:
             metrics["tools/malformed_calls"].append(malformed)
+            metrics["tools/truncated_outputs"].append(truncated)
         if args.enable_context_snapshots:
             metrics["snapshots/rows"].append(snap_rows)
             metrics["snapshots/per_episode_mean"].append(snapshots / episodes if episodes else 0.0)

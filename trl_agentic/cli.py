@@ -318,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trl-agentic: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
     task_args, training_args, model_args = make_parser().parse_args_and_config(args=rest)
+    if training_args.tracin_enabled and not model_args.use_peft:
+        raise ValueError("`tracin_enabled` needs `use_peft: true`: the influence scores come from the LoRA layers.")
     try:
         train(task_args, training_args, model_args)
     finally:

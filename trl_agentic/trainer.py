@@ -90,6 +90,12 @@ class AgenticGRPOTrainer(TracInMixin, GRPOTrainer):
             args = AgenticGRPOConfig(f"{str(name).split('/')[-1]}-AgenticGRPO")
         elif not isinstance(args, AgenticGRPOConfig):
             raise TypeError(f"`args` must be an AgenticGRPOConfig, got {type(args).__name__}.")
+        if args.tracin_enabled and kwargs.get("peft_config") is None and not hasattr(model, "peft_config"):
+            # Checked before TRL loads the model: the influence hooks need LoRA layers.
+            raise ValueError(
+                "`tracin_enabled=True` needs a PEFT LoRA policy: pass `peft_config` (a `peft.LoraConfig`) or a "
+                "`peft.PeftModel` with LoRA adapters."
+            )
         if isinstance(model, str):
             from .models import resolve_model_path
 

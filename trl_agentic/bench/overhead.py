@@ -5,14 +5,14 @@
 2. Rollout-engine overhead: the loop's own time (not generation, not tools) as a fraction of the loop's wall time,
    in a multi-turn calculator run with rollback on (goal ≤ 5 %).
 3. Tokens generated per rollback vs the failed turn's tokens (goal ≤ 1 plus feedback): only the failed turn is
-   generated again, the prefix is reused.
+   generated again, the prefix is reused. Measured on the quickstart's warm-started policy, whose failed turns and
+   regenerations are both its own tool calls.
 """
 
 from __future__ import annotations
 
 import statistics
 import tempfile
-from collections import Counter
 
 PEFT = dict(r=16, lora_alpha=32, target_modules="all-linear")
 
@@ -91,75 +91,71 @@ def features_off_ratio(quick: bool) -> list[dict]:
     ]
 
 
-class _FirstTurnScript:
-    """The first time a prompt is seen, answer with a scripted tool call (half of them invalid, so rollbacks
-    happen); every other generation — continuations and regenerations — is the real model's."""
+def _warm_started_policy(out: str, quick: bool):
+    """The quickstart's policy before GRPO: SmolLM2 + a LoRA adapter from a short SFT warm start on calculator traces,
+    half of them with a rejected call first. It makes real tool calls, some malformed, so the failed turns and their
+    regenerations both come from the same policy (an untrained model's regenerations are free text that runs to the
+    completion budget, which measures the model rather than the engine)."""
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    def __init__(self, trainer):
-        self.real = trainer._generate_single_turn
-        self.tok = trainer._tokenizer
-        self.seen = Counter()
+    from ..models import resolve_model_path
+    from ..tasks import TaskArguments, build_task
+    from ..warmstart import run_warmstart
 
-    def __call__(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        first = [self.seen[tuple(ids)] == 0 and "<tool_response>" not in self.tok.decode(ids) for ids in prompt_ids]
-        for ids in prompt_ids:
-            self.seen[tuple(ids)] += 1
-        real_idx = [i for i, f in enumerate(first) if not f]
-        real_ids, real_lps = ([], None)
-        if real_idx:
-            real_ids, real_lps = self.real(
-                [prompt_ids[i] for i in real_idx], images, multimodal_fields, num_generations, has_tool_images
-            )
-        out, lps, k = [], [], 0
-        for i, is_first in enumerate(first):
-            if is_first:
-                expression = "12 * (3 + 4" if i % 2 == 0 else "12 * 7"
-                text = (
-                    '<tool_call>\n{"name": "calculate", "arguments": {"expression": "'
-                    + expression
-                    + '"}}\n</tool_call><|im_end|>'
-                )
-                ids = self.tok.encode(text, add_special_tokens=False)
-                out.append(ids)
-                lps.append([0.0] * len(ids))
-            else:
-                out.append(real_ids[k])
-                lps.append(real_lps[k] if real_lps is not None else None)
-                k += 1
-        return out, (lps if real_lps is not None else None)
+    steps = 4 if quick else 16
+    task = build_task(
+        TaskArguments(task="calculator", num_train_tasks=64, warmstart_steps=steps, warmstart_batch_size=4)
+    )
+    path = resolve_model_path("smollm2-135m")
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left", truncation_side="left")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    result = run_warmstart(
+        model,
+        tokenizer,
+        list(task.warmstart_dataset),
+        environment_factory=task.environment_factory,
+        peft_config=LoraConfig(**PEFT),
+        output_dir=f"{out}/warmstart",
+        max_steps=steps,
+        batch_size=4,
+        learning_rate=3e-4,
+        error_fraction=0.5,
+        trace_options=task.warmstart_options,
+        compact_progress=False,
+    )
+    return result.model, tokenizer, task
 
 
 def rollout_overhead(quick: bool) -> list[dict]:
-    from peft import LoraConfig
-
     from ..config import AgenticGRPOConfig
-    from ..envs.calculator import CalculatorEnv, answer_reward
-    from ..models import resolve_model_path
     from ..trainer import AgenticGRPOTrainer
 
-    steps = 1 if quick else 3
+    steps = 1 if quick else 6  # 48 rollouts: enough failed turns for a stable ratio
     stats = []
     with tempfile.TemporaryDirectory() as out:
+        model, tokenizer, task = _warm_started_policy(out, quick)
         args = _config(
             AgenticGRPOConfig,
             out,
             steps,
             enable_tool_rollback=True,
             save_negative_samples=True,
-            rollback_on_errors=["ValueError", "ZeroDivisionError"],
-            max_tool_retries=1,
-            max_tool_calling_iterations=2,
+            rollback_on_errors=["ValueError", "ZeroDivisionError", "TypeError", "SyntaxError", "ToolCallParseError"],
+            max_tool_retries=2,
+            max_tool_calling_iterations=3,
         )
         args.max_completion_length = 96
+        args.temperature = 0.8  # the quickstart's sampling temperature
         trainer = AgenticGRPOTrainer(
-            model=resolve_model_path("smollm2-135m"),
-            reward_funcs=answer_reward,
+            model=model,
+            reward_funcs=task.reward_funcs,
             args=args,
-            train_dataset=_prompts(64),
-            environment_factory=CalculatorEnv,
-            peft_config=LoraConfig(**PEFT),
+            train_dataset=task.train_dataset,
+            environment_factory=task.environment_factory,
+            processing_class=tokenizer,
         )
-        trainer._generate_single_turn = _FirstTurnScript(trainer)
         augment = trainer._augmenter
 
         def capture(output, inputs, rewards_per_func, loop_result):
@@ -182,15 +178,15 @@ def rollout_overhead(quick: bool) -> list[dict]:
             "goal": "≤ 5 %",
             "details": f"loop {loop:.1f} s = generation {generate:.1f} s + tools {tools:.2f} s + engine "
             f"{overhead:.2f} s over {steps} steps ({sum(s.generation_calls for s in stats)} batched "
-            f"generation calls), SmolLM2-135M + LoRA, calculator env, rollback on",
+            f"generation calls), SmolLM2-135M + warm-start LoRA, calculator env, rollback on",
         },
         {
             "benchmark": "tokens generated per rollback / failed turn's tokens",
             "value": f"{regenerated / failed:.2f}" if failed else "n/a",
             "goal": "≤ 1 + feedback",
             "details": f"{rollbacks} rollbacks: {regenerated} tokens regenerated for {failed} failed-turn tokens "
-            "(only the failed turn is generated again; the prompt and earlier turns are reused); "
-            "feedback mode 'none' adds 0 tokens",
+            "(only the failed turn is generated again; the prompt and earlier turns are reused), warm-started policy "
+            "(16 SFT steps, as in the quickstart), T=0.8; feedback mode 'none' adds 0 tokens",
         },
     ]
 

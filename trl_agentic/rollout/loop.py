@@ -245,6 +245,7 @@ class AgenticRolloutLoop:
         stats.tool_calls += len(r.calls) + len(r.parse_errors)
         stats.tool_failures += sum(o.failed for o in outcomes)
         stats.malformed_calls += len(r.parse_errors)
+        stats.truncated_outputs += sum(o.truncated for o in outcomes)
         tool_messages = [{"role": "tool", "name": o.name, "content": o.content} for o in outcomes]
         calls, r.calls, r.parse_errors = r.calls, [], []
 

@@ -32,6 +32,7 @@ class ToolOutcome:
         category: `"ok"`, `"model"`, `"infra"` or `"error"`.
         error_type: Exception class name (or the error type found in the returned text), None when ok.
         error_text: Error message, None when ok.
+        truncated: Whether the tool's output was longer than `max_tool_output_chars` and was cut.
     """
 
     name: str
@@ -39,6 +40,7 @@ class ToolOutcome:
     category: str
     error_type: str | None = None
     error_text: str | None = None
+    truncated: bool = False
 
     @property
     def failed(self) -> bool:
@@ -172,14 +174,20 @@ def run_tool_call(
             )
     except Exception as e:  # noqa: BLE001 - every failure must reach the model as a message
         return _failure(name, type(e).__name__, str(e), max_chars, infra_patterns, rollback_patterns)
-    text = result if isinstance(result, str) else _to_text(result)
-    text = truncate(text, max_chars)
+    full = result if isinstance(result, str) else _to_text(result)
+    text = truncate(full, max_chars)
     if isinstance(result, dict) and "error" in result:  # TRL convention for tools that report errors
-        return _classified(name, text, "ToolError", str(result["error"]), infra_patterns, rollback_patterns)
-    in_text = error_in_text(text)
-    if in_text is not None or _matches(rollback_patterns, text) or _matches(infra_patterns, text):
-        return _classified(name, text, in_text, text, infra_patterns, rollback_patterns)
-    return ToolOutcome(name=name, content=text, category="ok")
+        outcome = _classified(name, text, "ToolError", str(result["error"]), infra_patterns, rollback_patterns)
+    elif (
+        (in_text := error_in_text(text)) is not None
+        or _matches(rollback_patterns, text)
+        or _matches(infra_patterns, text)
+    ):
+        outcome = _classified(name, text, in_text, text, infra_patterns, rollback_patterns)
+    else:
+        outcome = ToolOutcome(name=name, content=text, category="ok")
+    outcome.truncated = len(full) > max_chars
+    return outcome
 
 
 def _to_text(result: Any) -> str:

@@ -61,6 +61,7 @@ class LoopStats:
     tool_calls: int = 0
     tool_failures: int = 0  # exceptions, unknown tools, malformed calls, error texts returned by tools
     malformed_calls: int = 0
+    truncated_outputs: int = 0  # tool outputs longer than `max_tool_output_chars`, cut before the model saw them
     rollback_attempts: int = 0
     rollback_recovered: int = 0  # rollbacks whose regenerated turn ran its tools without error
     rollback_exhausted: int = 0  # positions where the retry budget ran out and the error was kept
