@@ -34,10 +34,12 @@ install-browser:
 		$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium chromium-driver; \
 	fi
 
-# The whole suite: unit tier, then the integration tiers (embedded model, multi-process DeepSpeed, browser).
-test: install install-browser
+# The whole suite: unit tier, then the integration tiers (embedded model, multi-process DeepSpeed, browser), then the
+# vLLM tier in its own venv (about 2 min to install from nothing, 1.5-3 min of tests here).
+test: install install-browser install-vllm
 	$(BIN)/python -m pytest -q -m "not slow and not distributed and not vllm" -p no:cacheprovider
 	$(BIN)/python -m pytest -q -m "(slow or distributed) and not vllm" -p no:cacheprovider || [ $$? -eq 5 ]
+	$(VLLM_BIN)/python -m pytest -q -m vllm -p no:cacheprovider
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not distributed and not vllm" -p no:cacheprovider
