@@ -310,11 +310,42 @@ def run_warmstart(
         install_compact_progress(trainer)
     trainer.train()
     sample = tokenizer.decode(examples[0]["input_ids"][len(renderer.prompt_ids(traces[0]["prompt"], tools)) :])
+    trained = _leave_deepspeed(trainer, output_dir) if trainer.is_deepspeed_enabled else trainer.model
     return WarmStartResult(
-        model=trainer.model,
+        model=trained,
         log_history=list(trainer.state.log_history),
         seconds=time.perf_counter() - start,
         num_traces=len(traces),
         faulty_traces=sum(t["faulty"] for t in traces),
         sample_trace=sample,
     )
+
+
+def _leave_deepspeed(trainer, output_dir: str):
+    """The warm-start policy as a plain `PeftModel`, and accelerate's state freed for the GRPO trainer.
+
+    Under `accelerate launch` with a DeepSpeed config, the SFT trainer's engine owns the model (its parameters are
+    partitioned under ZeRO-3) and accelerate allows one DeepSpeed plugin per process state, so building the GRPO
+    trainer next raises "You cannot pass in a `deepspeed_plugin` when creating a second `Accelerator`". So the adapter
+    is saved (gathered under ZeRO-3), loaded back onto a fresh copy of the base model, and the accelerator state (not
+    the process group) is reset; the GRPO trainer then builds its own engine from the same launch config.
+    """
+    import gc
+    import os
+
+    from accelerate.state import AcceleratorState, GradientState
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = os.path.join(output_dir, "adapter")
+    trainer.save_model(path)
+    trainer.accelerator.wait_for_everyone()
+    peft_model = trainer.model
+    base_path = peft_model.peft_config[peft_model.active_adapter].base_model_name_or_path
+    dtype = peft_model.get_base_model().dtype
+    del trainer, peft_model
+    gc.collect()
+    AcceleratorState._reset_state()  # keeps PartialState: the process group and ranks stay as they are
+    GradientState._reset_state()
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
+    return PeftModel.from_pretrained(base, path, is_trainable=True)

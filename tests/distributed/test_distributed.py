@@ -198,6 +198,11 @@ def test_shipped_accelerate_configs_are_gpu_ready():
     assert yaml.safe_load((CONFIGS / "zero3.yaml").read_text())["deepspeed_config"]["offload_param_device"] == "none"
 
 
+def _parity_args(model: str) -> list[str]:
+    """The `parity` scenario: 12 rollouts in groups of 4, 6 per rank in the 2-process layout (see its docstring)."""
+    return ["--model", model, "--scenario", "parity", "--rows_per_rank", "6", "--num_generations", "4"]
+
+
 def test_variable_rows_across_processes_match_one_process(tiny_model_dir, tmp_path):
     """2 DDP processes vs 1 process on the union of their generation batches: same rows, advantages, loss, gradient.
 
@@ -207,14 +212,7 @@ def test_variable_rows_across_processes_match_one_process(tiny_model_dir, tmp_pa
     retries, the group-0 cap of 2 binds) and rank 1 two.
     """
     common = [
-        "--model",
-        tiny_model_dir,
-        "--scenario",
-        "parity",
-        "--rows_per_rank",
-        "6",
-        "--num_generations",
-        "4",
+        *_parity_args(tiny_model_dir),
         "--gradient_accumulation_steps",
         "2",
         "--max_negative_samples_per_group",
@@ -398,14 +396,7 @@ def _tracin_index(records: list[dict]) -> dict:
 def _tracin_run(tiny_model_dir, tmp_path, name: str, processes: int, selection: list[str]) -> list[dict]:
     """The parity scenario with TracIn (fused step): 12 rollouts in one generation batch, SGD, no clipping."""
     common = [
-        "--model",
-        tiny_model_dir,
-        "--scenario",
-        "parity",
-        "--rows_per_rank",
-        "6",
-        "--num_generations",
-        "4",
+        *_parity_args(tiny_model_dir),
         "--lora",
         "--tracin",
         "--exercise_model",
@@ -494,9 +485,11 @@ def test_unequal_generation_calls_get_their_own_vllm_server_outputs(tmp_path):
     assert all(lp == [-0.5, -0.25] for r in records for lp in r["fixed_logprobs"])
 
 
-def test_cli_trains_under_accelerate_launch(tiny_model_dir, tmp_path):
-    """`accelerate launch --config_file configs/accelerate/ddp.yaml -m trl_agentic train --config <task>.yaml` (CPU
-    copy, 2 processes) on the tiny model with rollback and negatives: trains one step and saves the LoRA adapter."""
+@pytest.mark.parametrize("launcher, warmstart_steps", [("ddp", 0), ("zero2", 2), ("zero3", 2)])
+def test_cli_trains_under_accelerate_launch(tiny_model_dir, tmp_path, launcher, warmstart_steps):
+    """`accelerate launch --config_file configs/accelerate/<launcher>.yaml -m trl_agentic train --config <task>.yaml`
+    (CPU copy, 2 processes) on the tiny model with rollback and negatives: trains one step and saves the LoRA adapter.
+    Under DeepSpeed with the warm start first (SFT, then GRPO in the same processes: two trainers, two engines)."""
     out = tmp_path / "out"
     task_config = {
         "task": "calculator",
@@ -518,10 +511,12 @@ def test_cli_trains_under_accelerate_launch(tiny_model_dir, tmp_path):
         "max_completion_length": 32,
         "enable_tool_rollback": True,
         "save_negative_samples": True,
+        "warmstart_steps": warmstart_steps,
+        "warmstart_batch_size": 4,
     }
     config_path = tmp_path / "task.yaml"
     config_path.write_text(yaml.safe_dump(task_config))
-    launch(cpu_config("ddp", tmp_path), tmp_path, "train", "--config", str(config_path), script=None)
+    launch(cpu_config(launcher, tmp_path), tmp_path, "train", "--config", str(config_path), script=None)
     log = (tmp_path / "launch.log").read_text(errors="replace")
     assert f"Model saved to {out}." in log
     from safetensors.torch import load_file
@@ -529,3 +524,6 @@ def test_cli_trains_under_accelerate_launch(tiny_model_dir, tmp_path):
     adapter = load_file(out / "adapter_model.safetensors")
     assert adapter and all(torch.isfinite(v).all() for v in adapter.values())
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    if warmstart_steps:  # GRPO continued the warm-start adapter (lora_B starts at zero; SFT moved it)
+        assert "Warm start done" in log and "Stage 2/2: GRPO" in log
+        assert max(v.abs().max().item() for k, v in adapter.items() if "lora_B" in k) > 0
