@@ -12,7 +12,7 @@ closed segments are kept). See docs/snapshots.md.
 
 What the model is asked to delete here: a failed tool call and its error message, once a later call has succeeded
 (rollback is off, so failed calls stay in the context). The system prompt describes `delete_context` with an example
-call. The warm start (`trl_agentic.warmstart.run_warmstart`, as in `trl-agentic train`) teaches the tool-call format
+call. The warm start (`trl_agentic.warmstart.run_task_warmstart`, as in `trl-agentic train`) teaches the tool-call format
 on synthetic traces, a fraction of them with a rejected call first, under the same prompts as GRPO (the hint, and the
 `delete_context` schema next to the task's tool): warm-started on the task's plain prompts, the model mostly stops
 calling any tool once the hint and the second tool are in its prompt.
@@ -47,7 +47,7 @@ from trl_agentic.models import resolve_model_path  # noqa: E402
 from trl_agentic.reporting import format_metric_table, install_compact_progress  # noqa: E402
 from trl_agentic.rollout.context import delete_context  # noqa: E402
 from trl_agentic.tasks import TaskArguments, build_task  # noqa: E402
-from trl_agentic.warmstart import run_warmstart  # noqa: E402
+from trl_agentic.warmstart import run_task_warmstart  # noqa: E402
 
 # Appended to the system message of every GRPO prompt. Messages are numbered as `delete_context` counts them: 0 is the
 # system message, 1 the question, then the assistant's tool calls and the tool results alternate.
@@ -125,20 +125,17 @@ def main(argv: list[str] | None = None) -> AgenticGRPOTrainer:
         # SFT on synthetic traces of the task (none of them deletes anything); GRPO continues this LoRA adapter.
         tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left", truncation_side="left")
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=model_args.dtype)
-        warm = run_warmstart(
+        warm = run_task_warmstart(
             model,
             tokenizer,
-            list(task.warmstart_dataset.map(with_hint, fn_kwargs={"hint": hint})),  # the GRPO prompts' system message
+            task,
+            task_args,
+            rows=task.warmstart_dataset.map(with_hint, fn_kwargs={"hint": hint}),  # the GRPO prompts' system message
             environment_factory=warmstart_environment(task.environment_factory),  # and their tools
             peft_config=peft_config,
             output_dir=os.path.join(training_args.output_dir, "warmstart"),
-            max_steps=task_args.warmstart_steps,
-            batch_size=task_args.warmstart_batch_size,
-            learning_rate=task_args.warmstart_learning_rate,
-            error_fraction=task_args.warmstart_error_fraction,
             seed=training_args.seed,
             use_cpu=training_args.use_cpu,
-            trace_options=task.warmstart_options,
         )
         print(f"Warm start: {warm.num_traces} traces ({warm.faulty_traces} with a rejected call first).")
         model, peft_config = warm.model, None

@@ -31,7 +31,7 @@ from trl_agentic.evaluation import evaluate_policy, format_comparison  # noqa: E
 from trl_agentic.models import resolve_model_path  # noqa: E402
 from trl_agentic.reporting import TrajectoryRecorder, install_compact_progress, plot_curves, write_report  # noqa: E402
 from trl_agentic.tasks import TaskArguments, build_task  # noqa: E402
-from trl_agentic.warmstart import run_warmstart  # noqa: E402
+from trl_agentic.warmstart import run_task_warmstart  # noqa: E402
 
 
 def evaluate(model, tokenizer, task, task_args, args, stage):
@@ -64,19 +64,15 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=model_args.dtype or "float32")
 
     # 1. Warm start: the model has never seen the tool-call format; SFT shows it on synthetic traces of the task.
-    warm = run_warmstart(
+    # Steps, batch size, learning rate and error fraction come from `task_args`, the traces from the task.
+    warm = run_task_warmstart(
         model,
         tokenizer,
-        list(task.warmstart_dataset),
-        environment_factory=task.environment_factory,
+        task,
+        task_args,
         peft_config=get_peft_config(model_args),
         output_dir=os.path.join(args.output_dir, "warmstart"),
-        max_steps=task_args.warmstart_steps,
-        batch_size=task_args.warmstart_batch_size,
-        learning_rate=task_args.warmstart_learning_rate,
-        error_fraction=task_args.warmstart_error_fraction,
         seed=args.seed,
-        trace_options=task.warmstart_options,
     )
     print(f"Warm start: {warm.num_traces} traces in {warm.seconds:.0f} s. First trace:\n{warm.sample_trace}")
 

@@ -11,7 +11,7 @@ trajectory is kept first, as an extra row of the same GRPO group with reward `ne
 sample. See docs/rollback.md.
 
 The base model has never seen the tool-call format, so with `warmstart_steps > 0` a short SFT stage on synthetic
-traces of the task comes first (`trl_agentic.warmstart.run_warmstart`, the warm start of `trl-agentic train`), a
+traces of the task comes first (`trl_agentic.warmstart.run_task_warmstart`, the warm start of `trl-agentic train`), a
 fraction of them (`warmstart_error_fraction`) with a rejected call before the right one; GRPO then continues training
 the same LoRA adapter. `trl-agentic train --config configs/tool_rollback.yaml` runs the same pipeline.
 
@@ -35,7 +35,7 @@ from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer  # noqa: E402
 from trl_agentic.models import resolve_model_path  # noqa: E402
 from trl_agentic.reporting import format_metric_table, install_compact_progress  # noqa: E402
 from trl_agentic.tasks import TaskArguments, build_task  # noqa: E402
-from trl_agentic.warmstart import run_warmstart  # noqa: E402
+from trl_agentic.warmstart import run_task_warmstart  # noqa: E402
 
 # Logged once per step by the trainer (docs/rollback.md, "Metrics"); summed over the processes.
 ROLLBACK_METRICS = (
@@ -70,20 +70,16 @@ def main(argv: list[str] | None = None) -> AgenticGRPOTrainer:
         # peft_config and no model_init_kwargs for the trainer).
         tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left", truncation_side="left")
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=model_args.dtype)
-        warm = run_warmstart(
+        # The task's traces call the `python` tool with `print(<expression>)`; steps, batch, lr from `task_args`.
+        warm = run_task_warmstart(
             model,
             tokenizer,
-            list(task.warmstart_dataset),
-            environment_factory=task.environment_factory,
+            task,
+            task_args,
             peft_config=peft_config,
             output_dir=os.path.join(training_args.output_dir, "warmstart"),
-            max_steps=task_args.warmstart_steps,
-            batch_size=task_args.warmstart_batch_size,
-            learning_rate=task_args.warmstart_learning_rate,
-            error_fraction=task_args.warmstart_error_fraction,
             seed=training_args.seed,
             use_cpu=training_args.use_cpu,
-            trace_options=task.warmstart_options,  # the `python` tool, `print(<expression>)` as its code
         )
         print(
             f"Warm start: {warm.num_traces} traces ({warm.faulty_traces} with a rejected call first) in "

@@ -94,7 +94,7 @@ def train(task_args, training_args, model_args):
                 "base model", model, processing_class, task, task_args, training_args, eval_results, eval_records
             )
     if task_args.warmstart_steps:
-        from .warmstart import run_warmstart
+        from .warmstart import run_task_warmstart
 
         _stage(
             f"Stage 1/2: warm start — SFT on {task_args.warmstart_steps * task_args.warmstart_batch_size} synthetic "
@@ -102,21 +102,15 @@ def train(task_args, training_args, model_args):
             "rejected call first)"
         )
         with clock("warmstart"):
-            result = run_warmstart(
+            result = run_task_warmstart(
                 model,
                 processing_class,
-                list(task.warmstart_dataset),
-                environment_factory=task.environment_factory,
+                task,
+                task_args,
                 peft_config=peft_config,
                 output_dir=os.path.join(training_args.output_dir, "warmstart"),
-                max_steps=task_args.warmstart_steps,
-                batch_size=task_args.warmstart_batch_size,
-                learning_rate=task_args.warmstart_learning_rate,
-                error_fraction=task_args.warmstart_error_fraction,
                 seed=training_args.seed,
                 use_cpu=training_args.use_cpu,
-                trace_options=task.warmstart_options,
-                callbacks=None,
                 compact_progress=not training_args.disable_tqdm,
             )
         model, peft_config = result.model, None  # GRPO continues training the warm-start adapter

@@ -321,6 +321,55 @@ def run_warmstart(
     )
 
 
+def run_task_warmstart(
+    model,
+    tokenizer,
+    task,
+    task_args,
+    *,
+    peft_config,
+    output_dir: str,
+    seed: int = 0,
+    use_cpu: bool = True,
+    rows: Sequence[dict] | None = None,
+    environment_factory: Callable | None = None,
+    **kwargs,
+) -> WarmStartResult:
+    """
+    [`run_warmstart`] with the warm-start settings of `TaskArguments` and the traces' rows, environment and tool
+    options of a `trl_agentic.tasks.Task` (what `trl-agentic train` and the examples run as stage 1).
+
+    Args:
+        model, tokenizer: As in [`run_warmstart`].
+        task (`Task`): Gives `warmstart_dataset`, `environment_factory` and `warmstart_options`.
+        task_args (`TaskArguments`): Gives `warmstart_steps`, `warmstart_batch_size`, `warmstart_learning_rate` and
+            `warmstart_error_fraction`.
+        peft_config, output_dir, seed, use_cpu: As in [`run_warmstart`].
+        rows (`Sequence[dict]`, *optional*): Rows to build the traces from instead of `task.warmstart_dataset`.
+        environment_factory (`Callable`, *optional*): Instead of `task.environment_factory`.
+        **kwargs: Other keyword arguments of [`run_warmstart`] (`callbacks`, `compact_progress`).
+
+    Returns:
+        [`WarmStartResult`].
+    """
+    return run_warmstart(
+        model,
+        tokenizer,
+        list(task.warmstart_dataset if rows is None else rows),
+        environment_factory=environment_factory or task.environment_factory,
+        peft_config=peft_config,
+        output_dir=output_dir,
+        max_steps=task_args.warmstart_steps,
+        batch_size=task_args.warmstart_batch_size,
+        learning_rate=task_args.warmstart_learning_rate,
+        error_fraction=task_args.warmstart_error_fraction,
+        seed=seed,
+        use_cpu=use_cpu,
+        trace_options=task.warmstart_options,
+        **kwargs,
+    )
+
+
 def _leave_deepspeed(trainer, output_dir: str):
     """The warm-start policy as a plain `PeftModel`, and accelerate's state freed for the GRPO trainer.
 

@@ -102,27 +102,28 @@ def _warm_started_policy(out: str, quick: bool):
 
     from ..models import resolve_model_path
     from ..tasks import TaskArguments, build_task
-    from ..warmstart import run_warmstart
+    from ..warmstart import run_task_warmstart
 
     steps = 4 if quick else 16
-    task = build_task(
-        TaskArguments(task="calculator", num_train_tasks=64, warmstart_steps=steps, warmstart_batch_size=4)
+    task_args = TaskArguments(
+        task="calculator",
+        num_train_tasks=64,
+        warmstart_steps=steps,
+        warmstart_batch_size=4,
+        warmstart_learning_rate=3e-4,
+        warmstart_error_fraction=0.5,
     )
+    task = build_task(task_args)
     path = resolve_model_path("smollm2-135m")
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left", truncation_side="left")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    result = run_warmstart(
+    result = run_task_warmstart(
         model,
         tokenizer,
-        list(task.warmstart_dataset),
-        environment_factory=task.environment_factory,
+        task,
+        task_args,
         peft_config=LoraConfig(**PEFT),
         output_dir=f"{out}/warmstart",
-        max_steps=steps,
-        batch_size=4,
-        learning_rate=3e-4,
-        error_fraction=0.5,
-        trace_options=task.warmstart_options,
         compact_progress=False,
     )
     return result.model, tokenizer, task
