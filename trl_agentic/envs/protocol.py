@@ -13,6 +13,7 @@ Environments that define neither get a default: a deep copy of the instance `__d
 import copy
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 _NOT_TOOLS = ("reset", "get_reward")
@@ -126,3 +127,71 @@ def check_checkpointable(env: Any) -> None:
     raise TypeError(
         f"Environment {name} cannot be checkpointed by the default deep copy ({type(error).__name__}: {error}). {advice}"
     ) from error
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Conversations with several user turns.
+#
+# TRL's loop ends a rollout when the assistant stops calling tools. An environment that defines
+#
+#     def _next_user_turn(self, assistant_message: dict) -> str | UserTurn | None
+#
+# is asked, each time the assistant's turn ends without tool calls, for the next user message of the conversation:
+# `None` ends the conversation; a string (or a `UserTurn`) is appended as a user message (environment tokens, masked
+# from the loss) and the rollout continues in the same row. A `UserTurn` may also make tools available from that turn
+# on (`add_tools`) or withdraw some (`remove_tools`). Underscore-prefixed, so TRL does not expose it as a tool.
+
+
+@dataclass
+class UserTurn:
+    """
+    The next user message of a multi-turn conversation, returned by an environment's `_next_user_turn`.
+
+    Args:
+        content (`str`):
+            The user message.
+        add_tools (`list[Callable]`, *optional*):
+            Functions callable as tools from this turn on (by their `__name__`). How the model learns about them is
+            the environment's choice (e.g. their schema in `content`): the system prompt is not re-rendered.
+        remove_tools (`list[str]`, *optional*):
+            Names of tools no longer callable from this turn on (a call gets a "tool not found" error).
+    """
+
+    content: str
+    add_tools: list[Callable] = field(default_factory=list)
+    remove_tools: list[str] = field(default_factory=list)
+
+
+NEXT_USER_TURN = "_next_user_turn"
+
+
+def next_user_turn(env: Any, assistant_message: dict) -> UserTurn | None:
+    """
+    Asks an environment for the next user turn (None when it has no `_next_user_turn` or the conversation is over).
+
+    Args:
+        env (`Any`): The rollout's environment (may be None).
+        assistant_message (`dict`): The assistant message that ended without tool calls.
+
+    Returns:
+        `UserTurn | None`
+
+    Raises:
+        `TypeError`: If the hook returns something other than None, a string or a `UserTurn`.
+    """
+    hook = getattr(env, NEXT_USER_TURN, None) if env is not None else None
+    if hook is None:
+        return None
+    turn = hook(assistant_message)
+    if turn is None or isinstance(turn, UserTurn):
+        return turn
+    if isinstance(turn, str):
+        return UserTurn(content=turn)
+    raise TypeError(
+        f"{type(env).__qualname__}.{NEXT_USER_TURN} must return None, a str or a UserTurn, got {type(turn).__name__}."
+    )
+
+
+def has_user_turns(env: Any) -> bool:
+    """Whether an environment (instance or class) supplies further user turns (defines `_next_user_turn`)."""
+    return callable(getattr(env, NEXT_USER_TURN, None))
