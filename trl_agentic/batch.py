@@ -200,6 +200,8 @@ class BatchAugmenter:
         batch = self._pad_rows(batch, target)
         loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
         batch["num_items_in_batch"] = t.accelerator.gather(loss_mask.sum()).sum()
+        # Rows trained on, over every process: the per-row loss types weigh each by its inverse (loss_weights.py).
+        batch["num_rows_in_batch"] = t.accelerator.gather((batch["row_kind"] != RowKind.PADDING).sum()).sum()
         self._log_metrics(mode, batch, loop_result, group_t, kind_t)
         return batch
 
@@ -289,7 +291,15 @@ class BatchAugmenter:
             elif key == "importance_sampling_ratio":
                 width = value.size(1) if value.size(1) == 1 else comp_w
                 merged[key] = torch.cat([_pad_to(value, width, 1.0, "right"), _pad_to(ext[key], width, 1.0, "right")])
-            elif key in ("advantages", "num_items_in_batch", "group_id", "row_kind", "episode_id", "segment_index"):
+            elif key in (
+                "advantages",
+                "num_items_in_batch",
+                "num_rows_in_batch",
+                "group_id",
+                "row_kind",
+                "episode_id",
+                "segment_index",
+            ):
                 merged[key] = value  # recomputed or extended by the caller
             else:
                 raise NotImplementedError(f"Extra rows cannot be combined with the batch key {key!r} (multimodal?).")

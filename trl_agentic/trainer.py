@@ -16,11 +16,11 @@ from .config import AgenticGRPOConfig
 from .envs.protocol import check_checkpointable
 from .estimators import resolve_estimator
 from .gloo_exit import register_gloo_exit_pause
+from .loss_weights import RowWeightedLossMixin
 from .model_card import card_section, feature_tags
 from .rollout.context import delete_context
 from .rollout.loop import AgenticRolloutLoop, LoopConfig
 from .rollout.trl_backend import TrainerBackend
-from .rollout.types import RowKind
 from .tracin.trainer_mixin import TracInMixin
 from .vllm_lora import lora_sync_vllm
 
@@ -36,7 +36,7 @@ def _tupled(value):
     return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
 
 
-class AgenticGRPOTrainer(TracInMixin, GRPOTrainer):
+class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
     """
     GRPO trainer for agentic tool use, built on [`~trl.GRPOTrainer`].
 
@@ -55,8 +55,9 @@ class AgenticGRPOTrainer(TracInMixin, GRPOTrainer):
     - `_generate_and_score_completions`: calls TRL's, then `trl_agentic.batch.BatchAugmenter` appends the extra
       rows, recomputes the advantages over explicit group ids and the loss normaliser, and pads every process to the
       same divisible row count;
-    - `_compute_loss`: calls TRL's; for per-row loss types (`grpo`, `sapo`, `dr_grpo`, `luspo`) it rescales so that
-      zero-weight padding rows do not count in the per-row mean;
+    - `_compute_loss` (`trl_agentic.loss_weights.RowWeightedLossMixin`): calls TRL's; for per-row loss types
+      (`grpo`, `sapo`, `dr_grpo`, `luspo`) it rescales the policy term so that every trained row weighs
+      `1 / num_rows_in_batch` whatever the padding rows and the micro-batch it falls in;
     - `_save_checkpoint` / `_load_optimizer_and_scheduler`: call TRL's and save/restore trl-agentic's own state;
     - `create_model_card` (public): TRL's card plus the features used, their settings and citations.
 
@@ -218,21 +219,6 @@ class AgenticGRPOTrainer(TracInMixin, GRPOTrainer):
                     UserWarning,
                     stacklevel=2,
                 )
-
-    def _compute_loss(self, model, inputs):
-        loss = super()._compute_loss(model, inputs)
-        kinds = inputs.get("row_kind")
-        # TRL's per-row loss types average over every row of the micro-batch: zero-weight padding rows must not count.
-        if (
-            self.loss_type in ("grpo", "sapo", "dr_grpo", "luspo")
-            and kinds is not None
-            and not self._entropy_bonus_enabled
-            and not self.aux_loss_enabled
-        ):
-            real = int((kinds != RowKind.PADDING).sum())
-            if 0 < real < kinds.numel():
-                loss = loss * (kinds.numel() / real)
-        return loss
 
     @torch.no_grad()
     def _logps_for_rows(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
