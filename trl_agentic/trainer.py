@@ -13,7 +13,7 @@ from trl import GRPOTrainer
 
 from .batch import BatchAugmenter
 from .config import AgenticGRPOConfig
-from .envs.protocol import check_checkpointable
+from .envs.protocol import check_checkpointable, has_user_turns
 from .estimators import resolve_estimator
 from .gloo_exit import register_gloo_exit_pause
 from .loss_weights import RowWeightedLossMixin
@@ -50,7 +50,12 @@ class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
 
     Overridden `GRPOTrainer` methods (all private in TRL 1.16, guarded by `tests/test_trl_signatures.py`):
 
-    - `_tool_call_loop`: replaced by `trl_agentic.rollout.loop.AgenticRolloutLoop` (same inputs and 7-tuple);
+    - `_tool_call_loop`: TRL's own loop unless a feature needs ours (`AgenticGRPOConfig.uses_agentic_loop`:
+      rollback, snapshots, `tool_timeout`, `max_tool_output_chars`, `malformed_tool_call_feedback`, or an
+      environment with further user turns), then `trl_agentic.rollout.loop.AgenticRolloutLoop` (same inputs and
+      7-tuple). Delegating, rather than reproducing TRL's loop, makes "features off = TRL" hold by construction for
+      tool and environment runs too, and keeps it holding when TRL's loop changes; our loop renders tool messages
+      and errors exactly as TRL does, so a run that turns a feature on keeps what the model reads;
     - `_calculate_rewards`: calls TRL's and keeps the gathered rewards for the batch augmentation;
     - `_generate_and_score_completions`: calls TRL's, then `trl_agentic.batch.BatchAugmenter` appends the extra
       rows, recomputes the advantages over explicit group ids and the loss normaliser, and pads every process to the
@@ -123,9 +128,12 @@ class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
                 environment_factory=environment_factory,
                 **kwargs,
             )
-        if args.enable_tool_rollback and self.environment_factories is not None:
-            for pool in self._environment_pool.values():
-                check_checkpointable(pool[0])
+        probes = [pool[0] for pool in self._environment_pool.values()] if self.environment_factories else []
+        if (args.enable_tool_rollback or args.tool_timeout) and probes:
+            # Rollback restores a checkpoint; a timed-out call's environment is replaced by a restored copy.
+            for env in probes:
+                check_checkpointable(env)
+        self._uses_agentic_loop = args.uses_agentic_loop or any(has_user_turns(env) for env in probes)
         self.advantage_estimator = resolve_estimator(advantage_estimator or args.advantage_estimator)
         self._loop_config = LoopConfig.from_args(args)
         self._rng = random.Random(args.seed)
@@ -137,12 +145,13 @@ class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------------------------
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
-        if images is not None or multimodal_fields:
-            if self.args.agentic_features_enabled:
-                raise NotImplementedError("trl-agentic's tool loop does not handle images; use text environments.")
+        if not self._uses_agentic_loop:
+            # No feature needs our loop: TRL's own, so that tool messages, tokens and rewards are TRL's exactly.
             return super()._tool_call_loop(
                 prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
             )
+        if images is not None or multimodal_fields:
+            raise NotImplementedError("trl-agentic's tool loop does not handle images; use text environments.")
         num_local = len(prompt_ids)
         base = self.accelerator.process_index * num_local
         group_size = self.num_generations if self.model.training else self.num_generations_eval
