@@ -297,3 +297,20 @@ def test_a_sandbox_that_cannot_start_is_an_infrastructure_error(monkeypatch):
     monkeypatch.undo()
     assert env.python("1 + 1") == "2"  # retried later, it works
     env._close()
+
+
+def test_the_python_task_passes_the_policy_through(monkeypatch):
+    from trl_agentic.tasks import TaskArguments, build_task
+
+    with pytest.raises(ValueError, match="sandbox_isolation"):
+        TaskArguments(task="python", sandbox_isolation="sometimes")
+    task = build_task(TaskArguments(task="python", sandbox_isolation="best_effort", num_train_tasks=2))
+    assert task.environment_factory().isolation_policy == "best_effort"
+    assert build_task(TaskArguments(task="python", num_train_tasks=2)).environment_factory().isolation_policy == (
+        "required"
+    )
+    # A machine that the default policy refuses fails when the task is built, before any model is loaded.
+    monkeypatch.setitem(sandbox_isolation._probed, "pids_cgroup", "no writable `pids` cgroup controller")
+    with pytest.raises(SandboxUnavailable, match="pids cgroup"):
+        build_task(TaskArguments(task="python", num_train_tasks=2))
+    build_task(TaskArguments(task="python", sandbox_isolation="best_effort", num_train_tasks=2))
