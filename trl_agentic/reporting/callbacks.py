@@ -21,6 +21,7 @@ _KIND_NAMES = {
     RowKind.SNAPSHOT: "snapshot",
     RowKind.EXPANSION: "expansion",
 }
+_USER_TURN = re.compile(r"<\|im_start\|>user\b")
 _TOOL_RESPONSE = re.compile(r"<tool_response>\n?(.*?)\n?</tool_response>", re.DOTALL)
 _LEVEL = re.compile(r"<level>\s*(\d+)\s*</level>")
 
@@ -190,6 +191,8 @@ def describe_segments(segments: list[dict]) -> dict:
             ]
             results += found
             segment["error"] = any(r["error"] for r in found)
+            # A further user message (an environment's `_next_user_turn`, or a rollback hint): ChatML user header.
+            segment["user"] = not found and _USER_TURN.search(segment["text"]) is not None
     return {"tool_calls": calls, "tool_results": results, "levels": levels}
 
 

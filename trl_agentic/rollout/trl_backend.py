@@ -6,6 +6,7 @@ import torch
 from trl.chat_template_utils import parse_response
 
 from .parsing import parse_tool_calls
+from .rendering import ChatRenderer
 
 
 def _has_response_parser(tokenizer) -> bool:
@@ -66,6 +67,7 @@ class TrainerBackend:
         self.equal_counts = needs_equal_counts(trainer)
         # A turn ending otherwise was cut by the budget (TRL's `mask_truncated_completions` uses the same test).
         self.stop_token_ids = {*trainer.eos_token_ids, self.tokenizer.pad_token_id} - {None}
+        self._renderer = None
 
     def _tools_for(self, row: int):
         t = self.trainer
@@ -92,43 +94,22 @@ class TrainerBackend:
     def tool_suffix_ids(self, tool_messages):
         return self.trainer._get_tool_suffix_ids(tool_messages)
 
-    def _render(self, messages, add_generation_prompt, tools=None):
-        t = self.trainer
-        ids = t.processing_class.apply_chat_template(
-            messages,
-            tools=tools or None,
-            chat_template=t.chat_template,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
-            **t.chat_template_kwargs,
-        )
-        return list(ids[0]) if ids and isinstance(ids[0], list) else list(ids)
-
-    def _suffix_after(self, prefix_msgs: list[dict], new_msgs: list[dict]) -> list[int]:
-        """Tokens the chat template adds after `prefix_msgs` (cut after their last EOS) for `new_msgs` and the next
-        assistant header, as TRL's `_get_tool_suffix_ids` does for tool messages."""
-        prefix = self._render(prefix_msgs, add_generation_prompt=False)
-        full = self._render(prefix_msgs + new_msgs, add_generation_prompt=True)
-        eos = self.tokenizer.eos_token_id
-        cut = max((k for k, tok in enumerate(prefix) if tok == eos), default=len(prefix) - 1) + 1
-        if full[:cut] != prefix[:cut]:
-            raise ValueError("The chat template does not render a new user message as a prefix extension.")
-        return full[cut:]
+    @property
+    def renderer(self) -> ChatRenderer:
+        """Renders prompts, hints and user turns with the trainer's chat template and its arguments."""
+        if self._renderer is None:
+            t = self.trainer
+            self._renderer = ChatRenderer(t.processing_class, t.chat_template, t.chat_template_kwargs)
+        return self._renderer
 
     def hint_ids(self, hint):
-        # Close the (empty) assistant turn with EOS, then a user message with the hint and a new assistant header:
-        # rendered by the chat template itself, so it works for any template that supports a user turn here.
-        prefix_msgs = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": ""}]
-        return [self.tokenizer.eos_token_id, *self._suffix_after(prefix_msgs, [{"role": "user", "content": hint}])]
+        return self.renderer.hint_ids(hint)
 
     def user_turn_ids(self, content):
-        # After a complete assistant turn (it ends with EOS): the user message and the next assistant header.
-        prefix_msgs = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"}]
-        return self._suffix_after(prefix_msgs, [{"role": "user", "content": content}])
+        return self.renderer.user_turn_ids(content)
 
     def render_prompt(self, messages, row):
-        return self._render(messages, add_generation_prompt=True, tools=self._tools_for(row))
+        return self.renderer.prompt_ids(messages, tools=self._tools_for(row))
 
     def new_environment(self, row, old):
         """A fresh instance of rollout `row`'s environment, put in the trainer's pool (and batch) in place of `old`."""

@@ -269,10 +269,10 @@ class Recorder(TrainerCallback):
         # Tell the scripted generation which calls are the loop's dummy ones (observation only).
         original_loop_generate = loop_module.AgenticRolloutLoop._generate
 
-        def loop_generate(loop, rollouts, queued, stats):
+        def loop_generate(loop, rollouts, queued):
             generation.in_dummy, generation.in_loop = not queued, True
             try:
-                return original_loop_generate(loop, rollouts, queued, stats)
+                return original_loop_generate(loop, rollouts, queued)
             finally:
                 generation.in_dummy, generation.in_loop = False, False
 
