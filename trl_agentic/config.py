@@ -93,7 +93,9 @@ class AgenticGRPOConfig(GRPOConfig):
             entry wins, `negative_sample_reward` otherwise.
         group_baseline (`str`, *optional*, defaults to `"all_rows"`):
             Which rows enter a group's mean and std: `"all_rows"` (seed: negatives and snapshots counted) or
-            `"episodes"` (only the regular rollouts; negatives and snapshots are scored against them).
+            `"episodes"` (only the regular rollouts; negatives and snapshots are scored against them, then clipped
+            to the largest advantage a rollout of the group can reach, `(m - 1) / sqrt(m)` for `m` rollouts, so a
+            baseline without spread cannot blow them up; docs/concepts.md).
         tool_timeout (`float`, *optional*, defaults to `0.0`):
             Wall-clock limit in seconds of one tool call; a call past it is reported to the model as a `ToolTimeout`
             error (a model error) and its environment is retired: the rollout continues on a fresh instance restored
@@ -245,7 +247,8 @@ class AgenticGRPOConfig(GRPOConfig):
     group_baseline: str = field(
         default="all_rows",
         metadata={
-            "help": "Rows in a group's mean/std: 'all_rows' (seed) or 'episodes' (regular rollouts only).",
+            "help": "Rows in a group's mean/std: 'all_rows' (seed) or 'episodes' (regular rollouts only; the other rows "
+            "are scored against them and clipped to what a rollout can reach).",
             "choices": ["all_rows", "episodes"],
         },
     )

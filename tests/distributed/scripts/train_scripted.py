@@ -64,6 +64,20 @@ class FailingConversationEnv(CounterEnv):
 FAIL = {"rank": -1}
 
 
+class ConversationCounterEnv(CounterEnv):
+    """`--user_turns`: rank 0's rollouts get two further user requests each, rank 1's none (different numbers of
+    user turns, hence of generation rounds, per rank)."""
+
+    def reset(self, **kwargs):
+        import torch.distributed as dist
+
+        super().reset(**kwargs)
+        self.requests = ["Add one more.", "And another."] if dist.get_rank() == 0 else []
+
+    def _next_user_turn(self, assistant_message):
+        return self.requests.pop(0) if self.requests else None
+
+
 def failing_segment_reward(segment: dict) -> float:
     """`--fail_in augment`: a per-segment reward term (called in the batch augmentation) that raises on one rank."""
     import torch.distributed as dist
@@ -355,6 +369,7 @@ def parse_args(argv=None):
     p.add_argument("--optim", default="adamw_torch")
     p.add_argument("--loss_type", default="dapo")
     p.add_argument("--fail_on_rank", type=int, default=-1, help="inject an exception on this rank only")
+    p.add_argument("--user_turns", action="store_true", help="conversations with further user turns on rank 0")
     p.add_argument("--fail_in", default="loop", choices=["loop", "augment"])
     p.add_argument("--learning_rate", type=float, default=1e-2)
     p.add_argument("--rlvcr", action="store_true", help="RLVCR (CoPO) advantages with expansion rows")
@@ -385,7 +400,7 @@ def build(args):
     extra = {}
     if args.rlvcr:
         extra.update(advantage_estimator="rlvcr", rlvcr_mode="copo", rlvcr_action_tag="tool_call", rlvcr_expand=True)
-    environment = CounterEnv
+    environment = ConversationCounterEnv if args.user_turns else CounterEnv
     if args.fail_on_rank >= 0:
         FAIL["rank"] = args.fail_on_rank
         if args.fail_in == "loop":
