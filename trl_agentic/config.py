@@ -464,6 +464,16 @@ class AgenticGRPOConfig(GRPOConfig):
                 f"`tracin_val_num_generations` must be an integer >= 2 (with 1 every validation advantage is 0), "
                 f"got {self.tracin_val_num_generations!r}."
             )
+        if self.tracin_enabled and self.fp16:
+            raise ValueError(
+                "`tracin_enabled=True` does not support `fp16=True`: the TracIn scoring backward runs outside the "
+                "loss scaler, so small per-row gradients would underflow. Use `bf16=True` or float32."
+            )
+        if self.tracin_enabled and self.fsdp:
+            raise ValueError(
+                f"`tracin_enabled=True` does not support FSDP (`fsdp={self.fsdp!r}`): the influence hooks do not "
+                "handle FSDP-sharded LoRA weights. Use DeepSpeed ZeRO-2/3 or DDP."
+            )
         if not 0 < self.tracin_top_fraction <= 1:
             raise ValueError(f"`tracin_top_fraction` must be in (0, 1], got {self.tracin_top_fraction!r}.")
         if not isinstance(self.tracin_min_selected, int) or self.tracin_min_selected < 0:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers.utils import logging
 
 from ..loss_weights import ROW_MEAN_LOSSES
 from ..rollout.types import RowKind
@@ -46,6 +47,12 @@ from .lora_gradient import LoraGradient, LoraGradients, all_reduce_
 from .selection import select_rows
 
 __all__ = ["TracInMixin", "TracInState"]
+
+logger = logging.get_logger(__name__)
+
+# Key of the per-micro-batch seed that gives the two-pass scoring forward and the training forward of a micro-batch
+# the same dropout masks.
+_DROPOUT_SEED = "tracin_dropout_seed"
 
 # How the loss normaliser of each TRL loss type reacts to masking rows (see `_fused_scale`).
 _GLOBAL_TOKEN_LOSSES = ("dapo", "cispo", "vespo")  # sum / global token count (num_items_in_batch)
@@ -171,7 +178,19 @@ class TracInMixin:
                     "`tracin_eval_dataset` is ignored: `tracin_enabled` is False.", UserWarning, stacklevel=3
                 )
             return
-        validate_tracin_model(self.accelerator.unwrap_model(self.model))
+        if getattr(self, "is_fsdp_enabled", False) or getattr(args, "fsdp", None):
+            raise ValueError(
+                "TracIn does not support FSDP: FSDP shards the LoRA weights and runs the recorded forwards through its "
+                "own wrapped modules, which the influence hooks do not handle. Use DeepSpeed ZeRO-2/3 or DDP, or "
+                "disable `tracin_enabled`."
+            )
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        refs = validate_tracin_model(unwrapped)
+        if args.fp16 or any(ref.lora_A.weight.dtype == torch.float16 for ref in refs):
+            raise ValueError(
+                "TracIn does not support float16 (`fp16=True` or a float16 adapter): its scoring backward runs "
+                "outside the loss scaler, so small per-row gradients underflow to zero. Use `bf16=True` or float32."
+            )
         if self.aux_loss_enabled:
             raise ValueError(
                 "TracIn needs per-row losses, but the mixture-of-experts load-balancing loss couples the rows of a "
@@ -202,16 +221,26 @@ class TracInMixin:
             # hooks could not build gradients from it.
             warnings.warn(
                 "TracIn: reentrant gradient checkpointing is on (TRL forces it for PEFT + DeepSpeed ZeRO-3); the "
-                "recorded TracIn passes run with gradient checkpointing disabled, which costs activation memory.",
+                "TracIn scoring pass runs with gradient checkpointing disabled, which costs activation memory.",
                 UserWarning,
                 stacklevel=3,
             )
-        fused = (
+        layout_allows_fused = (
             args.steps_per_generation == 1
             and self.num_iterations == 1
             and not self._entropy_bonus_enabled
             and self.top_entropy_quantile >= 1.0
         )
+        # Under reentrant checkpointing the fused step would run the whole training pass without checkpointing; the
+        # two-pass design keeps it for the training pass and gives up only the scoring pass's.
+        fused = layout_allows_fused and not disable_checkpointing
+        if layout_allows_fused and not fused:
+            reason = "reentrant gradient checkpointing (the fused step would train without checkpointing)"
+        elif not fused:
+            reason = "steps_per_generation > 1, num_iterations > 1 or an entropy option"
+        else:
+            reason = "one forward and one backward per training row"
+        logger.info("TracIn: %s step (%s).", "fused" if fused else "two-pass", reason)
         self._tracin = TracInState(dataset=dataset, fused=fused, disable_checkpointing=disable_checkpointing)
 
     # ----------------------------------------------------------------------------------------------- checkpoints
@@ -283,15 +312,35 @@ class TracInMixin:
         inputs = super()._prepare_inputs(generation_batch)
         if window_start and not state.fused:
             # The chunks are TRL's shuffled micro-batches, so each score is the gradient of the row's term in the
-            # very loss it is trained with.
+            # very loss it is trained with, with the same dropout masks (one seed per micro-batch, used by the
+            # scoring forward and by every training forward of that micro-batch).
+            for chunk in self._buffered_inputs:
+                chunk[_DROPOUT_SEED] = torch.randint(0, 2**62, ())  # 0-dim: not a per-row tensor
             self._tracin_filter_buffer(self._buffered_inputs)
         return inputs
 
     def _compute_loss(self, model, inputs):
         state = self._tracin
         if state is None or not state.fused or not self.model.training:
-            return super()._compute_loss(model, inputs)
+            with self._tracin_dropout_rng(inputs):
+                return super()._compute_loss(model, inputs)
         return self._tracin_fused_loss(model, inputs)
+
+    @contextmanager
+    def _tracin_dropout_rng(self, inputs):
+        """Seed the RNG from the micro-batch's `tracin_dropout_seed` (if any) for one forward, restoring it after.
+
+        Dropout masks are drawn in module call order; the same seed and the same forward give the same masks.
+        """
+        seed = inputs.get(_DROPOUT_SEED) if isinstance(inputs, dict) else None
+        if seed is None:
+            yield
+            return
+        device = self.accelerator.device
+        devices = [device] if device.type != "cpu" else []
+        with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+            torch.manual_seed(int(seed))
+            yield
 
     # ----------------------------------------------------------------------------------------------- helpers
 
@@ -347,8 +396,9 @@ class TracInMixin:
                 del self._get_per_token_logps_and_entropies
 
     def _tracin_base_loss(self, model, inputs):
-        """TRL's own `_compute_loss` (not the fused override)."""
-        return super()._compute_loss(model, inputs)
+        """TRL's own `_compute_loss` (not the fused override), with the micro-batch's dropout seed if it has one."""
+        with self._tracin_dropout_rng(inputs):
+            return super()._compute_loss(model, inputs)
 
     # ----------------------------------------------------------------------------------------------- validation
 
