@@ -78,7 +78,9 @@ class TracInState:
         direction_is_zero: V is exactly zero (e.g. every validation group had equal rewards): no information, so
             every valid row is selected.
         refreshed_at: `state.global_step` of the last refresh of V.
-        refreshes: Number of refreshes so far (seeds the choice of validation prompts).
+        refreshes: Number of validation rollouts so far (seeds the choice of validation prompts).
+        val_batch: The latest validation rollouts (tensors), from which V is recomputed until the next rollout.
+        rolled_out_at: `state.global_step` of the latest validation rollouts.
         last: Per-row results of the last selection on this process (`scores`, `selected`, `valid`), for tests and
             debugging.
     """
@@ -90,6 +92,8 @@ class TracInState:
     direction_is_zero: bool = False
     refreshed_at: int = -1
     refreshes: int = 0
+    val_batch: dict[str, torch.Tensor] | None = None
+    rolled_out_at: int = -1
     last: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -138,6 +142,19 @@ def _pearson(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
     denominator = (x.square().sum() * y.square().sum()).sqrt()
     return (x * y).sum().div(denominator).item() if denominator > 0 else math.nan
+
+
+def _reusable(batch: dict) -> dict:
+    """The tensors of a validation batch that V can be recomputed from at later weights.
+
+    `old_per_token_logps` (the rollout policy's log-probs) is dropped: TRL then uses the current log-probs, i.e. a
+    ratio of 1 at the weights V is computed at.
+    """
+    return {
+        key: value.detach()
+        for key, value in batch.items()
+        if isinstance(value, torch.Tensor) and key != "old_per_token_logps"
+    }
 
 
 def _is_zero(direction: LoraGradients) -> bool:
@@ -249,8 +266,10 @@ class TracInMixin:
         """The TracIn state a resumed run needs to continue exactly like an uninterrupted one.
 
         Saved: V (it is the gradient at the weights of its last refresh, which are gone once a step has trained, so it
-        cannot be recomputed on resume), whether it is zero, the step of its last refresh (the refresh schedule) and
-        the refresh count (it seeds the next draw of validation prompts). Everything else is rebuilt: the validation
+        cannot be recomputed on resume), whether it is zero, the step of its last refresh (the refresh schedule), the
+        rollout count (it seeds the next draw of validation prompts), and the stored validation rollouts with their
+        step (one-process runs only: they differ per process, and one process writes the file; a multi-process run
+        resumed rolls out afresh at its next refresh). Everything else is rebuilt: the validation
         set, the fused/two-pass choice and the checkpointing flag come from the arguments at start-up, the prompt
         generator is re-seeded from the refresh count at every refresh, the validation rollouts draw from the global
         RNG that the `Trainer` checkpoints, the metrics are TRL's (flushed at every log), and `last` is for inspection
@@ -271,11 +290,18 @@ class TracInMixin:
                 name: {"A": grad.A.detach().cpu(), "B": grad.B.detach().cpu()}
                 for name, grad in state.direction.items()
             }
+        val_batch = None
+        # The stored validation rollouts differ per process and one process writes this file: they are kept for
+        # one-process runs; a multi-process run rolls out afresh at its first refresh after resuming.
+        if state.val_batch is not None and self.accelerator.num_processes == 1:
+            val_batch = {key: value.detach().cpu() for key, value in state.val_batch.items()}
         return {
             "direction": direction,
             "direction_is_zero": state.direction_is_zero,
             "refreshed_at": state.refreshed_at,
             "refreshes": state.refreshes,
+            "val_batch": val_batch,
+            "rolled_out_at": state.rolled_out_at,
         }
 
     def _tracin_load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -298,6 +324,11 @@ class TracInMixin:
         state.direction_is_zero = bool(state_dict["direction_is_zero"])
         state.refreshed_at = int(state_dict["refreshed_at"])
         state.refreshes = int(state_dict["refreshes"])
+        val_batch = state_dict.get("val_batch")  # absent in checkpoints written before rollout reuse
+        if val_batch is not None:
+            val_batch = {key: value.to(self.accelerator.device) for key, value in val_batch.items()}
+        state.val_batch = val_batch
+        state.rolled_out_at = int(state_dict.get("rolled_out_at", -1))
 
     # ----------------------------------------------------------------------------------------------- overrides
 
@@ -467,11 +498,30 @@ class TracInMixin:
                 direction = hooks.accumulate_gradient(loss, into=direction)
         return all_reduce_(direction, op="mean")
 
-    def _tracin_refresh_direction(self) -> None:
+    def _tracin_rollouts_due(self) -> bool:
         state = self._tracin
-        rows = self._tracin_validation_rows()
-        state.refreshes += 1
-        batch, val_reward = self._tracin_rollout_validation(rows)
+        if state.val_batch is None:
+            return True
+        return self.state.global_step - state.rolled_out_at >= self.args.tracin_val_rollout_steps
+
+    def _tracin_refresh_direction(self) -> None:
+        """Recompute V at the current weights; roll out new validation prompts first when they are due.
+
+        Between rollouts V is the gradient of TRL's loss on the stored validation rollouts at the current weights,
+        with their old log-probs dropped (ratio 1 at the current policy: the on-policy estimator applied to
+        earlier samples, without importance weights).
+        """
+        state = self._tracin
+        metrics = self._metrics["train"]
+        if self._tracin_rollouts_due():
+            rows = self._tracin_validation_rows()
+            state.refreshes += 1
+            batch, val_reward = self._tracin_rollout_validation(rows)
+            state.val_batch = _reusable(batch)
+            state.rolled_out_at = self.state.global_step
+            metrics["tracin/val_reward"].append(val_reward)
+        else:
+            batch = state.val_batch
         direction = self._tracin_validation_gradient(batch)
         state.direction = direction
         state.direction_is_zero = _is_zero(direction)
@@ -479,8 +529,6 @@ class TracInMixin:
         norm = math.sqrt(
             sum(float(g.A.double().square().sum() + g.B.double().square().sum()) for g in direction.values())
         )
-        metrics = self._metrics["train"]
-        metrics["tracin/val_reward"].append(val_reward)
         metrics["tracin/val_grad_norm"].append(norm)
 
     # ----------------------------------------------------------------------------------------------- selection
