@@ -423,7 +423,7 @@ def test_validation_rollouts_are_reused_and_v_recomputed_at_the_current_weights(
     assert ["tracin/val_reward" in h for h in steps] == [True, False, True]  # logged with new rollouts only
     assert all("tracin/val_grad_norm" in h for h in steps)
     first_rollouts = {k: v for k, v in recorder.val_batches[0].items() if k != "old_per_token_logps"}
-    for step, weights, direction in seen[:2]:
+    for _, weights, direction in seen[:2]:
         load(trainer.model, weights)
         trainer.model.train()
         assert_close(direction, brute_force_direction(trainer, first_rollouts))

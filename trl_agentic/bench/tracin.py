@@ -794,7 +794,7 @@ def render_staleness(records: list[dict], learning_rate: float, command: str) ->
         ("all", records),
         ("V and rollouts of this step", fresh_v),
         ("V recomputed this step on reused rollouts", reused),
-        ("V from the previous step", stale_v),
+        ("V from an earlier step", stale_v),
     ):
         if not rows:
             continue

@@ -148,6 +148,10 @@ def _child(settings: MemorySettings, mode: str, output_dir: str) -> dict:
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1
     trainer.model.train()
+    if args.gradient_checkpointing:  # `Trainer.train` switches it on; this benchmark does not go through it
+        trainer.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+        )
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in trainer.model.named_parameters():
@@ -192,6 +196,7 @@ def _child(settings: MemorySettings, mode: str, output_dir: str) -> dict:
         "seconds": seconds,
         "parameters": parameters,
         "fused": bool(trainer._tracin.fused),
+        "checkpointing": bool(trainer.model.get_base_model().is_gradient_checkpointing),
     }
 
 
