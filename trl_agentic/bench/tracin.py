@@ -668,8 +668,8 @@ def render_end_to_end(settings: EndToEndSettings, result: dict, command: str) ->
         "recomputed at the current weights every 4 steps, fused step. Means over "
         f"{settings.steps} steps = one whole cycle of that schedule.",
         "",
-        "| trainer | steps | mean wall (s) | wall / plain | mean CPU (s) | CPU / plain | in validation rollouts | "
-        "in V |",
+        "| trainer | steps | mean wall (s) | wall / plain | mean CPU (s) | CPU / plain | validation rollouts (wall) | "
+        "V (wall) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     plain_wall, plain_cpu = mean("plain", "wall"), mean("plain", "cpu")
