@@ -33,6 +33,9 @@ def synthetic_trajectories(tokenizer, steps=3):
                 ("\n<tool_response>\n36\n</tool_response>\n", False),
                 ("Answer: 36<|im_end|>", True),
             ]
+            if r == 1:  # a conversation with a second user request (an environment's `_next_user_turn`)
+                parts += [("\n<|im_start|>user\nNow double it.<|im_end|>\n<|im_start|>assistant\n", False)]
+                parts += [("Answer: 72<|im_end|>", True)]
             ids, mask = completion(tokenizer, parts)
             segments = split_segments(tokenizer, ids, mask, [0.3 if r < 2 else -0.3] * len(ids))
             t = {
@@ -54,7 +57,7 @@ def synthetic_trajectories(tokenizer, steps=3):
             t.update(describe_segments(segments))
             trajectories.append(t)
         ids, mask = completion(
-            tokenizer, [(tool_call("12 x 3"), True), ("\n<tool_response>\nValueError: x\n</tool_response>", False)]
+            tokenizer, [(tool_call("12 x 3"), True), ("\n<tool_response>\n{'error': 'x'}\n</tool_response>", False)]
         )
         segments = split_segments(tokenizer, ids, mask, [-1.0] * len(ids))
         negative = {

@@ -28,6 +28,7 @@ class _Articles(HTMLParser):
             self.kinds.append(dict(attrs)["data-kind"])
 
 
+@pytest.mark.timeout(3600)  # the whole quickstart pipeline on SmolLM2; generous for a loaded machine
 def test_quickstart_pipeline_end_to_end(tmp_path, capsys):
     out = tmp_path / "quickstart"
     overrides = {

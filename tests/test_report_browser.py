@@ -79,8 +79,11 @@ def test_trajectories_render(browser, report):
     assert "rgba(46, 160, 67" in token.value_of_css_property("background-color").replace(
         "rgba(46,160,67", "rgba(46, 160, 67"
     )
-    # Tool results render, an error in its own style.
+    # Tool results render, an error in its own style; a further user message is shown as one.
     assert browser.find_elements(By.CSS_SELECTOR, ".turn-env.tool-error")
+    users = browser.find_elements(By.CSS_SELECTOR, ".turn-env.turn-user")
+    assert users and all(u.is_displayed() and "Now double it." in u.text for u in users)
+    assert users[0].find_element(By.CSS_SELECTOR, ".turn-label").text.lower().startswith("user message")
     # The script ran: it wrote the count.
     assert (
         browser.find_element(By.ID, "shown-count").text

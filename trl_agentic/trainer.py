@@ -13,7 +13,7 @@ from trl import GRPOTrainer
 
 from .batch import BatchAugmenter
 from .config import AgenticGRPOConfig
-from .envs.protocol import check_checkpointable
+from .envs.protocol import check_checkpointable, has_user_turns
 from .estimators import resolve_estimator
 from .gloo_exit import register_gloo_exit_pause
 from .loss_weights import RowWeightedLossMixin
@@ -50,7 +50,12 @@ class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
 
     Overridden `GRPOTrainer` methods (all private in TRL 1.16, guarded by `tests/test_trl_signatures.py`):
 
-    - `_tool_call_loop`: replaced by `trl_agentic.rollout.loop.AgenticRolloutLoop` (same inputs and 7-tuple);
+    - `_tool_call_loop`: TRL's own loop unless a feature needs ours (`AgenticGRPOConfig.uses_agentic_loop`:
+      rollback, snapshots, `tool_timeout`, `max_tool_output_chars`, `malformed_tool_call_feedback`, or an
+      environment with further user turns), then `trl_agentic.rollout.loop.AgenticRolloutLoop` (same inputs and
+      7-tuple). Delegating, rather than reproducing TRL's loop, makes "features off = TRL" hold by construction for
+      tool and environment runs too, and keeps it holding when TRL's loop changes; our loop renders tool messages
+      and errors exactly as TRL does, so a run that turns a feature on keeps what the model reads;
     - `_calculate_rewards`: calls TRL's and keeps the gathered rewards for the batch augmentation;
     - `_generate_and_score_completions`: calls TRL's, then `trl_agentic.batch.BatchAugmenter` appends the extra
       rows, recomputes the advantages over explicit group ids and the loss normaliser, and pads every process to the
@@ -123,9 +128,12 @@ class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
                 environment_factory=environment_factory,
                 **kwargs,
             )
-        if args.enable_tool_rollback and self.environment_factories is not None:
-            for pool in self._environment_pool.values():
-                check_checkpointable(pool[0])
+        probes = [pool[0] for pool in self._environment_pool.values()] if self.environment_factories else []
+        if (args.enable_tool_rollback or args.tool_timeout) and probes:
+            # Rollback restores a checkpoint; a timed-out call's environment is replaced by a restored copy.
+            for env in probes:
+                check_checkpointable(env)
+        self._uses_agentic_loop = args.uses_agentic_loop or any(has_user_turns(env) for env in probes)
         self.advantage_estimator = resolve_estimator(advantage_estimator or args.advantage_estimator)
         self._loop_config = LoopConfig.from_args(args)
         self._rng = random.Random(args.seed)
@@ -137,12 +145,13 @@ class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------------------------
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
-        if images is not None or multimodal_fields:
-            if self.args.agentic_features_enabled:
-                raise NotImplementedError("trl-agentic's tool loop does not handle images; use text environments.")
+        if not self._uses_agentic_loop:
+            # No feature needs our loop: TRL's own, so that tool messages, tokens and rewards are TRL's exactly.
             return super()._tool_call_loop(
                 prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
             )
+        if images is not None or multimodal_fields:
+            raise NotImplementedError("trl-agentic's tool loop does not handle images; use text environments.")
         num_local = len(prompt_ids)
         base = self.accelerator.process_index * num_local
         group_size = self.num_generations if self.model.training else self.num_generations_eval
@@ -187,27 +196,46 @@ class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
                 with open(path, "a") as f:
                     f.write(card_section(self.args))
 
+    def _state_file(self) -> str:
+        """This process's file of trl-agentic's own RNG state (one per process, like transformers' `rng_state_{k}`)."""
+        rank = self.accelerator.process_index
+        return STATE_FILE if self.accelerator.num_processes == 1 else STATE_FILE.replace(".json", f"_{rank}.json")
+
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        # Our own state beside TRL's: the snapshot-downsampling RNG and the TracIn state (V and its refresh schedule);
-        # everything else is rebuilt deterministically.
-        if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            tracin_state = self._tracin_state_dict()
-            if tracin_state is not None:
-                # Written before STATE_FILE, whose presence marks our part of the checkpoint as complete.
-                torch.save(tracin_state, os.path.join(folder, TRACIN_STATE_FILE))
-            with open(os.path.join(folder, STATE_FILE), "w") as f:
-                json.dump({"rng": _jsonable(self._rng.getstate())}, f)
+        # Our own state beside TRL's: the snapshot-downsampling RNG (every process its own: each draws for its own
+        # rollouts) and the TracIn state (V and its refresh schedule, identical on every process); everything else is
+        # rebuilt deterministically.
+        self._save_own_state(os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}"))
+
+    def _save_own_state(self, folder: str) -> None:
+        tracin_state = self._tracin_state_dict()
+        if tracin_state is not None and self.args.should_save:
+            # Written before the state file, whose presence marks our part of the checkpoint as complete.
+            torch.save(tracin_state, os.path.join(folder, TRACIN_STATE_FILE))
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, self._state_file()), "w") as f:
+            json.dump({"rng": _jsonable(self._rng.getstate())}, f)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        path = os.path.join(checkpoint, STATE_FILE) if checkpoint is not None else None
-        if path is not None and os.path.exists(path):
+        if checkpoint is not None:
+            self._load_own_state(checkpoint)
+
+    def _load_own_state(self, checkpoint: str) -> None:
+        path = os.path.join(checkpoint, self._state_file())
+        if os.path.exists(path):
             with open(path) as f:
                 state = json.load(f)
             self._rng.setstate(_tupled(state["rng"]))
-        if checkpoint is not None and self._tracin is not None:
+        else:
+            warnings.warn(
+                f"{path} does not exist (a checkpoint saved with a different number of processes?): the "
+                "snapshot-downsampling RNG of this process starts afresh.",
+                UserWarning,
+                stacklevel=2,
+            )
+        if self._tracin is not None:
             tracin_path = os.path.join(checkpoint, TRACIN_STATE_FILE)
             if os.path.exists(tracin_path):
                 self._tracin_load_state_dict(torch.load(tracin_path, map_location="cpu", weights_only=True))

@@ -391,6 +391,70 @@ def test_all_features_under_deepspeed(tiny_model_dir, tmp_path, zero):
     assert start_b == 0.0 and moved > 1e-4
 
 
+def test_different_numbers_of_user_turns_per_rank_under_zero3(tiny_model_dir, tmp_path):
+    """Conversations with further user turns (`_next_user_turn`) on rank 0 only, with rollbacks and negatives, ZeRO-3 +
+    LoRA and real (collective) generation calls: rank 1 matches rank 0's extra generation rounds with dummy calls and
+    both finish; the user turns are environment tokens of the rollouts' rows."""
+    records = launch(
+        cpu_config("zero3", tmp_path),
+        tmp_path / "run",
+        "--model",
+        tiny_model_dir,
+        "--scenario",
+        "rank0_fails",
+        "--rows_per_rank",
+        "2",
+        "--user_turns",
+        "--lora",
+        "--exercise_model",
+        "--max_tool_retries",
+        "2",
+    )
+    _assert_trained(records)
+    rank0, rank1 = records
+    assert _stat(rank0, "user_turns") == 2 * 2 and _stat(rank1, "user_turns") == 0
+    assert _stat(rank0, "rollback_attempts") > 0
+    assert _all_generation_calls(rank0) == _all_generation_calls(rank1)
+    assert _stat(rank1, "dummy_generation_calls") > 0
+    # The user requests are in rank 0's rows, masked out of the loss.
+    user_rows = [r for r in _rows(rank0, RowKind.REGULAR) if "Add one more." in _decode(tiny_model_dir, r)]
+    assert len(user_rows) == 2
+    for row in user_rows:
+        text_mask = list(zip(row["completion"], row["loss_mask"]))
+        trained = _decode_ids(tiny_model_dir, [t for t, m in text_mask if m])
+        assert "Add one more." not in trained and "And another." not in trained
+    moved, _ = _lora_moved(tmp_path / "run")
+    assert moved > 1e-4
+
+
+def _decode_ids(model_dir, ids: list[int]) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir).decode(ids)
+
+
+def _decode(model_dir, row: dict) -> str:
+    return _decode_ids(model_dir, row["completion"])
+
+
+@pytest.mark.parametrize("where", ["loop", "augment"])
+def test_an_error_on_one_rank_stops_every_rank(tiny_model_dir, tmp_path, where):
+    """An exception on rank 1 only — in the rollout loop (an environment hook) or in the batch augmentation (a
+    per-segment reward) — stops both ranks with an error naming it, under ZeRO-3, instead of leaving rank 0 waiting in
+    a collective until the launch times out."""
+    out = tmp_path / "run"
+    out.mkdir()
+    args = ["--model", tiny_model_dir, "--rows_per_rank", "4", "--num_generations", "2"]
+    args += ["--scenario", "all_features", "--snapshots", "--fail_on_rank", "1", "--fail_in", where]
+    returncode, log = _launch_once(cpu_config("zero3", tmp_path), out, SCRIPT, args, TIMEOUT)
+    assert returncode != 0
+    errors = {r: (out / f"error_rank{r}.txt").read_text() for r in (0, 1)}
+    failure = "environment hook failed on rank 1" if where == "loop" else "segment reward failed on rank 1"
+    assert failure in errors[1] and "RuntimeError" in errors[1]
+    assert "failed on another process" in errors[0] and failure in errors[0]
+    assert not (out / "DONE").exists()
+
+
 def _tracin_index(records: list[dict]) -> dict:
     """Scored rows keyed by content: (prompt, completion, kind) -> sorted [(score, selected)]."""
     index = defaultdict(list)

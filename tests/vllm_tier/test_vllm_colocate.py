@@ -68,3 +68,22 @@ def test_sampling_logprobs_are_the_current_policys(colocate_run):
     policy_gap, base_gap = masked_logp_gaps(trainer, batches[-1])
     assert base_gap > 4 * policy_gap, (policy_gap, base_gap)
     assert max(metric(trainer, "sampling/importance_sampling_ratio/max")) < 1.5
+
+
+def test_importance_sampling_ratio_of_extra_rows_is_trls_formula(colocate_run):
+    """Drift guard: the extra rows' importance-sampling ratio (`BatchAugmenter._is_ratio`, a re-derivation of TRL's
+    vLLM correction) recomputed on the *regular* rows equals TRL's own `importance_sampling_ratio` of those rows."""
+    from trl_agentic.rollout.types import RowKind
+
+    trainer, _, _ = colocate_run
+    checked = 0
+    for batch in trainer.recorded_batches:
+        regular = batch["row_kind"] == RowKind.REGULAR
+        rows = {k: batch[k][regular] for k in ("old_per_token_logps", "sampling_per_token_logps", "completion_mask")}
+        rows["tool_mask"] = batch["tool_mask"][regular]
+        ours = trainer._augmenter._is_ratio(rows, batch["importance_sampling_ratio"].size(1) == 1)
+        theirs = batch["importance_sampling_ratio"][regular]
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        checked += int(regular.sum())
+        assert (theirs != 1).any()  # the correction is not trivially 1 (vLLM's bf16 log-probs differ)
+    assert checked > 0

@@ -11,8 +11,8 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
+from ..errors import tool_error_message
 from ..rollout.parsing import parse_tool_calls
-from ..rollout.tools import error_in_text
 from ..rollout.types import RowKind
 
 _KIND_NAMES = {
@@ -21,6 +21,7 @@ _KIND_NAMES = {
     RowKind.SNAPSHOT: "snapshot",
     RowKind.EXPANSION: "expansion",
 }
+_USER_TURN = re.compile(r"<\|im_start\|>user\b")
 _TOOL_RESPONSE = re.compile(r"<tool_response>\n?(.*?)\n?</tool_response>", re.DOTALL)
 _LEVEL = re.compile(r"<level>\s*(\d+)\s*</level>")
 
@@ -185,11 +186,13 @@ def describe_segments(segments: list[dict]) -> dict:
             segment["levels"] = [int(level) for level in _LEVEL.findall(text)]
         else:
             found = [
-                {"content": content, "error": error_in_text(content) is not None}
+                {"content": content, "error": tool_error_message(content) is not None}
                 for content in _TOOL_RESPONSE.findall(segment["text"])
             ]
             results += found
             segment["error"] = any(r["error"] for r in found)
+            # A further user message (an environment's `_next_user_turn`, or a rollback hint): ChatML user header.
+            segment["user"] = not found and _USER_TURN.search(segment["text"]) is not None
     return {"tool_calls": calls, "tool_results": results, "levels": levels}
 
 

@@ -48,6 +48,7 @@ table.metrics th:first-child, table.metrics td:first-child { text-align: left; }
 .turn-model { background: #fff; border: 1px dashed var(--line); }
 .turn-env { background: var(--env); font-family: ui-monospace, monospace; font-size: 12.5px; white-space: pre-wrap; }
 .turn-env.tool-error { background: #fdecea; color: #8e1b1b; }
+.turn-env.turn-user { background: #e8f0fe; }
 .turn-label { font-size: 11px; text-transform: uppercase; letter-spacing: .04em; color: var(--muted); margin-bottom: 2px; }
 .tokens { font-family: ui-monospace, monospace; font-size: 12.5px; white-space: pre-wrap; word-break: break-word; }
 .tok { border-radius: 2px; }
@@ -212,7 +213,10 @@ def _render_segments(t: dict, scale: float) -> str:
             )
         else:
             error = " tool-error" if segment.get("error") else ""
-            label = "tool result (error)" if error else "environment (tool result, not trained)"
+            if segment.get("user"):
+                error, label = " turn-user", "user message (environment, not trained)"
+            else:
+                label = "tool result (error)" if error else "environment (tool result, not trained)"
             parts.append(
                 f'<div class="turn turn-env{error}"><div class="turn-label">{label}</div>{_e(segment["text"])}</div>'
             )

@@ -6,6 +6,7 @@ import torch
 from trl.chat_template_utils import parse_response
 
 from .parsing import parse_tool_calls
+from .rendering import ChatRenderer
 
 
 def _has_response_parser(tokenizer) -> bool:
@@ -64,6 +65,9 @@ class TrainerBackend:
         self.max_iterations = trainer.max_tool_calling_iterations
         self.multi_process = trainer.accelerator.num_processes > 1
         self.equal_counts = needs_equal_counts(trainer)
+        # A turn ending otherwise was cut by the budget (TRL's `mask_truncated_completions` uses the same test).
+        self.stop_token_ids = {*trainer.eos_token_ids, self.tokenizer.pad_token_id} - {None}
+        self._renderer = None
 
     def _tools_for(self, row: int):
         t = self.trainer
@@ -90,35 +94,49 @@ class TrainerBackend:
     def tool_suffix_ids(self, tool_messages):
         return self.trainer._get_tool_suffix_ids(tool_messages)
 
-    def _render(self, messages, add_generation_prompt, tools=None):
-        t = self.trainer
-        ids = t.processing_class.apply_chat_template(
-            messages,
-            tools=tools or None,
-            chat_template=t.chat_template,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
-            **t.chat_template_kwargs,
-        )
-        return list(ids[0]) if ids and isinstance(ids[0], list) else list(ids)
+    @property
+    def renderer(self) -> ChatRenderer:
+        """Renders prompts, hints and user turns with the trainer's chat template and its arguments."""
+        if self._renderer is None:
+            t = self.trainer
+            self._renderer = ChatRenderer(t.processing_class, t.chat_template, t.chat_template_kwargs)
+        return self._renderer
 
     def hint_ids(self, hint):
-        # Close the (empty) assistant turn with EOS, then a user message with the hint and a new assistant header:
-        # rendered by the chat template itself, so it works for any template that supports a user turn here.
-        prefix_msgs = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": ""}]
-        prefix = self._render(prefix_msgs, add_generation_prompt=False)
-        full = self._render(prefix_msgs + [{"role": "user", "content": hint}], add_generation_prompt=True)
-        eos = self.tokenizer.eos_token_id
-        cut = max((k for k, tok in enumerate(prefix) if tok == eos), default=len(prefix) - 1) + 1
-        if full[:cut] != prefix[:cut]:
-            raise ValueError("The chat template does not render a hint message as a prefix extension.")
-        return [eos, *full[cut:]]
+        return self.renderer.hint_ids(hint)
+
+    def user_turn_ids(self, content):
+        return self.renderer.user_turn_ids(content)
 
     def render_prompt(self, messages, row):
-        return self._render(messages, add_generation_prompt=True, tools=self._tools_for(row))
+        return self.renderer.prompt_ids(messages, tools=self._tools_for(row))
 
-    def any_rank(self, flag):
-        accelerator = self.trainer.accelerator
-        value = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
-        return bool(accelerator.reduce(value, reduction="sum").item() > 0)
+    def new_environment(self, row, old):
+        """A fresh instance of rollout `row`'s environment, put in the trainer's pool (and batch) in place of `old`."""
+        t = self.trainer
+        name = t._batch_environments[row]
+        new = t.environment_factories[name]()
+        pool = t._environment_pool[name]
+        for k, env in enumerate(pool):
+            if env is old:
+                pool[k] = new
+        return new
+
+    def any_rank(self, flag, error=None):
+        return any_rank(self.trainer.accelerator, flag, error)
+
+
+def any_rank(accelerator, flag: bool, error: BaseException | None = None) -> bool:
+    """Whether `flag` is set on any process; when any process passes an `error`, every process raises (the failing
+    one its own error, the others a `RuntimeError` naming it), so no process is left waiting in a collective."""
+    from accelerate.utils import gather_object
+
+    value = torch.tensor([1.0 if flag else 0.0, 1.0 if error is not None else 0.0], device=accelerator.device)
+    total = accelerator.reduce(value, reduction="sum")
+    if total[1].item() > 0:
+        errors = gather_object([None if error is None else f"{type(error).__name__}: {error}"])
+        if error is not None:
+            raise error
+        failed = {rank: text for rank, text in enumerate(errors) if text is not None}
+        raise RuntimeError(f"Stopped because the rollout failed on another process: {failed}")
+    return bool(total[0].item() > 0)

@@ -50,7 +50,8 @@ class FakeServerTrainer:
 
     def __init__(self, accelerator):
         self.accelerator = accelerator
-        self._tokenizer = SimpleNamespace(eos_token_id=2)
+        self._tokenizer = SimpleNamespace(eos_token_id=2, pad_token_id=0)
+        self.eos_token_ids = [2]
         self.model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64))
         generation = object.__new__(VLLMGeneration)  # no vLLM engine: only the server-mode path runs
         generation.__dict__.update(
