@@ -84,8 +84,8 @@ test-vllm: install-vllm
 demo: install
 	$(BIN)/trl-agentic train --config configs/quickstart.yaml
 
-bench: install
-	$(BIN)/python -m trl_agentic.bench --out docs/benchmarks.md
+bench: install install-vllm
+	OMP_NUM_THREADS=1 $(BIN)/python -m trl_agentic.bench --out docs/benchmarks.md --vllm-python $(VLLM_BIN)/python
 
 lint: install
 	$(BIN)/ruff check trl_agentic tests examples

@@ -34,7 +34,12 @@ def _tracin_state(checkpoint: Path) -> dict:
 
 
 def _assert_same_tracin_state(left: dict, right: dict) -> None:
-    assert {k: v for k, v in left.items() if k != "direction"} == {k: v for k, v in right.items() if k != "direction"}
+    tensors = ("direction", "val_batch")
+    assert {k: v for k, v in left.items() if k not in tensors} == {k: v for k, v in right.items() if k not in tensors}
+    # The stored validation rollouts V is recomputed from between rollouts (one-process run: saved).
+    assert left["val_batch"] is not None and left["val_batch"].keys() == right["val_batch"].keys()
+    for key, value in left["val_batch"].items():
+        assert torch.equal(value, right["val_batch"][key]), key
     assert left["direction"].keys() == right["direction"].keys()
     for name, grad in left["direction"].items():
         assert torch.equal(grad["A"], right["direction"][name]["A"]), name

@@ -34,14 +34,78 @@ def test_max_lora_rank_is_rounded_up_to_a_value_vllm_accepts():
         vllm_max_lora_rank(513)
 
 
-def test_unsupported_adapters_fall_back_to_the_full_sync(tiny_model_dir):
-    assert lora_sync_unsupported_reason(_peft(tiny_model_dir)) is None
+def _unfreeze_a_base_weight(model):
+    model.get_base_model().model.norm.weight.requires_grad_(True)
+    return model
+
+
+# Every adapter setting the LoRA sync has to decide on: served as a vLLM LoRA adapter (None), or the reason it is
+# not (then TRL's full sync on GPU; refused at start-up on vLLM's CPU backend, where that sync cannot run).
+SYNC_TABLE = [
+    ("plain LoRA", {}, None, None),
+    ("rank rounded up (r=4 -> 8)", {"r": 4}, None, None),
+    ("rank 512", {"r": 512}, None, None),
+    ("rank above 512", {"r": 520}, "above vLLM's largest", None),
+    ("rsLoRA", {"use_rslora": True}, None, None),
+    ("some layers only", {"layers_to_transform": [0]}, None, None),
+    ("DoRA", {"use_dora": True}, "DoRA", None),
+    ("modules_to_save", {"modules_to_save": ["lm_head"]}, "modules_to_save", None),
+    ("bias='all'", {"bias": "all"}, "biases", None),
+    ("bias='lora_only'", {"bias": "lora_only"}, "biases", None),
+    ("lora_bias", {"lora_bias": True}, "biases", None),
+    ("rank_pattern", {"rank_pattern": {"q_proj": 2}}, "rank_pattern", None),
+    ("alpha_pattern", {"alpha_pattern": {"q_proj": 2}}, "rank_pattern", None),
+    ("trainable_token_indices", {"trainable_token_indices": [1, 2]}, "trainable_token_indices", None),
+    ("LoRA on embeddings", {"target_modules": ["q_proj", "embed_tokens"]}, "embeddings or the LM head", None),
+    ("LoRA on lm_head", {"target_modules": ["q_proj", "lm_head"]}, "embeddings or the LM head", None),
+    ("base weight unfrozen by hand", {}, "outside the adapter are trainable", _unfreeze_a_base_weight),
+]
+
+
+@pytest.mark.parametrize(("setting", "overrides", "reason", "modify"), SYNC_TABLE, ids=[r[0] for r in SYNC_TABLE])
+def test_lora_sync_table(tiny_model_dir, setting, overrides, reason, modify):
+    from trl_agentic.vllm_lora import lora_sync_decision
+
+    policy = _peft(tiny_model_dir, **overrides)
+    if modify is not None:
+        policy = modify(policy)
+    found = lora_sync_unsupported_reason(policy)
+    if reason is None:
+        assert found is None, found
+        assert lora_sync_decision(policy, sleep_mode=False, on_cpu=True) is None
+        assert "sleep mode" in lora_sync_decision(policy, sleep_mode=True, on_cpu=False)
+        return
+    assert found is not None and reason in found, found
+    # GPU: TRL's full sync (merge and push every weight) serves it exactly, with a warning at start-up.
+    assert reason in lora_sync_decision(policy, sleep_mode=False, on_cpu=False)
+    # vLLM's CPU backend: that fallback cannot run, so the set-up is refused before any engine starts.
+    with pytest.raises(ValueError, match="does not run on vLLM's CPU backend") as error:
+        lora_sync_decision(policy, sleep_mode=False, on_cpu=True)
+    assert reason in str(error.value)
+
+
+def test_other_peft_types_and_plain_models_are_not_served_as_lora(tiny_model_dir):
+    from peft import IA3Config
+
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert lora_sync_unsupported_reason(plain) == "the model is not a PEFT model"
-    assert "DoRA" in lora_sync_unsupported_reason(_peft(tiny_model_dir, use_dora=True))
-    assert "modules_to_save" in lora_sync_unsupported_reason(_peft(tiny_model_dir, modules_to_save=["lm_head"]))
-    assert "biases" in lora_sync_unsupported_reason(_peft(tiny_model_dir, bias="lora_only"))
-    assert "rank_pattern" in lora_sync_unsupported_reason(_peft(tiny_model_dir, rank_pattern={"q_proj": 2}))
+    ia3 = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    )
+    assert "IA3" in lora_sync_unsupported_reason(ia3)
+
+
+def test_adapter_is_exported_in_the_engine_dtype(tiny_model_dir):
+    policy = _peft(tiny_model_dir)
+    state32 = adapter_state_dict(policy)
+    state16 = adapter_state_dict(policy, dtype=torch.bfloat16)
+    assert {t.dtype for t in state32.values()} == {torch.float32}
+    assert {t.dtype for t in state16.values()} == {torch.bfloat16}
+    for name, tensor in state32.items():
+        torch.testing.assert_close(state16[name], tensor.to(torch.bfloat16), rtol=0, atol=0)
+    # Half the bytes on the way to a bfloat16 engine, which casts the adapter to bfloat16 when it loads it anyway.
+    assert sum(t.nbytes for t in state16.values()) * 2 == sum(t.nbytes for t in state32.values())
 
 
 def test_saved_adapter_reloads_into_the_same_policy(tiny_model_dir, tmp_path):

@@ -183,10 +183,13 @@ class AgenticGRPOConfig(GRPOConfig):
             the selected rows. Requires a PEFT LoRA model.
         tracin_val_num_generations (`int`, *optional*, defaults to `4`):
             Completions per validation prompt (at least 2, otherwise every validation advantage is zero).
-        tracin_val_batch_size (`int`, *optional*, defaults to `4`):
-            Validation prompts per refresh of the validation gradient (per process).
-        tracin_val_refresh_steps (`int`, *optional*, defaults to `1`):
-            Recompute the validation gradient every this many optimizer steps.
+        tracin_val_batch_size (`int`, *optional*, defaults to `2`):
+            Validation prompts per validation rollout (per process).
+        tracin_val_refresh_steps (`int`, *optional*, defaults to `4`):
+            Recompute the validation gradient V at the current weights every this many optimizer steps.
+        tracin_val_rollout_steps (`int`, *optional*, defaults to `8`):
+            Roll out new validation prompts every this many optimizer steps (at the first refresh due at or after
+            that); in between, V is recomputed on the stored rollouts. 1 rolls out at every refresh.
         tracin_selection (`str`, *optional*, defaults to `"positive"`):
             `"positive"` (score > 0, the seed), `"top_fraction"` or `"threshold"`.
         tracin_top_fraction (`float`, *optional*, defaults to `0.5`):
@@ -358,9 +361,13 @@ class AgenticGRPOConfig(GRPOConfig):
         metadata={"help": "Train only on rows whose LoRA influence on a validation gradient is selected."},
     )
     tracin_val_num_generations: int = field(default=4, metadata={"help": "Completions per validation prompt (>= 2)."})
-    tracin_val_batch_size: int = field(default=4, metadata={"help": "Validation prompts per refresh (per process)."})
+    tracin_val_batch_size: int = field(default=2, metadata={"help": "Validation prompts per rollout (per process)."})
     tracin_val_refresh_steps: int = field(
-        default=1, metadata={"help": "Recompute the validation gradient every N steps."}
+        default=4, metadata={"help": "Recompute the validation gradient at the current weights every N steps."}
+    )
+    tracin_val_rollout_steps: int = field(
+        default=8,
+        metadata={"help": "Roll out new validation prompts every N steps; V is recomputed on stored ones in between."},
     )
     tracin_selection: str = field(
         default="positive",
@@ -504,6 +511,7 @@ class AgenticGRPOConfig(GRPOConfig):
             "rlvcr_score_batch_size",
             "tracin_val_batch_size",
             "tracin_val_refresh_steps",
+            "tracin_val_rollout_steps",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -512,6 +520,16 @@ class AgenticGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"`tracin_val_num_generations` must be an integer >= 2 (with 1 every validation advantage is 0), "
                 f"got {self.tracin_val_num_generations!r}."
+            )
+        if self.tracin_enabled and self.fp16:
+            raise ValueError(
+                "`tracin_enabled=True` does not support `fp16=True`: the TracIn scoring backward runs outside the "
+                "loss scaler, so small per-row gradients would underflow. Use `bf16=True` or float32."
+            )
+        if self.tracin_enabled and self.fsdp:
+            raise ValueError(
+                f"`tracin_enabled=True` does not support FSDP (`fsdp={self.fsdp!r}`): the influence hooks do not "
+                "handle FSDP-sharded LoRA weights. Use DeepSpeed ZeRO-2/3 or DDP."
             )
         if not 0 < self.tracin_top_fraction <= 1:
             raise ValueError(f"`tracin_top_fraction` must be in (0, 1], got {self.tracin_top_fraction!r}.")

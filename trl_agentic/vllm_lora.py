@@ -41,6 +41,7 @@ VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ADAPTER_PREFIX = "trl-agentic-lora"
 # Where adapters are written; in server mode it must be readable by the server under the same path.
 SYNC_DIR_ENV = "TRL_AGENTIC_VLLM_LORA_DIR"
+SHM_DIR = "/dev/shm"
 
 
 def vllm_max_lora_rank(rank: int) -> int:
@@ -91,11 +92,81 @@ def lora_sync_unsupported_reason(model) -> str | None:
         return f"vLLM does not load `modules_to_save` ({list(config.modules_to_save)})"
     if getattr(config, "bias", "none") != "none" or getattr(config, "lora_bias", False):
         return "vLLM does not load LoRA biases"
+    if getattr(config, "trainable_token_indices", None):
+        return "vLLM does not load `trainable_token_indices` (trained embedding rows)"
+    if getattr(config, "target_parameters", None):
+        return "vLLM cannot be told the layout of `target_parameters` (parameter LoRA) adapters"
     if getattr(config, "rank_pattern", None) or getattr(config, "alpha_pattern", None):
         return "vLLM ignores `rank_pattern` / `alpha_pattern` and would scale the adapter wrongly"
     if config.r > VLLM_MAX_LORA_RANKS[-1]:
         return f"rank {config.r} is above vLLM's largest max_lora_rank ({VLLM_MAX_LORA_RANKS[-1]})"
+    head_or_embedding = _lora_on_head_or_embeddings(model, adapter)
+    if head_or_embedding:
+        return (
+            f"LoRA on the embeddings or the LM head ({head_or_embedding}): vLLM restricts LoRA there and leaves the "
+            "head's delta out of its log-probs"
+        )
+    unsaved = _trainable_outside_adapter(model, adapter)
+    if unsaved:
+        return (
+            f"parameters outside the adapter are trainable ({unsaved}), and vLLM would keep serving their base values"
+        )
     return None
+
+
+def _lora_on_head_or_embeddings(model, adapter: str) -> str | None:
+    from peft.tuners.lora import LoraLayer
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or adapter not in (*module.lora_A, *module.lora_embedding_A):
+            continue
+        base = module.get_base_layer()
+        if adapter in module.lora_embedding_A or isinstance(base, torch.nn.Embedding) or module is head:
+            return name
+        if base is head or base is embeddings or name.split(".")[-1] in ("lm_head", "embed_tokens"):
+            return name
+    return None
+
+
+def _trainable_outside_adapter(model, adapter: str) -> str | None:
+    # What a saved LoRA adapter carries: the lora_A / lora_B weights of `adapter`. Anything else trainable (e.g. a
+    # weight unfrozen by hand) would train without ever reaching vLLM.
+    names = [
+        name
+        for name, param in model.named_parameters()
+        if param.requires_grad and not (f".{adapter}." in name and ("lora_A" in name or "lora_B" in name))
+    ]
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "") if names else None
+
+
+def lora_sync_decision(model, *, sleep_mode: bool, on_cpu: bool) -> str | None:
+    """Whether the LoRA sync can serve `model`: `None` if it can, else why not (then TRL's full sync is used).
+
+    Args:
+        model: The policy.
+        sleep_mode (`bool`): `vllm_enable_sleep_mode` (level 2 discards the base weights, which only a full sync
+            restores).
+        on_cpu (`bool`): Whether vLLM runs on its CPU backend.
+
+    Returns:
+        `str` or `None`: The reason the full sync is used instead.
+
+    Raises:
+        `ValueError`: On vLLM's CPU backend, where TRL's full sync cannot run (`docs/vllm.md`): such a set-up is
+            refused at start-up, naming the setting, instead of failing at the first sync.
+    """
+    reason = lora_sync_unsupported_reason(model)
+    if reason is None and sleep_mode:
+        reason = "sleep mode (level 2) discards the base weights, which only a full sync restores"
+    if reason is not None and on_cpu:
+        raise ValueError(
+            f"The vLLM LoRA sync cannot serve this policy: {reason}. TRL's full-weight sync, the fallback, does not "
+            "run on vLLM's CPU backend, so this set-up cannot generate with the trained weights. Change that setting "
+            "or train without vLLM (`use_vllm=False`)."
+        )
+    return reason
 
 
 def _active_adapter(model) -> str:
@@ -103,7 +174,25 @@ def _active_adapter(model) -> str:
     return adapter[0] if isinstance(adapter, list | tuple) else adapter
 
 
-def adapter_state_dict(model, dist=None) -> dict[str, torch.Tensor]:
+def _as_dtype(value) -> torch.dtype | None:
+    """A torch dtype from a dtype or its name ("bfloat16", "torch.float16"); None for "auto" / unknown."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+        return dtype if isinstance(dtype, torch.dtype) else None
+    return None
+
+
+def _base_dtype(model) -> torch.dtype:
+    """The dtype of the policy's (frozen) base weights: what vLLM serves, and so the adapter's dtype in vLLM."""
+    for param in model.parameters():
+        if not param.requires_grad and param.is_floating_point():
+            return param.dtype
+    return next(model.parameters()).dtype
+
+
+def adapter_state_dict(model, dist=None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The active adapter's weights, on CPU, under the names PEFT saves them with.
 
     Under DeepSpeed ZeRO-3 the adapter parameters are gathered first (a collective: every process must call this).
@@ -111,6 +200,7 @@ def adapter_state_dict(model, dist=None) -> dict[str, torch.Tensor]:
     Args:
         model (`peft.PeftModel`): The policy.
         dist (`trl.distributed.DistributedBackend`, *optional*): The trainer's backend, to gather ZeRO-3 shards.
+        dtype (`torch.dtype`, *optional*): Cast to this dtype (vLLM's LoRA dtype); the parameters' own by default.
 
     Returns:
         `dict[str, torch.Tensor]`: E.g. `"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"` -> tensor.
@@ -123,7 +213,10 @@ def adapter_state_dict(model, dist=None) -> dict[str, torch.Tensor]:
     with gather:
         state = get_peft_model_state_dict(model, adapter_name=adapter)
         # Copies: the gathered storage is released (re-partitioned) when the context exits.
-        return {name: _full_tensor(t).detach().to("cpu", copy=True).contiguous() for name, t in state.items()}
+        return {
+            name: _full_tensor(t).detach().to("cpu", dtype=dtype or t.dtype, copy=True).contiguous()
+            for name, t in state.items()
+        }
 
 
 def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -241,9 +334,9 @@ class LoRASyncVLLMGeneration(VLLMGeneration):
 
     # ---------------------------------------------------------------------------------------------------------------
     def _init_vllm(self):
-        reason = lora_sync_unsupported_reason(self.model) if self._lora_sync_requested else None
-        if reason is None and self._lora_sync_requested and self.enable_sleep_mode:
-            reason = "sleep mode (level 2) discards the base weights, which only a full sync restores"
+        reason = None
+        if self._lora_sync_requested:
+            reason = lora_sync_decision(self.model, sleep_mode=self.enable_sleep_mode, on_cpu=_on_cpu())
         self.lora_sync = self._lora_sync_requested and reason is None
         if not self.lora_sync:
             if reason is not None and self.accelerator.is_main_process:
@@ -251,6 +344,8 @@ class LoRASyncVLLMGeneration(VLLMGeneration):
             return super()._init_vllm()
 
         self._rank = self.model.peft_config[_active_adapter(self.model)].r
+        # Until the engine says otherwise: the dtype of the base weights vLLM serves.
+        self.adapter_dtype = _base_dtype(self.model)
         self._setup_sync_dir()
         if self.mode == "colocate":
             extra = {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(self._rank), "max_loras": 1}
@@ -259,6 +354,9 @@ class LoRASyncVLLMGeneration(VLLMGeneration):
             with _llm_kwargs(**extra):
                 super()._init_vllm()
             self.llm = _AdapterBoundLLM(self.llm, self)
+            # vLLM casts the adapter to its `lora_dtype` (the model's dtype by default) on load: writing it in that
+            # dtype loses nothing and halves the bytes of a float32 adapter served in bfloat16.
+            self.adapter_dtype = _as_dtype(self.llm.llm_engine.vllm_config.lora_config.lora_dtype)
         elif self.mode == "server":
             self._init_server()
         else:
@@ -267,7 +365,11 @@ class LoRASyncVLLMGeneration(VLLMGeneration):
     def _setup_sync_dir(self):
         root = self._sync_dir_arg or os.environ.get(SYNC_DIR_ENV)
         if root is None:
-            root = tempfile.mkdtemp(prefix="trl-agentic-vllm-lora-")
+            # Colocate: a RAM-backed folder when there is one, so a sync never touches the disk. vLLM 0.31 loads
+            # adapters only from a path (`LoRARequest` carries no tensors), so this is as close to an in-memory
+            # hand-off as its API allows.
+            in_memory = self.mode == "colocate" and os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+            root = tempfile.mkdtemp(prefix="trl-agentic-vllm-lora-", dir=SHM_DIR if in_memory else None)
             weakref.finalize(self, shutil.rmtree, root, ignore_errors=True)
         # One folder per process: colocated engines each load their own copy.
         self.sync_dir = os.path.join(root, f"rank{self.accelerator.process_index}")
@@ -293,12 +395,19 @@ class LoRASyncVLLMGeneration(VLLMGeneration):
         except RuntimeError:  # no dev mode: nothing to read, the first load reports any problem
             return
         lora_config = info.get("lora_config")
+        if (info.get("parallel_config") or {}).get("data_parallel_size", 1) > 1:
+            raise RuntimeError(
+                f"The vLLM server at {self.vllm_client.base_url} runs with --data-parallel-size > 1: a runtime-loaded "
+                "adapter reaches only the replica that received the request. Use one data-parallel replica per "
+                "server, or set `vllm_lora_sync=False` (GPU only)."
+            )
         if lora_config is None:
             raise RuntimeError(
                 f"The vLLM server at {self.vllm_client.base_url} was started without LoRA support, which the LoRA "
                 f"sync needs. Restart it with `--enable-lora --max-lora-rank {vllm_max_lora_rank(self._rank)}` and "
                 "`VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` in its environment, or set `vllm_lora_sync=False`."
             )
+        self.adapter_dtype = _as_dtype(lora_config.get("lora_dtype")) or self.adapter_dtype
         if lora_config.get("max_lora_rank", self._rank) < self._rank:
             raise RuntimeError(
                 f"The vLLM server's --max-lora-rank ({lora_config['max_lora_rank']}) is below the adapter's rank "
@@ -312,7 +421,7 @@ class LoRASyncVLLMGeneration(VLLMGeneration):
             return super().sync_weights()
         start = time.perf_counter()
         # Every process takes part (ZeRO-3 gathers); in server mode only the main process talks to the server.
-        state = adapter_state_dict(self.model, self._dist)
+        state = adapter_state_dict(self.model, self._dist, dtype=self.adapter_dtype)
         write = self.mode == "colocate" or self.accelerator.is_main_process
         lora_int_id = len(self.sync_history) + 1
         lora_name = f"{ADAPTER_PREFIX}-{lora_int_id}"

@@ -83,13 +83,24 @@ class FakeAccelerator:
         return tensor.clone()
 
 
+class FakeModel:
+    def __init__(self, training):
+        self.training = training
+
+    def train(self, mode=True):
+        self.training = mode
+
+    def eval(self):
+        self.training = False
+
+
 class FakeTrainer:
     def __init__(self, tokenizer, args, others=None, alt=None, training=True):
         self._tokenizer = tokenizer
         self.args = args
         self.chat_template = None
         self.chat_template_kwargs = {}
-        self.model = SimpleNamespace(training=training)
+        self.model = FakeModel(training)
         self.accelerator = FakeAccelerator(others)
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self.alt = ALT if alt is None else alt
@@ -110,7 +121,7 @@ class FakeTrainer:
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None):
         self.score_calls += 1
-        assert not torch.is_grad_enabled()
+        assert not torch.is_grad_enabled() and not model.training  # no-grad, eval mode (no dropout)
         out = torch.zeros((input_ids.size(0), logits_to_keep), dtype=torch.float32)
         for j in range(input_ids.size(0)):
             ids = input_ids[j][attention_mask[j].bool()].tolist()
@@ -590,3 +601,60 @@ def test_docs_custom_estimator_example_runs():
     adv = namespace["leave_one_out"](batch, None)
     # Group 0: rewards 1, 0 -> row 1 gets 0 - 1 = -1. Group 1: 3 and NaN -> row 2 alone: 0, the NaN row: 0.
     assert adv.tolist() == [-1.0, 0.0, 0.0]
+
+
+# ---- scoring on a real model ----
+
+
+def test_a_steps_confidence_does_not_depend_on_its_batch_companions(tiny_model_dir):
+    """The same sequence scored alone and in a mixed, left-padded chunk: same log-probs and confidence to 1e-5.
+
+    With LoRA dropout on and the trainer in train mode (as during training), scoring must run in eval mode; the model
+    is back in train mode afterwards.
+    """
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from trl_agentic import AgenticGRPOTrainer
+    from trl_agentic.rlvcr.estimator import _score
+    from trl_agentic.rlvcr.formulas import action_confidence
+
+    args = AgenticGRPOConfig(
+        output_dir="/tmp/unused",
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+    )
+    trainer = AgenticGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["hi"] * 8}),
+        peft_config=LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.3, target_modules="all-linear", init_lora_weights=False
+        ),
+    )
+    trainer.model.train()
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(3, 200, (n,), generator=generator).tolist() for n in (30, 12, 50, 7)]
+    sequences.append(list(sequences[0]))
+    tails = [6, 4, 9, 3, 6]
+
+    def confidence(logps, tail):
+        mask = torch.zeros((1, logps.numel()), dtype=torch.bool)
+        mask[0, logps.numel() - tail + 1 :] = True  # the "action": all but the first scored token
+        return float(action_confidence(logps[None], mask)[0])
+
+    alone = _score(trainer, [sequences[0]], [tails[0]], 1, 1)[0]
+    again = _score(trainer, [sequences[0]], [tails[0]], 1, 1)[0]
+    mixed = _score(trainer, sequences, tails, 2, 3)  # chunks of 3 and 2 rows, different paddings
+    assert trainer.model.training
+    torch.testing.assert_close(again, alone, rtol=0, atol=0)  # no dropout noise between two calls
+    torch.testing.assert_close(mixed[0], alone, rtol=0, atol=1e-5)
+    torch.testing.assert_close(mixed[4], alone, rtol=0, atol=1e-5)  # same sequence, other chunk and padding
+    for scored in (mixed[0], mixed[4]):
+        close(confidence(scored, tails[0]), confidence(alone, tails[0]))
+        assert abs(confidence(scored, tails[0]) / confidence(alone, tails[0]) - 1) < 1e-5

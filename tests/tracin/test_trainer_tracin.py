@@ -384,7 +384,9 @@ def test_zero_validation_gradient_trains_on_every_row(tiny_model_dir, tmp_path):
 
 
 def test_validation_gradient_is_refreshed_on_schedule(tiny_model_dir, tmp_path):
-    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=3, tracin_val_refresh_steps=2)
+    trainer = make_trainer(
+        tiny_model_dir, tmp_path, max_steps=3, tracin_val_refresh_steps=2, tracin_val_rollout_steps=1
+    )
     recorder = Recorder(trainer)
     trainer.train()
     assert trainer._tracin.refreshes == 2 and len(recorder.val_batches) == 2
@@ -397,6 +399,36 @@ def test_validation_gradient_is_refreshed_on_schedule(tiny_model_dir, tmp_path):
         assert torch.equal(val_batch["prompt_ids"][0], val_batch["prompt_ids"][1])
         assert not torch.equal(val_batch["prompt_ids"][1], val_batch["prompt_ids"][2])
         assert val_batch["advantages"].abs().sum() > 0
+
+
+def test_validation_rollouts_are_reused_and_v_recomputed_at_the_current_weights(tiny_model_dir, tmp_path):
+    # V every step, new validation rollouts every 2 steps: rollouts at steps 0 and 2, V at step 1 from step 0's.
+    trainer = make_trainer(
+        tiny_model_dir, tmp_path, max_steps=3, tracin_val_refresh_steps=1, tracin_val_rollout_steps=2
+    )
+    recorder = Recorder(trainer)
+    refresh, seen = trainer._tracin_refresh_direction, []
+
+    def refresh_and_keep():
+        weights = trainable(trainer.model)
+        refresh()
+        flat = torch.cat([torch.cat([g.A.reshape(-1), g.B.reshape(-1)]) for g in trainer._tracin.direction.values()])
+        seen.append((trainer.state.global_step, weights, flat.clone()))
+
+    trainer._tracin_refresh_direction = refresh_and_keep
+    trainer.train()
+    assert [step for step, _, _ in seen] == [0, 1, 2]
+    assert trainer._tracin.refreshes == 2 and len(recorder.val_batches) == 2
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    assert ["tracin/val_reward" in h for h in steps] == [True, False, True]  # logged with new rollouts only
+    assert all("tracin/val_grad_norm" in h for h in steps)
+    first_rollouts = {k: v for k, v in recorder.val_batches[0].items() if k != "old_per_token_logps"}
+    for _, weights, direction in seen[:2]:
+        load(trainer.model, weights)
+        trainer.model.train()
+        assert_close(direction, brute_force_direction(trainer, first_rollouts))
+    # The weights moved between steps 0 and 1, and so did V (it is not the stored V of step 0).
+    assert not torch.allclose(seen[0][2], seen[1][2])
 
 
 @pytest.mark.parametrize("checkpointing", ["non_reentrant", "reentrant"])

@@ -1,14 +1,33 @@
-"""`python -m trl_agentic.bench [--out FILE] [--only overhead|tracin|rlvcr] [--quick] [TracIn options]`.
+"""`python -m trl_agentic.bench [--out FILE] [--only SECTION] [--quick] [TracIn micro-benchmark options]`.
 
-Runs the benchmarks and writes one markdown report: the trainer / rollout-engine overheads (`overhead.py`), the
-TracIn step against the plain GRPO step (`tracin.py`; its options, e.g. `--lengths 64 --batch-sizes 4`, pass
-through) and the extra model calls per step of the RLVCR advantage estimator (`rlvcr.py`).
+Runs the benchmarks and writes one markdown report, opening with the goals side by side:
+
+- `tracin-e2e`: the whole TracIn step at its defaults (validation rollouts included) vs TRL's GRPO step
+  (`tracin.py --section e2e`);
+- `tracin-memory`: peak memory with gradient checkpointing on a larger local model (`tracin_memory.py`);
+- `vllm`: both weight syncs in one process and the decode cost of an unmerged adapter (`vllm_sync.py`, run with the
+  vLLM venv's interpreter, `--vllm-python`, default `.venv-vllm/bin/python`);
+- `overhead`: trainer / rollout-engine overheads (`overhead.py`);
+- `tracin`: the step-level TracIn comparison (`tracin.py`; its options, e.g. `--lengths 64 --batch-sizes 4`, pass
+  through);
+- `rlvcr`: the extra model calls per step of the RLVCR advantage estimator (`rlvcr.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
+import tempfile
+import time
+
+SECTIONS = ("tracin-e2e", "tracin-memory", "vllm", "overhead", "tracin", "rlvcr")
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _overhead_section(quick: bool) -> str:
@@ -25,26 +44,142 @@ def _overhead_section(quick: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _e2e_section(quick: bool, summary: list) -> str:
+    from .tracin import EndToEndSettings, end_to_end, render_end_to_end
+
+    settings = EndToEndSettings(steps=2, old_default_steps=1) if quick else EndToEndSettings()
+    result = end_to_end(settings, tempfile.mkdtemp(prefix="trl-agentic-bench-"), log=_log)
+    times = result["times"]
+
+    def mean(name, clock):
+        return sum(times[name][clock]) / len(times[name][clock])
+
+    ratio, cpu = mean("tracin", "wall") / mean("plain", "wall"), mean("tracin", "cpu") / mean("plain", "cpu")
+    summary.append(
+        (
+            "TracIn step at defaults, validation rollouts included / plain GRPO step",
+            f"{ratio:.2f} (CPU {cpu:.2f})",
+            "≤ 1.3",
+            ratio <= 1.3,
+        )
+    )
+    return render_end_to_end(settings, result, "python -m trl_agentic.bench --only tracin-e2e")
+
+
+def _memory_section(quick: bool, summary: list) -> str:
+    from .tracin_memory import MemorySettings, render, run
+
+    settings = MemorySettings(completion_length=64) if quick else MemorySettings()
+    results = run(settings, tempfile.mkdtemp(prefix="trl-agentic-bench-"), log=_log)
+    plain = results["plain"]["peak_mb"] - results["plain"]["baseline_mb"]
+    fused = results["fused"]["peak_mb"] - results["fused"]["baseline_mb"]
+    whole = results["fused"]["peak_mb"] / results["plain"]["peak_mb"]
+    summary.append(
+        (
+            "TracIn fused peak memory / plain, gradient checkpointing, 362M model",
+            f"{fused / plain:.2f} of the step ({whole:.2f} whole process)",
+            "≤ 1.2",
+            fused / plain <= 1.2,
+        )
+    )
+    return render(settings, results, "python -m trl_agentic.bench --only tracin-memory")
+
+
+def _vllm_section(python: str, quick: bool, summary: list) -> str:
+    if not os.path.exists(python):
+        return f"## vLLM weight sync\n\nNot run: no vLLM interpreter at `{python}` (`make install-vllm` builds it).\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "vllm.json")
+        argv = [python, "-m", "trl_agentic.bench.vllm_sync", "--json", path]
+        if quick:
+            argv += ["--steps", "2", "--repeats", "2", "--no-server"]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        run = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+        if run.returncode != 0 or not os.path.exists(path):
+            return f"## vLLM weight sync\n\nFailed:\n\n```\n{(run.stdout + run.stderr)[-3000:]}\n```\n"
+        with open(path) as f:
+            data = json.load(f)
+    colocate = next((r for r in data["runs"] if r["kind"] == "colocate" and "error" not in r), {})
+    same, decode = colocate.get("same_process"), colocate.get("decode")
+    if same:
+        summary.append(
+            (
+                "vLLM sync in one process: TRL full sync (its CPU-runnable part) / whole LoRA sync",
+                f"{same['full_s'] / same['lora_s']:.1f}",
+                "measured",
+                None,
+            )
+        )
+    if decode:
+        summary.append(
+            (
+                "vLLM decode time, unmerged adapter / base (merged-weight compute), same engine",
+                f"{decode['adapter'] / decode['base']:.2f}",
+                "measured",
+                None,
+            )
+        )
+    section = (
+        data["section"]
+        .replace("<!-- vllm-sync-benchmark:start -->", "")
+        .replace("<!-- vllm-sync-benchmark:end -->", "")
+    )
+    return "## vLLM weight sync and decode cost\n\n" + section.strip() + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trl_agentic.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="Write the markdown report here (default: print it).")
-    parser.add_argument("--only", choices=["overhead", "tracin", "rlvcr"], help="Run one benchmark only.")
+    parser.add_argument("--only", choices=SECTIONS, help="Run one benchmark only.")
     parser.add_argument("--quick", action="store_true", help="Small sizes and few repeats (a smoke run).")
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="Interpreter of the vLLM venv.")
     args, rest = parser.parse_known_args(argv)
-    sections = ["# Benchmarks", "", "Generated by `python -m trl_agentic.bench` (`make bench`).", ""]
-    if args.only in (None, "overhead"):
-        sections.append(_overhead_section(args.quick))
-    if args.only in (None, "tracin"):
-        from .tracin import report
+    started = time.perf_counter()
+    summary: list = []
+    sections = []
+    durations = []
+    for name in SECTIONS:
+        if args.only not in (None, name):
+            continue
+        _log(f"[bench] {name} ...")
+        start = time.perf_counter()
+        if name == "tracin-e2e":
+            sections.append(_e2e_section(args.quick, summary))
+        elif name == "tracin-memory":
+            sections.append(_memory_section(args.quick, summary))
+        elif name == "vllm":
+            sections.append(_vllm_section(args.vllm_python, args.quick, summary))
+        elif name == "overhead":
+            sections.append(_overhead_section(args.quick))
+        elif name == "tracin":
+            from .tracin import report
 
-        if args.quick:
-            rest = ["--lengths", "32", "--batch-sizes", "4", "--repeats", "1", *rest]
-        sections.append(report(rest, prog="python -m trl_agentic.bench --only tracin"))
-    if args.only in (None, "rlvcr"):
-        from .rlvcr import report as rlvcr_report
+            micro = ["--lengths", "128", "--batch-sizes", "8", "--no-memory"] if args.only is None else []
+            if args.quick:
+                micro = ["--lengths", "32", "--batch-sizes", "4", "--repeats", "1", "--no-memory"]
+            sections.append(report(micro + rest, prog="python -m trl_agentic.bench --only tracin"))
+        else:
+            from .rlvcr import report as rlvcr_report
 
-        sections.append(rlvcr_report(quick=args.quick))
-    text = "\n".join(sections)
+            sections.append(rlvcr_report(quick=args.quick))
+        durations.append(f"{name} {time.perf_counter() - start:.0f} s")
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    head = [
+        "# Benchmarks",
+        "",
+        "Generated by `python -m trl_agentic.bench` (`make bench`) on "
+        f"{os.cpu_count()} CPU cores, load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
+        f"(1 / 5 / 15 min); sections: {', '.join(durations)}; total {time.perf_counter() - started:.0f} s."
+        if load
+        else "Generated by `python -m trl_agentic.bench` (`make bench`).",
+        "",
+    ]
+    if summary:
+        head += ["## Goals side by side", "", "| measurement | value | goal | met |", "|---|---|---|---|"]
+        for label, value, goal, met in summary:
+            head.append(f"| {label} | {value} | {goal} | {'–' if met is None else ('yes' if met else 'no')} |")
+        head.append("")
+    text = "\n".join(head + sections)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

@@ -121,8 +121,10 @@ def build_trainer(settings: BenchSettings, batch_size: int, output_dir: str):
     return trainer
 
 
-def make_batch(trainer, batch_size: int, prompt_length: int, completion_length: int, seed: int) -> dict:
-    """A generation batch as `_generate_and_score_completions` returns it (one group per 4 rows)."""
+def make_batch(
+    trainer, batch_size: int, prompt_length: int, completion_length: int, seed: int, group_size: int = 4
+) -> dict:
+    """A generation batch as `_generate_and_score_completions` returns it (one group per `group_size` rows)."""
     generator = torch.Generator().manual_seed(seed)
     vocab = trainer.model.config.vocab_size
     completion_mask = torch.ones(batch_size, completion_length, dtype=torch.long)
@@ -135,9 +137,9 @@ def make_batch(trainer, batch_size: int, prompt_length: int, completion_length: 
         "prompt_mask": torch.ones(batch_size, prompt_length, dtype=torch.long),
         "completion_ids": torch.randint(3, vocab, (batch_size, completion_length), generator=generator),
         "completion_mask": completion_mask,
-        "advantages": advantages - advantages.view(-1, 4).mean(1).repeat_interleave(4),
+        "advantages": advantages - advantages.view(-1, group_size).mean(1).repeat_interleave(group_size),
         "num_items_in_batch": completion_mask.sum(),
-        "group_id": torch.arange(batch_size) // 4,
+        "group_id": torch.arange(batch_size) // group_size,
         "row_kind": torch.zeros(batch_size, dtype=torch.long),
     }
 
@@ -437,6 +439,14 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="Only render the report from the --json files of earlier runs (their rows concatenated).",
     )
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--section",
+        choices=["micro", "e2e", "staleness"],
+        default="micro",
+        help="micro: the step-level comparison below; e2e: whole steps at the defaults vs TRL; staleness: V quality.",
+    )
+    parser.add_argument("--steps", type=int, default=None, help="e2e / staleness: measured steps.")
+    parser.add_argument("--learning-rate", type=float, default=None, help="e2e / staleness: learning rate.")
     return parser
 
 
@@ -452,6 +462,26 @@ def report(argv: list[str], prog: str = "python -m trl_agentic.bench.tracin") ->
         rows = [row for run_ in runs for row in run_["rows"]]
         commands = " and ".join(f"`{run_['command']}`" for run_ in runs)
         return render(settings, rows, commands, quoted=True)
+    command = f"{prog} {' '.join(argv)}".strip()
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.section == "e2e":
+        e2e = EndToEndSettings(threads=args.threads)
+        if args.steps is not None:
+            e2e.steps = args.steps
+        if args.learning_rate is not None:
+            e2e.learning_rate = args.learning_rate
+        result = end_to_end(e2e, args.output_dir, log=log)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"settings": asdict(e2e), "result": result}, f, indent=1)
+        return render_end_to_end(e2e, result, command)
+    if args.section == "staleness":
+        lr = 3e-4 if args.learning_rate is None else args.learning_rate
+        records = staleness(args.steps or 16, lr, args.output_dir, threads=args.threads, log=log)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"learning_rate": lr, "records": records}, f, indent=1)
+        return render_staleness(records, lr, command)
     settings = BenchSettings(
         completion_lengths=args.lengths,
         batch_sizes=args.batch_sizes,
@@ -459,7 +489,6 @@ def report(argv: list[str], prog: str = "python -m trl_agentic.bench.tracin") ->
         threads=args.threads,
         memory=not args.no_memory,
     )
-    command = f"{prog} {' '.join(argv)}".strip()
 
     def save(rows):  # after every configuration, so an interrupted run keeps its results
         if args.json:
@@ -486,6 +515,295 @@ def main(argv: list[str] | None = None, prog: str = "python -m trl_agentic.bench
             f.write(text)
     print(text)
     return 0
+
+
+# ----------------------------------------------------------------------------------------------------------- end to end
+
+
+@dataclass
+class EndToEndSettings:
+    """The end-to-end comparison: whole training steps (generation, rewards, V, scoring, training), TracIn at its
+    defaults vs TRL's `GRPOTrainer`, stepped alternately in one process.
+
+    Args:
+        steps: Measured steps per trainer after one warm-up step (8 = one cycle of the default schedule: V every 4
+            steps, validation rollouts every 8).
+        old_default_steps: Measured steps of TracIn at the former defaults (4 prompts x 4 generations rolled out and
+            V computed every step); 0 skips it.
+        completion_length: `max_completion_length`.
+        threads: torch intra-op threads.
+        learning_rate: Learning rate of both runs.
+    """
+
+    steps: int = 8
+    old_default_steps: int = 2
+    completion_length: int = 24
+    threads: int = 1
+    learning_rate: float = 1e-5
+
+
+OLD_DEFAULTS = dict(tracin_val_batch_size=4, tracin_val_refresh_steps=1, tracin_val_rollout_steps=1)
+
+
+def _e2e_trainer(kind: str, settings: EndToEndSettings, output_dir: str, **tracin):
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ..config import AgenticGRPOConfig
+    from ..models import resolve_model_path
+    from ..trainer import AgenticGRPOTrainer
+    from .overhead import PEFT, _length_reward, _prompts
+
+    common = dict(
+        output_dir=output_dir,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        seed=0,
+        max_steps=1000,
+        learning_rate=settings.learning_rate,
+        per_device_train_batch_size=8,
+        num_generations=8,
+        max_completion_length=settings.completion_length,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    kwargs = dict(
+        model=resolve_model_path("smollm2-135m"),
+        reward_funcs=_length_reward,
+        train_dataset=_prompts(64),
+        peft_config=LoraConfig(**PEFT),
+    )
+    if kind == "plain":
+        trainer = GRPOTrainer(args=GRPOConfig(**common), **kwargs)
+    else:
+        args = AgenticGRPOConfig(**common, tracin_enabled=True, **tracin)
+        trainer = AgenticGRPOTrainer(args=args, tracin_eval_dataset=_prompts(64).select(range(32, 64)), **kwargs)
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    trainer._bench_batches = iter(trainer.get_train_dataloader())
+    return trainer
+
+
+def _one_step(trainer) -> tuple[float, float]:
+    """One optimizer step as `Trainer.train` runs it (generation included); returns (wall, process CPU) seconds."""
+    batch = next(trainer._bench_batches)
+    start, start_cpu = time.perf_counter(), time.process_time()
+    trainer.training_step(trainer.model, batch, None)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.state.global_step += 1
+    return time.perf_counter() - start, time.process_time() - start_cpu
+
+
+def _timed(trainer, name: str, bucket: dict) -> None:
+    """Add the wall time of `trainer.<name>` calls to `bucket[name]`."""
+    original = getattr(trainer, name)
+
+    def wrapped(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            bucket[name] += time.perf_counter() - start
+
+    setattr(trainer, name, wrapped)
+
+
+def end_to_end(settings: EndToEndSettings, output_dir: str, log=print) -> dict:
+    """Per-step wall and CPU times of plain / TracIn (defaults) / TracIn (former defaults), stepped alternately."""
+    torch.set_num_threads(settings.threads)
+    trainers = {
+        "plain": _e2e_trainer("plain", settings, output_dir),
+        "tracin": _e2e_trainer("tracin", settings, output_dir),
+    }
+    if settings.old_default_steps:
+        trainers["tracin_old"] = _e2e_trainer("tracin", settings, output_dir, **OLD_DEFAULTS)
+    parts = {name: defaultdict(float) for name in trainers if name != "plain"}
+    for name, bucket in parts.items():
+        for method in ("_tracin_rollout_validation", "_tracin_validation_gradient"):
+            _timed(trainers[name], method, bucket)
+    times = {name: {"wall": [], "cpu": []} for name in trainers}
+    for step in range(settings.steps + 1):
+        names = list(trainers) if step % 2 == 0 else list(reversed(trainers))  # alternate who goes first
+        for name in names:
+            if name == "tracin_old" and step > settings.old_default_steps:
+                continue
+            if step == 1:  # the warm-up step (first V and rollouts) is not counted
+                for bucket in parts.values():
+                    bucket.clear()
+            wall, cpu = _one_step(trainers[name])
+            log(f"[tracin e2e] step {step} {name}: wall {wall:.2f} s, cpu {cpu:.2f} s")
+            if step > 0:
+                times[name]["wall"].append(wall)
+                times[name]["cpu"].append(cpu)
+    return {
+        "times": times,
+        "parts": {name: dict(bucket) for name, bucket in parts.items()},
+        "val_rows": {
+            name: t.args.tracin_val_batch_size * t.args.tracin_val_num_generations
+            for name, t in trainers.items()
+            if name != "plain"
+        },
+    }
+
+
+def render_end_to_end(settings: EndToEndSettings, result: dict, command: str) -> str:
+    times, parts = result["times"], result["parts"]
+
+    def mean(name, clock):
+        values = times[name][clock]
+        return sum(values) / len(values)
+
+    lines = [
+        "## TracIn end-to-end step at the defaults vs a plain GRPO step",
+        "",
+        f"Command: `{command}`. SmolLM2-135M + LoRA r=16 (all linear layers), float32, CPU, {settings.threads} "
+        f"thread(s); 8 rows per step (1 prompt × 8 generations), up to {settings.completion_length} completion tokens, "
+        f"learning rate {settings.learning_rate}. Whole optimizer steps as `Trainer.train` runs them (generation, "
+        "rewards, validation rollouts, V, scoring, loss, backward, AdamW), the trainers stepped alternately in one "
+        "process (who goes first alternates), after one warm-up step each. TracIn at its defaults: "
+        f"{result['val_rows']['tracin']} validation rows (2 prompts × 4 generations) rolled out every 8 steps, V "
+        "recomputed at the current weights every 4 steps, fused step. Means over "
+        f"{settings.steps} steps = one whole cycle of that schedule.",
+        "",
+        "| trainer | steps | mean wall (s) | wall / plain | mean CPU (s) | CPU / plain | validation rollouts (wall) | "
+        "V (wall) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    plain_wall, plain_cpu = mean("plain", "wall"), mean("plain", "cpu")
+    labels = {"plain": "TRL `GRPOTrainer`", "tracin": "TracIn, defaults", "tracin_old": "TracIn, former defaults"}
+    for name in times:
+        n = len(times[name]["wall"])
+        wall, cpu = mean(name, "wall"), mean(name, "cpu")
+        rollout = parts.get(name, {}).get("_tracin_rollout_validation")
+        grad = parts.get(name, {}).get("_tracin_validation_gradient")
+        cells = [
+            labels[name],
+            str(n),
+            f"{wall:.2f}",
+            f"{wall / plain_wall:.2f}",
+            f"{cpu:.2f}",
+            f"{cpu / plain_cpu:.2f}",
+            "–" if rollout is None else f"{rollout / n:.2f} s/step",
+            "–" if grad is None else f"{grad / n:.2f} s/step",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    ratio = mean("tracin", "wall") / plain_wall
+    lines += [
+        "",
+        f"Goal ≤ 1.3×: {'met' if ratio <= 1.3 else 'missed'} ({ratio:.2f}× wall, "
+        f"{mean('tracin', 'cpu') / plain_cpu:.2f}× CPU). The former defaults are measured over their first "
+        f"{len(times.get('tracin_old', {}).get('wall', []))} steps (every step of theirs costs the same).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------- staleness
+
+
+def staleness(steps: int, learning_rate: float, output_dir: str, threads: int = 1, log=print) -> list[dict]:
+    """At every step of a TracIn run at the defaults, score the training rows against the V the step used and against
+    two V computed afresh (new validation rollouts of the same size, at the current weights), and compare selections.
+
+    The two fresh V differ only by their random validation prompts and rollouts: their agreement is the noise floor
+    that staleness has to be compared with.
+    """
+    from .. import tracin as tracin_module
+
+    torch.set_num_threads(threads)
+    settings = EndToEndSettings(learning_rate=learning_rate)
+    trainer = _e2e_trainer("tracin", settings, output_dir)
+    state = trainer._tracin
+    fused = trainer._tracin_fused_loss
+    records = []
+
+    def fresh_direction(offset):
+        saved = state.refreshes
+        state.refreshes = 10_000 * offset + trainer.state.global_step  # another draw of validation prompts
+        try:
+            rows = trainer._tracin_validation_rows()
+        finally:
+            state.refreshes = saved
+        batch, _ = trainer._tracin_rollout_validation(rows)
+        return trainer._tracin_validation_gradient(batch)
+
+    def scores_for(inputs, direction):
+        with trainer._tracin_hooks() as hooks, trainer._tracin_quiet():
+            with hooks.record(direction=direction):
+                loss = trainer._tracin_base_loss(trainer.model, inputs)
+            return hooks.score_rows(loss, direction).double()
+
+    def compare(model, inputs):
+        used = scores_for(inputs, state.direction)
+        fresh = [scores_for(inputs, fresh_direction(k)) for k in (1, 2)]
+        valid = (inputs["completion_mask"].sum(1) > 0).cpu()
+
+        def select(s):
+            return tracin_module.select_rows(s.cpu(), valid, mode=trainer.args.tracin_selection, min_selected=1)
+
+        def corr(a, b):
+            a, b = a[valid] - a[valid].mean(), b[valid] - b[valid].mean()
+            return float((a * b).sum() / (a.square().sum() * b.square().sum()).sqrt())
+
+        sel_used, sel_f1, sel_f2 = select(used), select(fresh[0]), select(fresh[1])
+        record = {
+            "step": trainer.state.global_step,
+            "steps_since_v": trainer.state.global_step - state.refreshed_at,
+            "steps_since_rollouts": trainer.state.global_step - state.rolled_out_at,
+            "agree_used_fresh": float((sel_used == sel_f1)[valid].double().mean()),
+            "agree_used_fresh2": float((sel_used == sel_f2)[valid].double().mean()),
+            "agree_fresh_fresh": float((sel_f1 == sel_f2)[valid].double().mean()),
+            "corr_used_fresh": (corr(used, fresh[0]) + corr(used, fresh[1])) / 2,
+            "corr_fresh_fresh": corr(fresh[0], fresh[1]),
+            "selected": float(sel_used[valid].double().mean()),
+        }
+        records.append(record)
+        log(f"[tracin staleness] {json.dumps(record)}")
+        return fused(model, inputs)
+
+    trainer._tracin_fused_loss = compare
+    for _ in range(steps):
+        _one_step(trainer)
+    return records
+
+
+def render_staleness(records: list[dict], learning_rate: float, command: str) -> str:
+    def mean(key, rows):
+        return sum(r[key] for r in rows) / len(rows) if rows else float("nan")
+
+    fresh_v = [r for r in records if r["steps_since_v"] == 0 and r["steps_since_rollouts"] == 0]
+    stale_v = [r for r in records if r["steps_since_v"] > 0]
+    reused = [r for r in records if r["steps_since_rollouts"] > 0 and r["steps_since_v"] == 0]
+    lines = [
+        "## Staleness of the default validation direction",
+        "",
+        f"Command: `{command}`. A TracIn run at the defaults (SmolLM2-135M + LoRA r=16, 8 rows per step, learning "
+        f"rate {learning_rate}, {len(records)} steps). At every step the training rows are also scored against two "
+        "V computed afresh at the current weights from new validation rollouts of the same size (8 rows); "
+        "*agreement* = fraction of rows on which two selections (`positive`) agree, *correlation* = Pearson "
+        "correlation of the scores. Fresh vs fresh is the noise floor: two equally fresh V that differ only by "
+        "their random validation prompts and rollouts.",
+        "",
+        "| steps | used V vs fresh V: agreement | correlation | fresh vs fresh: agreement | correlation |",
+        "|---|---|---|---|---|",
+    ]
+    for label, rows in (
+        ("all", records),
+        ("V and rollouts of this step", fresh_v),
+        ("V recomputed this step on reused rollouts", reused),
+        ("V from an earlier step", stale_v),
+    ):
+        if not rows:
+            continue
+        agree = (mean("agree_used_fresh", rows) + mean("agree_used_fresh2", rows)) / 2
+        lines.append(
+            f"| {label} ({len(rows)}) | {agree:.2f} | {mean('corr_used_fresh', rows):.2f} | "
+            f"{mean('agree_fresh_fresh', rows):.2f} | {mean('corr_fresh_fresh', rows):.2f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -172,7 +172,82 @@ def worker(kind: str, steps: int, url: str | None) -> dict:
         result["step_times_s"] = step_times
         history = getattr(trainer.vllm_generation, "sync_history", []) if kind != "transformers" else []
         result["sync_times_s"] = [record.seconds for record in history]
+        if kind == "colocate":
+            result["same_process"] = same_process_syncs(trainer, repeats=5)
+            result["decode"] = decode_cost(trainer.vllm_generation, rounds=3)
     return result
+
+
+def same_process_syncs(trainer, repeats: int) -> dict:
+    """Both syncs in this process, alternating: the whole LoRA sync (export, write, load into the live engine) and
+    TRL's full sync as far as it can run on the CPU backend (merge, walk every base weight, unmerge, plus one copy of
+    every weight into a preallocated buffer, standing in for the engine's `load_weights`, which fails on CPU)."""
+    import torch
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    generation = trainer.vllm_generation
+    buffers = {name: torch.empty_like(t) for name, t in VLLMGeneration._iter_named_params(generation)}
+    lora, full = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        generation.sync_weights()
+        lora.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        with torch.no_grad():
+            for name, tensor in VLLMGeneration._iter_named_params(generation):
+                buffers[name].copy_(tensor)
+        full.append(time.perf_counter() - start)
+    state = os.path.join(generation.lora_request.lora_path, "adapter_model.safetensors")
+    return {
+        "lora_s": statistics.median(lora),
+        "full_s": statistics.median(full),
+        "repeats": repeats,
+        "adapter_bytes": os.path.getsize(state),
+        "adapter_dtype": str(generation.adapter_dtype).removeprefix("torch."),
+        "sync_dir": os.path.dirname(generation.sync_dir),
+        "full_bytes": sum(t.numel() * t.element_size() for t in buffers.values()),
+    }
+
+
+DECODE_PROMPTS = [f"Write a short story about the number {i}." for i in range(8)]
+DECODE_TOKENS = 64
+
+
+def decode_cost(generation, rounds: int) -> dict:
+    """Decode time on the same LoRA-enabled engine: with the adapter (unmerged, vLLM's LoRA kernels) vs without it
+    (the base weights: the compute of merged weights), alternating, greedy, `DECODE_TOKENS` tokens per prompt."""
+    from vllm import SamplingParams
+
+    llm = generation.llm._llm  # the engine behind the adapter-binding wrapper
+    params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
+    times = {"adapter": [], "base": []}
+    for round_ in range(rounds + 1):
+        for kind in ("adapter", "base") if round_ % 2 == 0 else ("base", "adapter"):
+            request = generation.lora_request if kind == "adapter" else None
+            start = time.perf_counter()
+            outputs = llm.generate(DECODE_PROMPTS, sampling_params=params, use_tqdm=False, lora_request=request)
+            elapsed = time.perf_counter() - start
+            assert all(len(o.outputs[0].token_ids) == DECODE_TOKENS for o in outputs)
+            if round_ > 0:  # round 0 warms up
+                times[kind].append(elapsed)
+    return {kind: statistics.median(values) for kind, values in times.items()} | {"rounds": rounds}
+
+
+def decode_without_lora_support() -> dict:
+    """The same generation on an engine started without LoRA support (merged weights would be served this way)."""
+    from vllm import LLM, SamplingParams
+
+    from ..models import resolve_model_path
+
+    llm = LLM(model=resolve_model_path("smollm2-135m"), enforce_eager=True, max_model_len=1024, seed=0)
+    params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
+    times = []
+    for round_ in range(4):
+        start = time.perf_counter()
+        llm.generate(DECODE_PROMPTS, sampling_params=params, use_tqdm=False)
+        if round_ > 0:
+            times.append(time.perf_counter() - start)
+    return {"kind": "decode-nolora", "base_s": statistics.median(times)}
 
 
 def _run_worker(kind: str, steps: int, url: str | None = None) -> dict:
@@ -287,6 +362,8 @@ def report(side: dict, runs: list[dict], command: str) -> str:
         "colocate-full": "vLLM colocate, TRL full sync",
     }
     for run in runs:
+        if run["kind"] not in names:
+            continue
         name = names[run["kind"]]
         if "error" in run:
             error = run["error"]
@@ -310,6 +387,45 @@ def report(side: dict, runs: list[dict], command: str) -> str:
             "(without vLLM's own weight loading). The step time is dominated by the policy's forward and backward "
             "passes on CPU; the sync matters most with large models and fast generation (GPU).",
         ]
+    same = colocate.get("same_process") if colocate else None
+    if same:
+        lines += [
+            "",
+            f"**Both syncs in the same process** (the colocate trainer after its steps, alternating, median of "
+            f"{same['repeats']}):",
+            "",
+            "| sync | time | data |",
+            "|---|---|---|",
+            f"| LoRA sync, whole (export, write to `{same['sync_dir']}`, load into the live engine) | "
+            f"{_ms(same['lora_s'])} | {same['adapter_bytes'] / mib:.1f} MiB ({same['adapter_dtype']}, the engine's "
+            "LoRA dtype) |",
+            f"| TRL full sync, trainer side + one copy of every weight (the engine's `load_weights` cannot run on "
+            f"CPU, so its own cost is not included) | {_ms(same['full_s'])} | {same['full_bytes'] / mib:.0f} MiB |",
+            "",
+            f"Ratio in one process: the full sync's part that runs here takes {same['full_s'] / same['lora_s']:.1f}× "
+            "the whole LoRA sync (a lower bound for the full sync, which would also pay vLLM's weight loading).",
+        ]
+    decode = colocate.get("decode") if colocate else None
+    nolora = next((r for r in runs if r["kind"] == "decode-nolora" and "error" not in r), None)
+    if decode:
+        tokens = len(DECODE_PROMPTS) * DECODE_TOKENS
+        lines += [
+            "",
+            f"**Decode cost of the unmerged adapter** ({len(DECODE_PROMPTS)} prompts × {DECODE_TOKENS} tokens, greedy, "
+            f"median of {decode['rounds']} alternating rounds on the same engine):",
+            "",
+            "| engine | generation time | tokens/s | vs base weights, same engine |",
+            "|---|---|---|---|",
+            f"| LoRA-enabled, with the adapter (unmerged) | {_ms(decode['adapter'])} | "
+            f"{tokens / decode['adapter']:.0f} | {decode['adapter'] / decode['base']:.2f}× |",
+            f"| LoRA-enabled, base weights (no adapter: the compute of merged weights) | {_ms(decode['base'])} | "
+            f"{tokens / decode['base']:.0f} | 1.00× |",
+        ]
+        if nolora:
+            lines.append(
+                f"| started without LoRA support (separate process) | {_ms(nolora['base_s'])} | "
+                f"{tokens / nolora['base_s']:.0f} | {nolora['base_s'] / decode['base']:.2f}× |"
+            )
     lines += ["", MARK_END]
     return "\n".join(lines)
 
@@ -331,10 +447,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="GRPO steps per configuration.")
     parser.add_argument("--repeats", type=int, default=5, help="Repeats of the trainer-side measurements.")
     parser.add_argument("--no-server", action="store_true", help="Skip the server-mode run.")
+    parser.add_argument("--json", help="Also write the raw results as JSON here.")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM on CPU: 1 GiB of KV cache, not a share of the RAM
+    if args.worker == "decode-nolora":
+        print(RESULT + json.dumps(decode_without_lora_support()), flush=True)
+        return 0
     if args.worker:
         result = worker(args.worker, args.steps, args.url)
         print(RESULT + json.dumps(result), flush=True)
@@ -346,8 +466,12 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(_with_server(args.steps))
     runs.append(_run_worker("transformers", args.steps))
     runs.append(_run_worker("colocate-full", 1))
+    runs.append(_run_worker("decode-nolora", 0))
     command = "python -m trl_agentic.bench.vllm_sync" + (f" --out {args.out}" if args.out else "")
     section = report(side, runs, command)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"side": side, "runs": runs, "section": section}, f, indent=1)
     print(section)
     if args.out:
         _write(args.out, section)

@@ -25,7 +25,8 @@ Per generation batch (`rlvcr_estimator` is called once per batch on every proces
    capped thinking is kept as it is). Level 1 uses `LEVEL1_THINK`; the original level keeps its own thinking.
 5. **Scoring**: for each expanded step and each level, the sequence `context + render_prefix(level, thinking) +
    the step's own original action tokens + the original tokens after the action` (context = the row's prompt and
-   completion up to the step) is scored under `torch.no_grad()` in chunks of `rlvcr_score_batch_size` rows; the
+   completion up to the step) is scored under `torch.no_grad()`, in eval mode (no dropout), in chunks of
+   `rlvcr_score_batch_size` rows (a step's score does not depend on the rows it shares a chunk with); the
    confidence is `c_l = exp(mean_t log p(a_t | prefix_l))` over the action tokens (`action_confidence`).
 6. **Token advantages** `(B, T)`: `"copo"`: `A_episode * w_l` on the step's tokens with `w = copo_weights(c, k)`;
    `"additive"`: `A_episode + rlvcr_step_advantage_w * A_think` with `A_think = thinking_advantages(c, cost, ...)`
@@ -341,11 +342,27 @@ def _render_user_prompt(trainer, text: str) -> list[int]:
     return list(ids[0]) if ids and isinstance(ids[0], list) else list(ids)
 
 
+@contextmanager
+def _eval_mode(model):
+    """The model in eval mode (no dropout) for a measurement, then back to the mode it was in."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 def _score(trainer, sequences: list[list[int]], tail_lengths: list[int], num_chunks: int, chunk_size: int):
     """Log-probs of the last `tail_lengths[i]` tokens of each sequence, in exactly `num_chunks` forward passes.
 
     Sequences are sorted by length (less padding) and left-padded per chunk, so the scored tokens of every row end
     at the last position and `logits_to_keep` = the longest tail of the chunk (the LM head runs on few positions).
+
+    A confidence is a measurement of the policy, so it is taken in eval mode (no dropout: in train mode every score
+    would carry its own random mask) and must not depend on which other sequences share its forward pass: causal
+    attention with masked left padding leaves a row's log-probs unchanged by its companions up to float rounding
+    (RoPE scores depend on relative positions only; `tests/rlvcr/test_estimator.py` checks alone vs mixed to 1e-5).
     """
     tokenizer = trainer._tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -361,7 +378,7 @@ def _score(trainer, sequences: list[list[int]], tail_lengths: list[int], num_chu
         context = disable_gradient_checkpointing(model, trainer.args.gradient_checkpointing_kwargs)
     else:
         context = nullcontext()
-    with torch.no_grad(), context:
+    with torch.no_grad(), context, _eval_mode(model):
         for c in range(num_chunks):
             if c < len(chunks):
                 idx = chunks[c]

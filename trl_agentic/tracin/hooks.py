@@ -38,6 +38,19 @@ def _inside_backward() -> bool:
     return task_id is not None and task_id() != -1
 
 
+def _inside_checkpoint_forward() -> bool:
+    """Whether the current forward runs inside a non-reentrant `torch.utils.checkpoint` region (its first pass).
+
+    There, autograd keeps no activation of the region: the backward recomputes them. Detected by the saved-tensor
+    hooks that non-reentrant checkpointing installs (the same private accessor torch's own tests use).
+    """
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return False
+    hooks = top(False)
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
+
+
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     # float32 for half inputs, float64 stays float64.
     return torch.promote_types(dtype, torch.float32)
@@ -53,6 +66,7 @@ class _Capture:
     h: Tensor  # output of lora_A, still attached to the graph: it is the `inputs=` of autograd.grad
     rows: int
     x: Tensor | None = None  # detached post-dropout input of lora_A, unless projected
+    deferred: bool = False  # x is taken from the checkpoint recompute in the backward, not kept from the forward
     x_proj: Tensor | None = None  # x V_A^T, (B, ..., r); None with a zero direction for this layer
     projected_onto: LoraGradients | None = None  # the direction x was projected onto in the forward
 
@@ -94,11 +108,12 @@ class LoraGhostHooks:
     backward hook machinery, even when not recording. Under DDP, run the recorded forwards on the unwrapped module
     (or under `no_sync()`), since the reducer expects a parameter backward after a synced forward.
 
-    Gradient checkpointing: non-reentrant checkpointing re-runs the forward inside the backward; that second forward
-    is ignored (the first capture is kept, and it matches because checkpointing restores the RNG state for dropout).
-    Reentrant checkpointing runs the first forward without autograd, which raises a RuntimeError while recording.
-    Memory under checkpointing: `record()` holds every layer's `x` (B, S, d_in) from the forward to its backward
-    hook, which checkpointing would otherwise not hold; `record(direction=V)` holds only `x V_A^T` (B, S, r).
+    Gradient checkpointing: non-reentrant checkpointing re-runs the forward inside the backward. Inside a
+    checkpointed region, `record()` keeps only `h` (B, S, r) from the first forward and takes `x` from the recompute,
+    right before the layer's backward (the same `x`: checkpointing restores the RNG state for dropout), so at most one
+    region's inputs are held at a time, as in an ordinary checkpointed backward; `record(direction=V)` holds
+    `x V_A^T` (B, S, r). Reentrant checkpointing runs the first forward without autograd, which raises a RuntimeError
+    while recording.
 
     Per-row gradients are exact when rows do not interact in the loss (causal LMs without cross-row terms such as an
     MoE load-balancing loss); loss normalisers (token counts, batch size) must be constants, as in TRL.
@@ -126,6 +141,7 @@ class LoraGhostHooks:
         self._handles = []
         for ref in self.layers:
             self._handles.append(ref.lora_A.register_forward_hook(self._forward_hook(ref)))
+            self._handles.append(ref.lora_A.register_forward_pre_hook(self._recompute_hook(ref)))
             self._handles.append(ref.lora_B.register_full_backward_hook(self._backward_hook(ref)))
 
     # ----------------------------------------------------------------------------------------------- lifecycle
@@ -200,7 +216,11 @@ class LoraGhostHooks:
             x = args[0].detach()
             capture = _Capture(h=output, rows=x.shape[0])
             direction = self._record_direction
-            if direction is None:
+            if direction is None and _inside_checkpoint_forward():
+                # Gradient checkpointing drops this layer's activations until its backward recomputes them: keeping
+                # x here would hold every layer's input at once. `_recompute_hook` takes it from the recompute.
+                capture.deferred = True
+            elif direction is None:
                 capture.x = x
             else:
                 capture.projected_onto = direction
@@ -209,6 +229,16 @@ class LoraGhostHooks:
                         dtype = _accumulation_dtype(x.dtype)
                         capture.x_proj = x.to(dtype) @ direction[ref.name].A.to(dtype=dtype, device=x.device).T
             self._pending[ref.name] = capture
+
+        return hook
+
+    def _recompute_hook(self, ref: LoraModuleRef):
+        # A forward pre-hook: it runs before lora_A saves its input, so the recompute's early stop (after the last
+        # saved tensor of the region) cannot skip it. Checkpointing restores the RNG, so dropout masks are the same.
+        def hook(module: nn.Module, args: tuple) -> None:
+            capture = self._pending.get(ref.name)
+            if capture is not None and capture.deferred and capture.x is None and _inside_backward():
+                capture.x = args[0].detach()
 
         return hook
 
@@ -241,6 +271,11 @@ class LoraGhostHooks:
         return hook
 
     def _need_inputs(self, name: str, capture: _Capture, purpose: str) -> Tensor:
+        if capture.x is None and capture.deferred:
+            raise RuntimeError(
+                f"'{name}' ran inside a gradient-checkpointed region, but its backward came without a recompute of "
+                "its forward, so its lora_A inputs are unknown."
+            )
         if capture.x is None:
             raise RuntimeError(
                 f"{purpose} needs the lora_A inputs, but '{name}' was recorded with `record(direction=...)`, "

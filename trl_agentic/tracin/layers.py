@@ -130,8 +130,9 @@ def validate_tracin_model(model: nn.Module) -> list[LoraModuleRef]:
 
     Raises:
         ValueError: If `model` is not a `peft.PeftModel`, carries LoRA on `lm_head` (TRL 1.16 computes log-probs from
-            `lm_head.weight` directly and refuses it), has no LoRA layer for the active adapter, or has a layout
-            rejected by `find_lora_layers`.
+            `lm_head.weight` directly and refuses it), has no LoRA layer for the active adapter, has a layout
+            rejected by `find_lora_layers`, or has trainable parameters besides the LoRA A/B weights
+            (`modules_to_save`, `bias="all"/"lora_only"`, `trainable_token_indices`, hand-unfrozen weights).
     """
     from peft import PeftModel
 
@@ -156,4 +157,36 @@ def validate_tracin_model(model: nn.Module) -> list[LoraModuleRef]:
     refs = find_lora_layers(model, adapter)
     if not refs:
         raise ValueError(f"The active adapter '{adapter}' has no LoRA linear layer, so there is nothing to score.")
+    extra = non_lora_trainable_parameters(model, refs)
+    if extra:
+        raise ValueError(
+            f"TracIn scores and trains the LoRA A/B weights only, but {len(extra)} other parameter(s) are trainable "
+            f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}): {_trainable_setting(model, adapter)}. "
+            "Their gradients would be left out of the scores and the update. Remove that setting (TracIn needs "
+            "`modules_to_save=None`, `bias='none'`, `trainable_token_indices=None`) or disable `tracin_enabled`."
+        )
     return refs
+
+
+def non_lora_trainable_parameters(model: nn.Module, refs: list[LoraModuleRef]) -> list[str]:
+    """Names of the trainable parameters that are not the A/B weights of `refs`.
+
+    PEFT makes such parameters trainable for `modules_to_save` (full copies of modules), `bias="all"` /
+    `"lora_only"` (biases of the base layers) and `trainable_token_indices` (embedding rows); users can unfreeze
+    others by hand. The influence hooks see none of them.
+    """
+    covered = {id(ref.lora_A.weight) for ref in refs} | {id(ref.lora_B.weight) for ref in refs}
+    return [name for name, param in model.named_parameters() if param.requires_grad and id(param) not in covered]
+
+
+def _trainable_setting(model: nn.Module, adapter: str) -> str:
+    """The PEFT setting that made non-LoRA parameters trainable, for the error message."""
+    config = getattr(model, "peft_config", {}).get(adapter)
+    settings = []
+    if getattr(config, "modules_to_save", None):
+        settings.append(f"`modules_to_save={list(config.modules_to_save)}`")
+    if getattr(config, "bias", "none") != "none":
+        settings.append(f"`bias={config.bias!r}`")
+    if getattr(config, "trainable_token_indices", None):
+        settings.append(f"`trainable_token_indices={config.trainable_token_indices!r}`")
+    return " and ".join(settings) if settings else "parameters unfrozen outside the LoRA config"

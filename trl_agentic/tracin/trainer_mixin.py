@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers.utils import logging
 
 from ..loss_weights import ROW_MEAN_LOSSES
 from ..rollout.types import RowKind
@@ -46,6 +47,12 @@ from .lora_gradient import LoraGradient, LoraGradients, all_reduce_
 from .selection import select_rows
 
 __all__ = ["TracInMixin", "TracInState"]
+
+logger = logging.get_logger(__name__)
+
+# Key of the per-micro-batch seed that gives the two-pass scoring forward and the training forward of a micro-batch
+# the same dropout masks.
+_DROPOUT_SEED = "tracin_dropout_seed"
 
 # How the loss normaliser of each TRL loss type reacts to masking rows (see `_fused_scale`).
 _GLOBAL_TOKEN_LOSSES = ("dapo", "cispo", "vespo")  # sum / global token count (num_items_in_batch)
@@ -71,7 +78,9 @@ class TracInState:
         direction_is_zero: V is exactly zero (e.g. every validation group had equal rewards): no information, so
             every valid row is selected.
         refreshed_at: `state.global_step` of the last refresh of V.
-        refreshes: Number of refreshes so far (seeds the choice of validation prompts).
+        refreshes: Number of validation rollouts so far (seeds the choice of validation prompts).
+        val_batch: The latest validation rollouts (tensors), from which V is recomputed until the next rollout.
+        rolled_out_at: `state.global_step` of the latest validation rollouts.
         last: Per-row results of the last selection on this process (`scores`, `selected`, `valid`), for tests and
             debugging.
     """
@@ -83,6 +92,8 @@ class TracInState:
     direction_is_zero: bool = False
     refreshed_at: int = -1
     refreshes: int = 0
+    val_batch: dict[str, torch.Tensor] | None = None
+    rolled_out_at: int = -1
     last: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -133,6 +144,19 @@ def _pearson(x: torch.Tensor, y: torch.Tensor) -> float:
     return (x * y).sum().div(denominator).item() if denominator > 0 else math.nan
 
 
+def _reusable(batch: dict) -> dict:
+    """The tensors of a validation batch that V can be recomputed from at later weights.
+
+    `old_per_token_logps` (the rollout policy's log-probs) is dropped: TRL then uses the current log-probs, i.e. a
+    ratio of 1 at the weights V is computed at.
+    """
+    return {
+        key: value.detach()
+        for key, value in batch.items()
+        if isinstance(value, torch.Tensor) and key != "old_per_token_logps"
+    }
+
+
 def _is_zero(direction: LoraGradients) -> bool:
     return all(not grad.A.any() and not grad.B.any() for grad in direction.values())
 
@@ -171,7 +195,19 @@ class TracInMixin:
                     "`tracin_eval_dataset` is ignored: `tracin_enabled` is False.", UserWarning, stacklevel=3
                 )
             return
-        validate_tracin_model(self.accelerator.unwrap_model(self.model))
+        if getattr(self, "is_fsdp_enabled", False) or getattr(args, "fsdp", None):
+            raise ValueError(
+                "TracIn does not support FSDP: FSDP shards the LoRA weights and runs the recorded forwards through its "
+                "own wrapped modules, which the influence hooks do not handle. Use DeepSpeed ZeRO-2/3 or DDP, or "
+                "disable `tracin_enabled`."
+            )
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        refs = validate_tracin_model(unwrapped)
+        if args.fp16 or any(ref.lora_A.weight.dtype == torch.float16 for ref in refs):
+            raise ValueError(
+                "TracIn does not support float16 (`fp16=True` or a float16 adapter): its scoring backward runs "
+                "outside the loss scaler, so small per-row gradients underflow to zero. Use `bf16=True` or float32."
+            )
         if self.aux_loss_enabled:
             raise ValueError(
                 "TracIn needs per-row losses, but the mixture-of-experts load-balancing loss couples the rows of a "
@@ -202,16 +238,26 @@ class TracInMixin:
             # hooks could not build gradients from it.
             warnings.warn(
                 "TracIn: reentrant gradient checkpointing is on (TRL forces it for PEFT + DeepSpeed ZeRO-3); the "
-                "recorded TracIn passes run with gradient checkpointing disabled, which costs activation memory.",
+                "TracIn scoring pass runs with gradient checkpointing disabled, which costs activation memory.",
                 UserWarning,
                 stacklevel=3,
             )
-        fused = (
+        layout_allows_fused = (
             args.steps_per_generation == 1
             and self.num_iterations == 1
             and not self._entropy_bonus_enabled
             and self.top_entropy_quantile >= 1.0
         )
+        # Under reentrant checkpointing the fused step would run the whole training pass without checkpointing; the
+        # two-pass design keeps it for the training pass and gives up only the scoring pass's.
+        fused = layout_allows_fused and not disable_checkpointing
+        if layout_allows_fused and not fused:
+            reason = "reentrant gradient checkpointing (the fused step would train without checkpointing)"
+        elif not fused:
+            reason = "steps_per_generation > 1, num_iterations > 1 or an entropy option"
+        else:
+            reason = "one forward and one backward per training row"
+        logger.info("TracIn: %s step (%s).", "fused" if fused else "two-pass", reason)
         self._tracin = TracInState(dataset=dataset, fused=fused, disable_checkpointing=disable_checkpointing)
 
     # ----------------------------------------------------------------------------------------------- checkpoints
@@ -220,8 +266,10 @@ class TracInMixin:
         """The TracIn state a resumed run needs to continue exactly like an uninterrupted one.
 
         Saved: V (it is the gradient at the weights of its last refresh, which are gone once a step has trained, so it
-        cannot be recomputed on resume), whether it is zero, the step of its last refresh (the refresh schedule) and
-        the refresh count (it seeds the next draw of validation prompts). Everything else is rebuilt: the validation
+        cannot be recomputed on resume), whether it is zero, the step of its last refresh (the refresh schedule), the
+        rollout count (it seeds the next draw of validation prompts), and the stored validation rollouts with their
+        step (one-process runs only: they differ per process, and one process writes the file; a multi-process run
+        resumed rolls out afresh at its next refresh). Everything else is rebuilt: the validation
         set, the fused/two-pass choice and the checkpointing flag come from the arguments at start-up, the prompt
         generator is re-seeded from the refresh count at every refresh, the validation rollouts draw from the global
         RNG that the `Trainer` checkpoints, the metrics are TRL's (flushed at every log), and `last` is for inspection
@@ -242,11 +290,18 @@ class TracInMixin:
                 name: {"A": grad.A.detach().cpu(), "B": grad.B.detach().cpu()}
                 for name, grad in state.direction.items()
             }
+        val_batch = None
+        # The stored validation rollouts differ per process and one process writes this file: they are kept for
+        # one-process runs; a multi-process run rolls out afresh at its first refresh after resuming.
+        if state.val_batch is not None and self.accelerator.num_processes == 1:
+            val_batch = {key: value.detach().cpu() for key, value in state.val_batch.items()}
         return {
             "direction": direction,
             "direction_is_zero": state.direction_is_zero,
             "refreshed_at": state.refreshed_at,
             "refreshes": state.refreshes,
+            "val_batch": val_batch,
+            "rolled_out_at": state.rolled_out_at,
         }
 
     def _tracin_load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -269,6 +324,11 @@ class TracInMixin:
         state.direction_is_zero = bool(state_dict["direction_is_zero"])
         state.refreshed_at = int(state_dict["refreshed_at"])
         state.refreshes = int(state_dict["refreshes"])
+        val_batch = state_dict.get("val_batch")  # absent in checkpoints written before rollout reuse
+        if val_batch is not None:
+            val_batch = {key: value.to(self.accelerator.device) for key, value in val_batch.items()}
+        state.val_batch = val_batch
+        state.rolled_out_at = int(state_dict.get("rolled_out_at", -1))
 
     # ----------------------------------------------------------------------------------------------- overrides
 
@@ -283,15 +343,35 @@ class TracInMixin:
         inputs = super()._prepare_inputs(generation_batch)
         if window_start and not state.fused:
             # The chunks are TRL's shuffled micro-batches, so each score is the gradient of the row's term in the
-            # very loss it is trained with.
+            # very loss it is trained with, with the same dropout masks (one seed per micro-batch, used by the
+            # scoring forward and by every training forward of that micro-batch).
+            for chunk in self._buffered_inputs:
+                chunk[_DROPOUT_SEED] = torch.randint(0, 2**62, ())  # 0-dim: not a per-row tensor
             self._tracin_filter_buffer(self._buffered_inputs)
         return inputs
 
     def _compute_loss(self, model, inputs):
         state = self._tracin
         if state is None or not state.fused or not self.model.training:
-            return super()._compute_loss(model, inputs)
+            with self._tracin_dropout_rng(inputs):
+                return super()._compute_loss(model, inputs)
         return self._tracin_fused_loss(model, inputs)
+
+    @contextmanager
+    def _tracin_dropout_rng(self, inputs):
+        """Seed the RNG from the micro-batch's `tracin_dropout_seed` (if any) for one forward, restoring it after.
+
+        Dropout masks are drawn in module call order; the same seed and the same forward give the same masks.
+        """
+        seed = inputs.get(_DROPOUT_SEED) if isinstance(inputs, dict) else None
+        if seed is None:
+            yield
+            return
+        device = self.accelerator.device
+        devices = [device] if device.type != "cpu" else []
+        with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+            torch.manual_seed(int(seed))
+            yield
 
     # ----------------------------------------------------------------------------------------------- helpers
 
@@ -347,8 +427,9 @@ class TracInMixin:
                 del self._get_per_token_logps_and_entropies
 
     def _tracin_base_loss(self, model, inputs):
-        """TRL's own `_compute_loss` (not the fused override)."""
-        return super()._compute_loss(model, inputs)
+        """TRL's own `_compute_loss` (not the fused override), with the micro-batch's dropout seed if it has one."""
+        with self._tracin_dropout_rng(inputs):
+            return super()._compute_loss(model, inputs)
 
     # ----------------------------------------------------------------------------------------------- validation
 
@@ -417,11 +498,30 @@ class TracInMixin:
                 direction = hooks.accumulate_gradient(loss, into=direction)
         return all_reduce_(direction, op="mean")
 
-    def _tracin_refresh_direction(self) -> None:
+    def _tracin_rollouts_due(self) -> bool:
         state = self._tracin
-        rows = self._tracin_validation_rows()
-        state.refreshes += 1
-        batch, val_reward = self._tracin_rollout_validation(rows)
+        if state.val_batch is None:
+            return True
+        return self.state.global_step - state.rolled_out_at >= self.args.tracin_val_rollout_steps
+
+    def _tracin_refresh_direction(self) -> None:
+        """Recompute V at the current weights; roll out new validation prompts first when they are due.
+
+        Between rollouts V is the gradient of TRL's loss on the stored validation rollouts at the current weights,
+        with their old log-probs dropped (ratio 1 at the current policy: the on-policy estimator applied to
+        earlier samples, without importance weights).
+        """
+        state = self._tracin
+        metrics = self._metrics["train"]
+        if self._tracin_rollouts_due():
+            rows = self._tracin_validation_rows()
+            state.refreshes += 1
+            batch, val_reward = self._tracin_rollout_validation(rows)
+            state.val_batch = _reusable(batch)
+            state.rolled_out_at = self.state.global_step
+            metrics["tracin/val_reward"].append(val_reward)
+        else:
+            batch = state.val_batch
         direction = self._tracin_validation_gradient(batch)
         state.direction = direction
         state.direction_is_zero = _is_zero(direction)
@@ -429,8 +529,6 @@ class TracInMixin:
         norm = math.sqrt(
             sum(float(g.A.double().square().sum() + g.B.double().square().sum()) for g in direction.values())
         )
-        metrics = self._metrics["train"]
-        metrics["tracin/val_reward"].append(val_reward)
         metrics["tracin/val_grad_norm"].append(norm)
 
     # ----------------------------------------------------------------------------------------------- selection
