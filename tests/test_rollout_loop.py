@@ -445,3 +445,42 @@ def test_an_exception_in_the_loop_is_raised_not_swallowed(tiny_tokenizer):
     env = BrokenHookEnv()
     with pytest.raises(RuntimeError, match="user simulator crashed"):
         run_tools_loop(b, ["Hello.<|im_end|>"], [{"add": env.add}], cfg(), envs=[env])
+
+
+def test_a_deletion_after_a_user_turn_rerenders_the_whole_conversation(tiny_tokenizer):
+    """Context snapshots across user turns: the model deletes the first request's tool result in the second request;
+    the closed segment holds both requests, and the next segment's prompt is the conversation (user turns included)
+    with the stub."""
+    b = ScriptBackend(
+        tiny_tokenizer,
+        [["It is 2.<|im_end|>"], [call("delete_context", message_ids=[2])], ["Ok.<|im_end|>"], ["Bye.<|im_end|>"]],
+    )
+    env = ConversationEnv()
+    env.reset()
+    env.requests = ["Forget the details.", "Thanks."]
+    tools = [{"add": env.add}]
+    config = cfg(enable_context_snapshots=True)
+    _, prompt_ids, (tool_mask, completions, completion_ids, *_), result = run_tools_loop(
+        b, [call("add", n=2)], tools, config, envs=[env]
+    )
+    (snap,) = result.extra_rows
+    e = b.enc
+    assert snap.kind == RowKind.SNAPSHOT and snap.prompt_ids == e("user: go<|im_start|>")
+    assert snap.completion_ids == (
+        e(call("add", n=2))
+        + e("<R>2</R><|im_start|>")
+        + e("It is 2.<|im_end|>")
+        + e("<U>Forget the details.</U><|im_start|>")
+        + e(call("delete_context", message_ids=[2]))
+    )
+    expected_prompt = (
+        "user:user: go|assistant:|tool:[deleted]|assistant:It is 2.|user:Forget the details."
+        "|assistant:|tool:Deleted messages [2].<|im_start|>"
+    )
+    assert prompt_ids[0] == e(expected_prompt)
+    # The last segment continues the conversation: its answer, the next user turn, the final answer.
+    assert completion_ids[0] == e("Ok.<|im_end|>") + e("<U>Thanks.</U><|im_start|>") + e("Bye.<|im_end|>")
+    assert tool_mask[0] == [1] * len(e("Ok.<|im_end|>")) + [0] * len(e("<U>Thanks.</U><|im_start|>")) + [1] * len(
+        e("Bye.<|im_end|>")
+    )
+    assert result.stats.user_turns == 2 and result.num_segments == [2]
