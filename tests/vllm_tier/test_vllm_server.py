@@ -25,6 +25,9 @@ def server_run(calculator_policy_dir, vllm_server, tmp_path_factory):
         tracin_enabled=True,
         tracin_val_num_generations=2,
         tracin_val_batch_size=2,
+        # New validation rollouts (through the server) every step; the defaults are every 4 / 8 steps.
+        tracin_val_refresh_steps=1,
+        tracin_val_rollout_steps=1,
     )
     validation = Dataset.from_list(make_arithmetic_tasks(4, seed=1, difficulty="easy"))
     trainer = build_trainer(calculator_policy_dir, args, tracin_eval_dataset=validation)

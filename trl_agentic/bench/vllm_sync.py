@@ -8,8 +8,8 @@ test-vllm`) rewrites the results section of `docs/vllm.md`. Measured:
    (the copy vLLM's `load_weights` makes), vs the LoRA sync's export (gather the adapter, write it to disk).
 2. End to end, with vLLM on CPU, each configuration in its own process: GRPO steps in colocate mode with the LoRA
    sync (sync = export + load into the engine), in server mode with the LoRA sync (sync = export + HTTP load), with
-   transformers generation (no vLLM) for reference, and TRL's full sync in colocate mode, which fails on vLLM's CPU
-   backend: the error is recorded as it is raised.
+   transformers generation (no vLLM) for reference, and TRL's full sync in colocate mode (each of its syncs timed
+   around `VLLMGeneration.sync_weights`); an error raised by any configuration is recorded as the result.
 """
 
 from __future__ import annotations
@@ -157,6 +157,7 @@ def worker(kind: str, steps: int, url: str | None) -> dict:
         start = time.perf_counter()
         trainer = _grpo(kind, out, steps, url)
         result["init_s"] = time.perf_counter() - start
+        full_syncs = _time_full_syncs(trainer) if kind == "colocate-full" else None
         try:
             trainer.train()
         except Exception as error:  # noqa: BLE001 - recorded as the result
@@ -171,17 +172,35 @@ def worker(kind: str, steps: int, url: str | None) -> dict:
         step_times = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
         result["step_times_s"] = step_times
         history = getattr(trainer.vllm_generation, "sync_history", []) if kind != "transformers" else []
-        result["sync_times_s"] = [record.seconds for record in history]
+        result["sync_times_s"] = full_syncs if full_syncs is not None else [record.seconds for record in history]
         if kind == "colocate":
             result["same_process"] = same_process_syncs(trainer, repeats=5)
             result["decode"] = decode_cost(trainer.vllm_generation, rounds=3)
     return result
 
 
+def _time_full_syncs(trainer) -> list[float]:
+    """Times every call of TRL's `sync_weights` (merge, push every weight into the engine, unmerge, reset the prefix
+    cache); returns the list the times are appended to."""
+    generation, times = trainer.vllm_generation, []
+    sync = generation.sync_weights
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return sync(*args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - start)
+
+    generation.sync_weights = timed
+    return times
+
+
 def same_process_syncs(trainer, repeats: int) -> dict:
     """Both syncs in this process, alternating: the whole LoRA sync (export, write, load into the live engine) and
-    TRL's full sync as far as it can run on the CPU backend (merge, walk every base weight, unmerge, plus one copy of
-    every weight into a preallocated buffer, standing in for the engine's `load_weights`, which fails on CPU)."""
+    TRL's full sync's trainer side (merge, walk every base weight, unmerge, plus one copy of every weight into a
+    preallocated buffer, standing in for the engine's `load_weights`: this engine serves the adapter, so its base
+    weights must not be replaced)."""
     import torch
     from trl.generation.vllm_generation import VLLMGeneration
 
@@ -381,12 +400,20 @@ def report(side: dict, runs: list[dict], command: str) -> str:
             f"Per sync the LoRA sync hands vLLM {side['full_bytes'] / side['lora_bytes']:.0f}× less data than TRL's "
             f"full sync, and its whole colocate sync ({_ms(lora_sync)}, export + load into the engine) takes "
             f"{side['full_walk_copy_s'] / lora_sync:.1f}× less time than the trainer side alone of TRL's full sync "
-            f"({_ms(side['full_walk_copy_s'])}). TRL's full sync cannot run on this CPU build, so its step time is not "
-            "measured; it would be at least the colocate LoRA-sync step time − the LoRA sync + the full sync's "
-            f"trainer side ≈ {_median_steady(colocate['step_times_s']) - lora_sync + side['full_walk_copy_s']:.1f} s "
-            "(without vLLM's own weight loading). The step time is dominated by the policy's forward and backward "
-            "passes on CPU; the sync matters most with large models and fast generation (GPU).",
+            f"({_ms(side['full_walk_copy_s'])}).",
         ]
+        full = next((r for r in runs if r["kind"] == "colocate-full" and "error" not in r), None)
+        if full and full.get("sync_times_s") and len(full["step_times_s"]) > 1:
+            full_sync, full_step = _median_steady(full["sync_times_s"]), _median_steady(full["step_times_s"])
+            lines[-1] += (
+                f" End to end, in separate processes: TRL's whole full sync (into the engine) took {_ms(full_sync)}, "
+                f"{full_sync / lora_sync:.1f}× the LoRA sync, and its step {full_step / _median_steady(colocate['step_times_s']):.2f}× "
+                "the LoRA-sync step (not side by side: the two runs shared the machine at different moments)."
+            )
+        lines[-1] += (
+            " The step time is dominated by the policy's forward and backward passes on CPU; the sync matters most "
+            "with large models and fast generation (GPU)."
+        )
     same = colocate.get("same_process") if colocate else None
     if same:
         lines += [
@@ -399,8 +426,9 @@ def report(side: dict, runs: list[dict], command: str) -> str:
             f"| LoRA sync, whole (export, write to `{same['sync_dir']}`, load into the live engine) | "
             f"{_ms(same['lora_s'])} | {same['adapter_bytes'] / mib:.1f} MiB ({same['adapter_dtype']}, the engine's "
             "LoRA dtype) |",
-            f"| TRL full sync, trainer side + one copy of every weight (the engine's `load_weights` cannot run on "
-            f"CPU, so its own cost is not included) | {_ms(same['full_s'])} | {same['full_bytes'] / mib:.0f} MiB |",
+            f"| TRL full sync, trainer side + one copy of every weight into a buffer (this engine serves the "
+            f"adapter, so vLLM's own `load_weights` is not included: see the end-to-end full-sync run) | {_ms(same['full_s'])} | "
+            f"{same['full_bytes'] / mib:.0f} MiB |",
             "",
             f"Ratio in one process: the full sync's part that runs here takes {same['full_s'] / same['lora_s']:.1f}× "
             "the whole LoRA sync (a lower bound for the full sync, which would also pay vLLM's weight loading).",
@@ -465,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_server:
         runs.append(_with_server(args.steps))
     runs.append(_run_worker("transformers", args.steps))
-    runs.append(_run_worker("colocate-full", 1))
+    runs.append(_run_worker("colocate-full", args.steps))
     runs.append(_run_worker("decode-nolora", 0))
     command = "python -m trl_agentic.bench.vllm_sync" + (f" --out {args.out}" if args.out else "")
     section = report(side, runs, command)
