@@ -133,6 +133,7 @@ class HFGenerationBackend:
         temperature: 0 for greedy decoding, otherwise the sampling temperature.
         top_p: Nucleus sampling threshold when sampling.
         prefix_caching: Encode the prefix shared by all contexts of a call once (see `generate`).
+        max_turn_tokens: Tokens generated per assistant turn at most (default: `max_completion_length`).
     """
 
     multi_process = False
@@ -148,6 +149,7 @@ class HFGenerationBackend:
         temperature: float = 0.0,
         top_p: float = 1.0,
         prefix_caching: bool = True,
+        max_turn_tokens: int | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -159,6 +161,7 @@ class HFGenerationBackend:
         self.temperature = temperature
         self.top_p = top_p
         self.prefix_caching = prefix_caching
+        self.max_turn_tokens = min(max_turn_tokens or max_completion_length, max_completion_length)
         self.generated_tokens = 0
         self._prefix_key: tuple | None = None
         self._prefix_kv = None
@@ -204,7 +207,7 @@ class HFGenerationBackend:
         output = self.model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
-            max_new_tokens=self.max_completion_length,
+            max_new_tokens=self.max_turn_tokens,
             pad_token_id=pad,
             eos_token_id=eos,
             use_cache=True,
@@ -292,6 +295,7 @@ def evaluate_policy(
     desc: str = "eval",
     prefix_caching: bool = True,
     seed: int = 0,
+    max_turn_tokens: int | None = None,
 ) -> EvalResult:
     """
     Roll out a policy on held-out problems with the multi-turn tool loop and score it.
@@ -303,8 +307,10 @@ def evaluate_policy(
             Its tokenizer, with a tool-calling chat template.
         rows (`Sequence[dict]`):
             Dataset rows with a conversational `prompt` and the columns the reward functions and `env.reset` need.
-        environment_factory (`Callable`):
+        environment_factory (`Callable` or `dict[str, Callable]`):
             Builds one environment per problem (TRL's environment protocol: `reset(**row)` plus public tool methods).
+            A dict is TRL's multi-environment mode: each row's `environment` column names its factory, and is not
+            passed to `reset`.
         reward_funcs (`Sequence[Callable]`):
             TRL-style reward functions `f(completions=..., prompts=..., **columns) -> list[float]`; the first one
             defines `success_rate`. An environment with a `get_reward()` method adds its reward last, as in TRL.
@@ -351,10 +357,10 @@ def evaluate_policy(
         torch.manual_seed(seed)
         for first in range(0, len(rows), batch_size):
             chunk = [dict(r) for r in rows[first : first + batch_size]]
-            envs = [environment_factory() for _ in chunk]
+            envs = [_factory_for(environment_factory, row)() for row in chunk]
             tool_dicts, counters = [], []
             for env, row in zip(envs, chunk):
-                env.reset(**row)
+                env.reset(**_reset_kwargs(environment_factory, row))
                 wrapped = {name: _CountingTool(fn) for name, fn in tool_methods(env).items()}
                 tool_dicts.append(wrapped)
                 counters.append(list(wrapped.values()))
@@ -369,6 +375,7 @@ def evaluate_policy(
                 temperature=temperature,
                 top_p=top_p,
                 prefix_caching=prefix_caching,
+                max_turn_tokens=max_turn_tokens,
             )
             prompts = [list(row["prompt"]) for row in chunk]
             prompt_ids = [backend.render_prompt(p, k) for k, p in enumerate(prompts)]
@@ -426,6 +433,23 @@ def evaluate_policy(
                     close()
             bar.update(len(chunk))
     return EvalResult(summarize(records, time.perf_counter() - start), records)
+
+
+def _factory_for(environment_factory, row: dict) -> Callable:
+    """The row's environment factory: TRL's multi-environment mode picks it by the row's `environment` column."""
+    if not isinstance(environment_factory, dict):
+        return environment_factory
+    name = row.get("environment")
+    if name not in environment_factory:
+        raise ValueError(f"Row has `environment={name!r}`, not among {list(environment_factory)}.")
+    return environment_factory[name]
+
+
+def _reset_kwargs(environment_factory, row: dict) -> dict:
+    """`reset` gets every column, except `environment` in multi-environment mode (as in TRL)."""
+    if isinstance(environment_factory, dict):
+        return {k: v for k, v in row.items() if k != "environment"}
+    return row
 
 
 def summarize(records: list[dict], seconds: float = 0.0) -> dict[str, float]:
