@@ -8,8 +8,9 @@ Each task is a conversation with several user requests against stateful APIs (a 
 ...). The environment (`trl_agentic.envs.bfcl`) instantiates the task's APIs from its initial state, exposes their
 functions as tools with the official schemas (one environment class per tool group: TRL's multi-environment mode),
 sends the next user request when the assistant ends its turn, and the official checker compares the API states and
-results with the ground truth's at the end. Held-out scenarios are evaluated before and after GRPO, per category.
-See docs/bfcl.md.
+results with the ground truth's at the end. With `warmstart_steps > 0` a short SFT on the ground-truth conversations
+of the training tasks comes first. Held-out scenarios are evaluated before and after GRPO, per category. See
+docs/bfcl.md.
 
 Usage:
 
@@ -32,6 +33,7 @@ from trl_agentic.envs.bfcl.evaluate import evaluate_bfcl, format_results  # noqa
 from trl_agentic.models import resolve_model_path  # noqa: E402
 from trl_agentic.reporting import format_metric_table, install_compact_progress  # noqa: E402
 from trl_agentic.tasks import TaskArguments, build_task  # noqa: E402
+from trl_agentic.warmstart import run_task_warmstart  # noqa: E402
 
 METRICS = (
     "rewards/bfcl_reward/mean",
@@ -75,6 +77,26 @@ def main(argv: list[str] | None = None) -> AgenticGRPOTrainer:
     model_path = resolve_model_path(model_args.model_name_or_path or "smollm2-135m")  # converted once, cached
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left", truncation_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=model_args.dtype)
+    peft_config = get_peft_config(model_args)
+    if task_args.warmstart_steps:
+        # Stage 1: SFT on the ground-truth conversations of the training tasks (never the held-out scenarios); GRPO
+        # then continues this LoRA adapter.
+        warm = run_task_warmstart(
+            model,
+            tokenizer,
+            task,
+            task_args,
+            peft_config=peft_config,
+            output_dir=os.path.join(training_args.output_dir, "warmstart"),
+            seed=training_args.seed,
+            use_cpu=training_args.use_cpu,
+            compact_progress=not training_args.disable_tqdm,
+        )
+        losses = [h["loss"] for h in warm.log_history if "loss" in h]
+        print(
+            f"Warm start: {warm.num_traces} traces, loss {losses[0]:.3f} -> {losses[-1]:.3f} in {warm.seconds:.0f} s."
+        )
+        model, peft_config = warm.model, None
     trainer = AgenticGRPOTrainer(
         model=model,
         processing_class=tokenizer,
@@ -82,7 +104,7 @@ def main(argv: list[str] | None = None) -> AgenticGRPOTrainer:
         args=training_args,
         train_dataset=task.train_dataset,
         environment_factory=task.environment_factory,
-        peft_config=get_peft_config(model_args),
+        peft_config=peft_config,
     )
     install_compact_progress(trainer)
     policy = trainer.accelerator.unwrap_model(trainer.model)

@@ -96,6 +96,11 @@ class ChatRenderer:
             raise ValueError("The chat template does not render tool results as a prefix extension.")
         return full[len(prefix) :]
 
+    def user_turn_ids(self, content: str) -> list[int]:
+        """Tokens of a user message (and the next assistant header) after an assistant turn that ended with the
+        end-of-turn token: the hint construction without its leading end-of-turn token."""
+        return self.hint_ids(content)[1:]
+
     def hint_ids(self, hint: str) -> list[int]:
         """Masked hint tokens for `rollback_feedback="hint"` (same construction as the trainer's backend)."""
         prefix_msgs = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": ""}]

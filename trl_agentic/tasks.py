@@ -57,14 +57,16 @@ class TaskArguments:
         bfcl_hide_excluded (`bool`, *optional*, defaults to `True`):
             Hide each task's `excluded_function`s from its tools (BFCL's own inference shows them).
 
-        > Warm start (SFT before GRPO; built-in arithmetic tasks)
+        > Warm start (SFT before GRPO; built-in arithmetic tasks and `bfcl`)
 
         warmstart_steps (`int`, *optional*, defaults to `0`):
             Optimizer steps of a short SFT stage (TRL's `SFTTrainer`, same LoRA config) on synthetic tool-use traces
-            of the task before GRPO; `0` skips it. GRPO then continues training the same adapter.
+            of the task before GRPO; `0` skips it. GRPO then continues training the same adapter. `bfcl`: the traces
+            are the ground-truth conversations of the training tasks.
         warmstart_batch_size (`int`, *optional*, defaults to `8`):
             Traces per SFT step; `warmstart_steps * warmstart_batch_size` traces are generated (each seen once), from
-            problems other than the training and held-out ones (seed `task_seed + 2`).
+            problems other than the training and held-out ones (seed `task_seed + 2`). `bfcl`: the training tasks'
+            traces, repeated as needed.
         warmstart_learning_rate (`float`, *optional*, defaults to `2e-4`):
             Peak learning rate of the SFT stage (linear decay).
         warmstart_error_fraction (`float`, *optional*, defaults to `0.0`):
@@ -172,9 +174,10 @@ class TaskArguments:
                 raise ValueError(f"`bfcl_classes` must be among {list(API_CLASSES)}, got {self.bfcl_classes}.")
             if not 0.0 <= self.bfcl_heldout_fraction <= 1.0:
                 raise ValueError(f"`bfcl_heldout_fraction` must be in [0, 1], got {self.bfcl_heldout_fraction}.")
-        if self.warmstart_steps and self.task not in ("calculator", "python"):
+        if self.warmstart_steps and self.task not in ("calculator", "python", "bfcl"):
             raise ValueError(
-                f"`warmstart_steps` needs a built-in arithmetic task ('calculator' or 'python'), got {self.task!r}."
+                f"`warmstart_steps` needs a built-in task with traces ('calculator', 'python' or 'bfcl'), got "
+                f"{self.task!r}."
             )
 
 
@@ -193,6 +196,9 @@ class Task:
     # Rows the warm-start traces are made from (problems other than the training and held-out ones).
     warmstart_dataset: Dataset | None = None
     system_prompt: str | None = None
+    # `make_traces(rows) -> traces` for the warm start instead of the arithmetic trace generator (e.g. BFCL's
+    # ground-truth conversations, `trl_agentic.envs.bfcl.traces.ground_truth_traces`).
+    make_traces: Callable | None = None
 
 
 def import_object(path: str):
@@ -266,8 +272,11 @@ def build_task(args: TaskArguments) -> Task:
 def _bfcl(args: TaskArguments, extra: list[Callable]) -> Task:
     """BFCL multi-turn tasks: training and held-out scenarios, one environment class per tool group (TRL's
     multi-environment mode), the official checker's verdict as the reward (docs/bfcl.md)."""
+    from functools import partial
+
     from .envs.bfcl.dataset import environment_factories, make_rows, sample_rows, select_tasks, split_scenarios
     from .envs.bfcl.reward import bfcl_reward, bfcl_turn_credit
+    from .envs.bfcl.traces import ground_truth_traces
 
     train_ids, heldout_ids = split_scenarios(args.bfcl_heldout_fraction, args.task_seed)
 
@@ -281,4 +290,12 @@ def _bfcl(args: TaskArguments, extra: list[Callable]) -> Task:
         raise ValueError("No BFCL training task matches `bfcl_categories` and `bfcl_classes`.")
     factories = environment_factories(train + evaluation, hide_excluded=args.bfcl_hide_excluded)
     rewards = [bfcl_reward, *([bfcl_turn_credit] if args.bfcl_turn_credit else []), *extra]
-    return Task(Dataset.from_list(train), Dataset.from_list(evaluation) if evaluation else None, factories, rewards)
+    return Task(
+        Dataset.from_list(train),
+        Dataset.from_list(evaluation) if evaluation else None,
+        factories,
+        rewards,
+        # Warm start: the ground-truth conversations of the training tasks (never the held-out scenarios).
+        warmstart_dataset=Dataset.from_list(train),
+        make_traces=partial(ground_truth_traces, hide_excluded=args.bfcl_hide_excluded),
+    )

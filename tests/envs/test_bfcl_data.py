@@ -111,3 +111,45 @@ def test_reward_functions_read_the_environments():
     assert bfcl_reward(environments=[episode.env, unfinished, other]) == [1.0, 0.0, None]
     credit = bfcl_turn_credit(environments=[episode.env, unfinished, other])
     assert credit == [1.0, 1 / len(unfinished_task.turns), None]
+
+
+def test_ground_truth_traces_tokenize_with_masked_user_and_tool_turns(tiny_tokenizer):
+    """Warm-start traces: only the assistant's tokens are trained; tool results and later user turns are masked."""
+    from trl_agentic.envs.bfcl.traces import ground_truth_traces
+    from trl_agentic.evaluation import ChatRenderer
+    from trl_agentic.warmstart import tokenize_trace, tool_call_text
+
+    task = get_task("multi_turn_miss_func_0")
+    [trace] = ground_truth_traces(make_rows([task]))
+    renderer = ChatRenderer(tiny_tokenizer)
+    example = tokenize_trace(renderer, trace, trace["tools"])
+    ids, labels = example["input_ids"], example["labels"]
+    prompt = renderer.prompt_ids(trace["prompt"], tools=trace["tools"])
+    assert ids[: len(prompt)] == prompt and set(labels[: len(prompt)]) == {-100}
+    eos = tiny_tokenizer.eos_token_id
+    # The trained spans, in order, are exactly the assistant messages (each closed by the end-of-turn token).
+    spans, current = [], []
+    for token, label in zip(ids, labels):
+        if label != -100:
+            current.append(token)
+        elif current:
+            spans.append(current)
+            current = []
+    if current:
+        spans.append(current)
+    expected = []
+    for message in trace["turns"]:
+        if message["role"] == "assistant":
+            text = message["content"] or ""
+            for call in message.get("tool_calls") or []:
+                text += tool_call_text(call["function"]["name"], call["function"]["arguments"])
+            expected.append(tiny_tokenizer.encode(text, add_special_tokens=False) + [eos])
+    assert spans == expected
+    ground_truth_calls = sum(len(turn) for turn in task.ground_truth)
+    assert sum("<tool_call>" in tiny_tokenizer.decode(s) for s in spans) == ground_truth_calls
+    # Each later user message sits in the masked tokens, after an assistant turn.
+    masked = tiny_tokenizer.decode([t for t, label in zip(ids[len(prompt) :], labels[len(prompt) :]) if label == -100])
+    for turn in task.turns[1:]:
+        for message in turn:
+            assert f"<|im_start|>user\n{message['content']}<|im_end|>" in masked
+    assert masked.count("What about now?") == 1

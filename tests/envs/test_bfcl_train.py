@@ -92,10 +92,12 @@ def test_example_trains_one_step_on_the_tiny_model(tiny_model_dir, tmp_path, cap
     argv += [f"--output_dir={out}", "--max_steps=1", "--num_train_tasks=2", "--num_eval_tasks=2"]
     argv += ["--per_device_train_batch_size=2", "--gradient_accumulation_steps=1", "--num_generations=2"]
     argv += ["--max_completion_length=48", "--lora_r=4", "--lora_alpha=8", "--disable_tqdm=true"]
+    argv += ["--warmstart_steps=1", "--warmstart_batch_size=2"]  # SFT on 2 ground-truth conversations first
     trainer = module.main(argv)
     assert trainer.state.global_step == 1
     [step] = [h for h in trainer.state.log_history if "reward" in h]
     assert "rewards/bfcl_reward/mean" in step and "rewards/bfcl_turn_credit/mean" in step
     results = json.loads((out / "bfcl_eval.json").read_text())
     assert results["before"]["overall"]["num_tasks"] == 2 and results["after"]["overall"]["num_tasks"] == 2
-    assert "Held-out BFCL accuracy before GRPO" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Held-out BFCL accuracy before GRPO" in printed and "Warm start: 2 traces" in printed

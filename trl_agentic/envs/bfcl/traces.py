@@ -10,6 +10,7 @@ function can do it: the assistant says so).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..protocol import next_user_turn, tool_methods
@@ -100,3 +101,34 @@ def play_ground_truth(task: BFCLTask, *, hide_excluded: bool = True, max_tool_ou
     if user is not None:
         raise RuntimeError(f"{task.id}: the environment sent a user turn after the last one.")
     return GroundTruthEpisode(prompt=prompt, messages=messages, env=env, tool_errors=errors)
+
+
+def ground_truth_traces(rows: Sequence[dict], *, hide_excluded: bool = True, max_tool_output_chars: int = 4000):
+    """
+    Warm-start traces (`trl_agentic.warmstart.tokenize_trace`) of the ground truth of dataset rows.
+
+    Args:
+        rows (`Sequence[dict]`): Rows of `dataset.make_rows` (their `prompt`, with its system message if any, is kept).
+        hide_excluded (`bool`, *optional*, defaults to `True`): See `env.tool_group`.
+        max_tool_output_chars (`int`, *optional*, defaults to `4000`): As the rollout loop's.
+
+    Returns:
+        `list[dict]`: `prompt`, `turns` (assistant, tool and later user messages), `tools` (the tools rendered into
+        the prompt) and `faulty` (False: every ground-truth call is right).
+    """
+    from .data import get_task
+
+    traces = []
+    for row in rows:
+        episode = play_ground_truth(
+            get_task(row["bfcl_id"]), hide_excluded=hide_excluded, max_tool_output_chars=max_tool_output_chars
+        )
+        traces.append(
+            {
+                "prompt": [dict(m) for m in row["prompt"]],
+                "turns": episode.messages,
+                "tools": list(tool_methods(episode.env).values()),
+                "faulty": False,
+            }
+        )
+    return traces
