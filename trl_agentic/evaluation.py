@@ -301,6 +301,7 @@ def evaluate_policy(
     prefix_caching: bool = True,
     seed: int = 0,
     max_turn_tokens: int | None = None,
+    batch_by: str | None = None,
 ) -> EvalResult:
     """
     Roll out a policy on held-out problems with the multi-turn tool loop and score it.
@@ -339,6 +340,13 @@ def evaluate_policy(
         seed (`int`, *optional*, defaults to `0`):
             Seed of the sampling (the global RNG is forked, so training's random stream is untouched): with a fixed
             seed, the same model samples the same completions.
+        max_turn_tokens (`int`, *optional*):
+            Tokens generated per assistant turn at most (default: `max_completion_length`); bounds the cost of a
+            turn that never ends in long multi-turn conversations.
+        batch_by (`str`, *optional*):
+            A column: consecutive rows with the same value are batched together and a batch never mixes values
+            (e.g. `"environment"`: rows with the same tools share their prompt prefix, which `prefix_caching` then
+            encodes once). Sort the rows by it first.
 
     Returns:
         [`EvalResult`]: The metrics and one record per problem.
@@ -360,8 +368,8 @@ def evaluate_policy(
         stack.callback(model.train, was_training)
         stack.callback(bar.close)
         torch.manual_seed(seed)
-        for first in range(0, len(rows), batch_size):
-            chunk = [dict(r) for r in rows[first : first + batch_size]]
+        for chunk in _chunks(rows, batch_size, batch_by):
+            chunk = [dict(r) for r in chunk]
             envs = [_factory_for(environment_factory, row)() for row in chunk]
             tool_dicts, counters = [], []
             for env, row in zip(envs, chunk):
@@ -438,6 +446,18 @@ def evaluate_policy(
                     close()
             bar.update(len(chunk))
     return EvalResult(summarize(records, time.perf_counter() - start), records)
+
+
+def _chunks(rows: Sequence[dict], batch_size: int, batch_by: str | None):
+    """Consecutive batches of at most `batch_size` rows, split where the `batch_by` column changes."""
+    chunk: list[dict] = []
+    for row in rows:
+        if chunk and (len(chunk) == batch_size or (batch_by and row.get(batch_by) != chunk[0].get(batch_by))):
+            yield chunk
+            chunk = []
+        chunk.append(row)
+    if chunk:
+        yield chunk
 
 
 def _factory_for(environment_factory, row: dict) -> Callable:

@@ -60,3 +60,12 @@ def test_eval_command_on_the_tiny_model_and_an_adapter(tiny_model_dir, tmp_path,
     for task in results["tasks"]:
         assert task["valid"] == (task["turn_credit"] == 1.0)
     assert "category" in capsys.readouterr().out
+
+
+def test_batches_never_mix_environments():
+    from trl_agentic.evaluation import _chunks
+
+    rows = [{"environment": e, "k": k} for k, e in enumerate("aaabbbbbc")]
+    batches = [[r["k"] for r in chunk] for chunk in _chunks(rows, 2, "environment")]
+    assert batches == [[0, 1], [2], [3, 4], [5, 6], [7], [8]]
+    assert [[r["k"] for r in c] for c in _chunks(rows, 4, None)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]

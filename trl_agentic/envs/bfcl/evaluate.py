@@ -181,6 +181,7 @@ def evaluate_bfcl(
         progress=progress,
         desc=desc,
         max_turn_tokens=max_turn_tokens,
+        batch_by="environment",
     )
     tasks = [None] * len(rows)
     for k, row, record in zip(order, ordered, result.records):
