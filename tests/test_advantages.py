@@ -39,6 +39,13 @@ def reference_advantages(rewards, group_ids, scale, baseline_mask=None):
             elif scale == "batch":
                 adv /= batch_std + 1e-4
             out[i] = adv
+        if scale != "none":
+            # Rows outside the baseline: clipped to what a baseline row of the group can reach.
+            m = len(values)
+            bound = max([(m - 1) / math.sqrt(m)] + [abs(out[i]) for i in rows if in_stats[i]])
+            for i in rows:
+                if not in_stats[i] and not math.isnan(rewards[i]):
+                    out[i] = max(-bound, min(bound, out[i]))
     return out
 
 
@@ -95,10 +102,32 @@ def test_seed_example_episode_baseline():
 
     mean8, std8 = _hand_mean_std(SEED_EPISODES)
     assert mean8 == pytest.approx(0.8875)
-    assert adv[-1].item() == pytest.approx((SEED_NEGATIVE - mean8) / (std8 + 1e-4), rel=1e-12)
+    # Unclipped, the negative would get (-0.5 - 0.8875) / 0.113 = -12.3, far beyond any episode: it is clipped to
+    # the largest magnitude a standardised episode of 8 can reach, 7 / sqrt(8).
+    assert (SEED_NEGATIVE - mean8) / (std8 + 1e-4) < -12.0
+    assert adv[-1].item() == pytest.approx(-7 / math.sqrt(8), rel=1e-12)
     # The excluded negative does not shift the episodes' baseline.
     assert adv[:-1].tolist() == pytest.approx([(r - mean8) / (std8 + 1e-4) for r in SEED_EPISODES], rel=1e-12)
-    assert adv[-1].item() < -12.0
+
+
+def test_outside_row_of_a_baseline_without_spread_is_bounded():
+    """The review's case: four successes in the baseline, one negative outside it. Was (-0.5 - 1) / 1e-4 = -15000."""
+    adv = group_advantages(
+        torch.tensor([1, 1, 1, 1, -0.5]),
+        torch.zeros(5, dtype=torch.long),
+        baseline_mask=torch.tensor([1, 1, 1, 1, 0]).bool(),
+    )
+    assert adv.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.0, -3 / 2], abs=1e-6)  # -(m - 1) / sqrt(m), m = 4
+
+
+def test_outside_row_equal_to_a_baseline_row_gets_its_advantage_exactly():
+    """A snapshot segment scored with its episode's reward ('episode' mode) gets its episode's advantage, bit for bit."""
+    for scale in ("group", "batch"):
+        rewards = torch.tensor([0.0, 1.0, 1.0, 0.3, 0.0, 0.3, 7.0, 7.5])
+        mask = torch.tensor([True, True, True, True, False, False, True, True])
+        ids = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1])
+        adv = group_advantages(rewards, ids, scale=scale, baseline_mask=mask)
+        assert adv[4].item() == adv[0].item() and adv[5].item() == adv[3].item()
 
 
 _reward_values = st.one_of(
@@ -222,8 +251,42 @@ def test_batch_scale_uses_batch_std_of_statistics_rows():
     mask = torch.tensor([True, True, True, True, False])
     adv = group_advantages(rewards, torch.tensor([0, 0, 1, 1, 1]), scale="batch", baseline_mask=mask)
     _, batch_std = _hand_mean_std([1.0, 3.0, 10.0, 20.0])  # -100 is not a statistics row
-    expected = [-1.0, 1.0, -5.0, 5.0, -115.0]
-    assert adv.tolist() == pytest.approx([e / (batch_std + 1e-4) for e in expected], rel=1e-12)
+    expected = [-1.0, 1.0, -5.0, 5.0]
+    assert adv[:4].tolist() == pytest.approx([e / (batch_std + 1e-4) for e in expected], rel=1e-12)
+    # -115 / std is clipped to (2 - 1) / sqrt(2), larger than the group's largest baseline magnitude 5 / std.
+    assert 5.0 / batch_std < 1 / math.sqrt(2)
+    assert adv[4].item() == pytest.approx(-1 / math.sqrt(2), rel=1e-12)
+
+
+_bounded_rewards = st.one_of(
+    st.floats(min_value=-1.0, max_value=1.0, allow_nan=False, allow_infinity=False),
+    st.sampled_from([0.0, 1.0, -1.0, -0.5, 1.0 - 1e-7]),  # repeated values: baselines without spread
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.tuples(_bounded_rewards, st.booleans(), st.integers(0, 3)), min_size=0, max_size=40),
+    st.sampled_from(["group", "batch", "none"]),
+    st.sampled_from([torch.float32, torch.float64]),
+)
+def test_advantages_are_finite_and_bounded(rows, scale, dtype):
+    """For rewards in [-1, 1] and any baseline mask, every advantage is finite and within the documented bound."""
+    rewards = torch.tensor([r for r, _, _ in rows], dtype=dtype)
+    mask = torch.tensor([b for _, b, _ in rows], dtype=torch.bool)
+    ids = torch.tensor([g for _, _, g in rows], dtype=torch.long)
+    adv = group_advantages(rewards, ids, scale=scale, baseline_mask=mask)
+    assert torch.isfinite(adv).all()
+    total = int(mask.sum())  # N: statistics rows of the batch
+    for g in set(ids.tolist()):
+        m = int((mask & (ids == g)).sum())
+        if scale == "group":
+            bound = (m - 1) / math.sqrt(m) if m else 0.0
+        elif scale == "batch":
+            bound = math.sqrt((m - 1) * (total - 1) / m) if m else 0.0
+        else:
+            bound = 2.0
+        assert adv[ids == g].abs().max().item() <= bound * (1 + 1e-5) + 1e-6
 
 
 def test_permutation_and_relabelling_equivariance():
@@ -256,7 +319,9 @@ def test_preserves_dtype_and_does_not_modify_inputs():
     adv = group_advantages(rewards, ids, baseline_mask=mask)
     assert adv.dtype == torch.float32
     assert adv.tolist() == pytest.approx(
-        [-0.5 / (math.sqrt(0.5) + 1e-4), 0.5 / (math.sqrt(0.5) + 1e-4), 0.0, 1.5 / (math.sqrt(0.5) + 1e-4)], rel=1e-6
+        # The outside row (1.5 / std unclipped) is clipped to (2 - 1) / sqrt(2).
+        [-0.5 / (math.sqrt(0.5) + 1e-4), 0.5 / (math.sqrt(0.5) + 1e-4), 0.0, 1 / math.sqrt(2)],
+        rel=1e-6,
     )
     assert torch.equal(rewards.isnan(), snapshot[0].isnan())
     assert torch.equal(rewards.nan_to_num(), snapshot[0].nan_to_num())

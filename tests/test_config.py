@@ -25,7 +25,7 @@ BAD_VALUES = [
     ("snapshot_downsample", "first"),
     ("snapshot_advantage", "token"),
     ("rollback_on_errors", ["NameError", ""]),
-    ("infra_error_patterns", [3]),
+    ("infra_error_types", [3]),
     ("negative_reward_by_error", {"SyntaxError": "very bad"}),
     ("negative_reward_by_error", "{not json"),
     ("snapshot_reward_func", "no_colon_path"),

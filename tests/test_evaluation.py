@@ -82,7 +82,7 @@ def test_metrics_of_a_scripted_policy(tiny_tokenizer):
     by_behaviour = {PLAN[k % 4]: r for k, r in enumerate(result.records)}
     assert by_behaviour["bad-then-right"]["tool_failures"] == 1 and by_behaviour["bad-then-right"]["correct"]
     tool_messages = [x for x in by_behaviour["bad-then-right"]["messages"] if x["role"] == "tool"]
-    assert tool_messages[0]["content"].startswith("ValueError: Invalid expression")
+    assert tool_messages[0]["content"].startswith("{'error': \"Invalid expression")  # TRL's error rendering
     assert by_behaviour["wrong-copy"]["tool_failures"] == 0 and not by_behaviour["wrong-copy"]["correct"]
     json.dumps(result.records)  # records are plain data
     assert not any(model.modes) and model.training  # generated in eval mode, training mode restored

@@ -10,13 +10,14 @@ import torch
 from datasets import Dataset
 
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+from trl_agentic.errors import InfrastructureError
 from trl_agentic.rollout.types import RowKind
 
 FAULTS = ("ok", "ok", "raise", "hang", "huge", "crash", "model_error", "leak")
 
 
-class SandboxCrashed(RuntimeError):
-    """Named like the sandbox's infrastructure error, so the default `infra_error_patterns` match it."""
+class ServiceDown(InfrastructureError):
+    """The tool's backend is unreachable: not the model's fault (retried in place, never trained on)."""
 
 
 class FaultyEnv:
@@ -48,7 +49,7 @@ class FaultyEnv:
         if fault == "huge":
             return "y" * 3_000_000
         if fault == "crash":
-            raise SandboxCrashed("SandboxCrashed: interpreter died")
+            raise ServiceDown("the tool service is down")
         if fault == "model_error":
             raise NameError(f"name 'v{x}' is not defined")
         if fault == "leak":
@@ -117,9 +118,7 @@ def test_many_faulty_rollouts_complete_counted_and_finite(tiny_model_dir, tiny_t
         return batch
 
     trainer._augmenter = capture
-    t0 = time.monotonic()
     trainer.train()
-    assert time.monotonic() - t0 < 300
 
     assert len(seen) == 3
     injected = {f: FaultyEnv.ledger.count(f) for f in FAULTS}
@@ -129,11 +128,14 @@ def test_many_faulty_rollouts_complete_counted_and_finite(tiny_model_dir, tiny_t
     calls = sum(r.stats.tool_calls for _, r, _ in seen)
     rollbacks = sum(r.stats.rollback_attempts for _, r, _ in seen)
     truncated = sum(r.stats.truncated_outputs for _, r, _ in seen)
+    retired = sum(r.stats.retired_environments for _, r, _ in seen)
     # Every executed call is in the ledger once; every faulty execution is either retried (infra) or counted.
     assert len(FaultyEnv.ledger) == calls + infra_retries
     counted_faults = injected["raise"] + injected["hang"] + injected["crash"] + injected["model_error"]
     assert failures + infra_retries == counted_faults
     assert rollbacks > 0
+    # Every call that hung past tool_timeout left its environment behind (a fresh restored one took its place).
+    assert retired == injected["hang"] > 0
     # Every huge output was cut (and counted); nothing else was that long.
     assert truncated == injected["huge"]
     # Leaked class-level state is invisible to the trainer by construction (the built-in Python sandbox prevents it by

@@ -42,6 +42,7 @@ def _assert_same_tracin_state(left: dict, right: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # three short training runs; generous for a loaded 2-core machine
 def test_sigkill_then_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
     steps = 6
     ref_out, run_out = tmp_path / "ref", tmp_path / "run"
@@ -50,7 +51,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
         env=_env(),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1800,
     )
     assert ref.returncode == 0, ref.stderr[-3000:]
     reference = _records(ref_out, _pid_of(ref_out))
@@ -62,22 +63,27 @@ def test_sigkill_then_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
     assert [step for step in reference if "tracin/val_grad_norm" in reference[step]["tracin"]] == [1, 4]
     assert reference[3]["tracin_v"] == reference[1]["tracin_v"] != reference[4]["tracin_v"]
 
-    victim = subprocess.Popen(
-        [sys.executable, str(SCRIPT), tiny_model_dir, str(run_out), str(steps)],
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    marker = run_out / "checkpoint-2" / "trl_agentic_state.json"  # written last, after tracin_state.pt
-    deadline = time.monotonic() + 600
-    while not marker.exists():
-        assert victim.poll() is None, victim.stderr.read()[-3000:]
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(timeout=60)
+    # The child's stderr goes to a file, not a pipe: a pipe nobody reads fills up and blocks the child mid-run.
+    stderr_path = tmp_path / "victim.stderr"
+    with open(stderr_path, "w") as stderr:
+        victim = subprocess.Popen(
+            [sys.executable, str(SCRIPT), tiny_model_dir, str(run_out), str(steps)],
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    marker = run_out / "saved-2"  # written atomically by the script once checkpoint-2 is complete
+    deadline = time.monotonic() + 1200  # a hang, not a speed: the test's own timeout is longer
+    try:
+        while not marker.exists():
+            assert victim.poll() is None, stderr_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+    finally:
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=60)
     assert victim.returncode == -signal.SIGKILL
+    assert marker.read_text() == str(run_out / "checkpoint-2")
     for later in run_out.glob("checkpoint-*"):  # a checkpoint written between the marker and the kill
         if later.name != "checkpoint-2":
             import shutil
@@ -89,7 +95,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
         env=_env(),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1800,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = _records(run_out, _pid_of(run_out, exclude=victim.pid))

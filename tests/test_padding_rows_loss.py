@@ -3,6 +3,7 @@
 import pytest
 import torch
 from datasets import Dataset
+from trl import GRPOTrainer
 
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_agentic.batch import BatchAugmenter
@@ -43,3 +44,73 @@ def test_padding_row_does_not_change_the_loss(tiny_model_dir, tmp_path, loss_typ
         grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]))
     assert grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+
+
+def _rows(batch: dict, index) -> dict:
+    index = torch.as_tensor(index)
+    return {k: v[index] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
+
+
+def _grad(trainer, loss) -> torch.Tensor:
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).flatten() for g, p in zip(grads, params)])
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "sapo", "dr_grpo", "luspo"])
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.05])
+def test_every_real_row_weighs_the_same_across_micro_batches(tiny_model_dir, tmp_path, loss_type, entropy_coef):
+    """Two micro-batches, one with 3 real rows, one with 1 real row and 2 padding rows: the accumulated gradient is the
+    plain mean of the 4 rows' own terms (computed one row at a time with TRL's loss), plus TRL's entropy bonus of each
+    micro-batch unchanged. TRL's per-micro-batch mean would weigh the lone row 3x more than the others."""
+    args = AgenticGRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_steps=1,
+        seed=3,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_completion_length=8,
+        loss_type=loss_type,
+        importance_sampling_level="sequence" if loss_type == "luspo" else "token",
+        entropy_coef=entropy_coef,
+        save_strategy="no",
+    )
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Say hi."}]] * 4})
+    trainer = AgenticGRPOTrainer(model=tiny_model_dir, reward_funcs=reward, args=args, train_dataset=dataset)
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(list(dataset))
+    assert batch["advantages"].abs().sum() > 0 and int(batch["num_rows_in_batch"]) == 4
+    padded = BatchAugmenter._pad_rows(batch, 6)
+    micro_batches = [_rows(padded, [0, 1, 2]), _rows(padded, [3, 4, 5])]
+    # The per-row losses use the micro-batch's row count: give both micro-batches 3 slots (the padding keeps 6 / 2).
+    trainer.args.steps_per_generation = 2
+
+    trainer.current_gradient_accumulation_steps = 2
+    ours = sum(_grad(trainer, trainer._compute_loss(trainer.model, mb)) for mb in micro_batches)
+
+    # Plain computation: row r's term is TRL's loss of a batch holding row r alone (no accumulation, no entropy).
+    trainer.current_gradient_accumulation_steps = 1
+    saved = trainer.entropy_coef, trainer._entropy_bonus_enabled
+    trainer.entropy_coef, trainer._entropy_bonus_enabled = 0.0, False
+    policy = sum(
+        _grad(trainer, GRPOTrainer._compute_loss(trainer, trainer.model, _rows(batch, [r]))) for r in range(4)
+    )
+    policy = policy / 4
+    trainer.entropy_coef, trainer._entropy_bonus_enabled = saved
+    expected = policy
+    if entropy_coef:
+        # TRL's entropy bonus per micro-batch (its policy term vanishes with zero advantages), accumulated over 2.
+        trainer.current_gradient_accumulation_steps = 2
+        for mb in micro_batches:
+            bonus_only = {**mb, "advantages": torch.zeros_like(mb["advantages"])}
+            expected = expected + _grad(trainer, GRPOTrainer._compute_loss(trainer, trainer.model, bonus_only))
+    assert policy.abs().max() > 1e-6
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-7)
+    # TRL's own per-micro-batch mean differs (the comparison can fail).
+    trainer.current_gradient_accumulation_steps = 2
+    trl = sum(_grad(trainer, GRPOTrainer._compute_loss(trainer, trainer.model, mb)) for mb in micro_batches)
+    assert (trl - expected).abs().max() > 1e-3 * expected.abs().max()

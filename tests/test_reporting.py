@@ -106,7 +106,10 @@ def test_split_segments_round_trips_text_and_marks_errors(tiny_tokenizer):
         tiny_tokenizer,
         [
             (tool_call("12 x 3"), True),
-            ("\n<|im_start|>user\n<tool_response>\nValueError: Invalid expression\n</tool_response><|im_end|>", False),
+            (
+                "\n<|im_start|>user\n<tool_response>\n{'error': 'Invalid expression'}\n</tool_response><|im_end|>",
+                False,
+            ),
             ("<level>2</level>" + tool_call("12 * 3"), True),
         ],
     )
@@ -117,7 +120,10 @@ def test_split_segments_round_trips_text_and_marks_errors(tiny_tokenizer):
     assert all(len(s["tokens"]) == len(s["advantages"]) for s in segments)
     info = describe_segments(segments)
     assert [c["arguments"] for c in info["tool_calls"]] == [{"expression": "12 x 3"}, {"expression": "12 * 3"}]
-    assert info["tool_results"] == [{"content": "ValueError: Invalid expression", "error": True}]
+    assert info["tool_results"] == [{"content": "{'error': 'Invalid expression'}", "error": True}]
+    # A result that merely prints an error is not a failed call (model code may catch and print exceptions).
+    printed = describe_segments([{"role": "env", "text": "<tool_response>\nValueError: caught\n</tool_response>"}])
+    assert printed["tool_results"] == [{"content": "ValueError: caught", "error": False}]
     assert info["levels"] == [2] and segments[1]["error"]
 
 
@@ -149,7 +155,7 @@ def test_recorder_maps_rows_rewards_negatives_and_token_advantages(tiny_tokenize
         tok,
         [
             (tool_call("12 x 3"), True),
-            ("\n<|im_start|>user\n<tool_response>\nValueError: bad\n</tool_response><|im_end|>\n", False),
+            ("\n<|im_start|>user\n<tool_response>\n{'error': 'bad'}\n</tool_response><|im_end|>\n", False),
         ],
     )
     wrong, wrong_mask = completion(tok, [("Answer: 35<|im_end|>", True)])

@@ -1,21 +1,27 @@
 """The rollout loop, driven by scripted generation: exact ids, masks and log-probs after tool calls and rollbacks."""
 
-import time
+import threading
 
 import pytest
-from rollout_helpers import LedgerEnv, ScriptBackend, call, run_loop, start
+from rollout_helpers import LedgerEnv, ScriptBackend, call, run_loop, run_tools_loop, start
 
-from trl_agentic.config import DEFAULT_INFRA_ERROR_PATTERNS, DEFAULT_ROLLBACK_ON_ERRORS
+from trl_agentic.config import DEFAULT_INFRA_ERROR_TYPES, DEFAULT_ROLLBACK_ON_ERRORS
+from trl_agentic.envs.protocol import UserTurn
+from trl_agentic.errors import InfrastructureError, ToolCallError, render_tool_error
 from trl_agentic.rollout.loop import AgenticRolloutLoop, LoopConfig
 from trl_agentic.rollout.types import RowKind
 
+TYPE_ERROR = "n must be an integer, got str"
+
 
 def cfg(**overrides):
-    base = dict(
-        rollback_on_errors=list(DEFAULT_ROLLBACK_ON_ERRORS), infra_error_patterns=list(DEFAULT_INFRA_ERROR_PATTERNS)
-    )
+    base = dict(rollback_on_errors=list(DEFAULT_ROLLBACK_ON_ERRORS), infra_error_types=list(DEFAULT_INFRA_ERROR_TYPES))
     base.update(overrides)
     return LoopConfig(**base)
+
+
+def rollback_cfg(**overrides):
+    return cfg(enable_tool_rollback=True, save_negative_samples=True, **overrides)
 
 
 def test_plain_tool_round_matches_trl_token_layout(tiny_tokenizer):
@@ -41,19 +47,20 @@ def test_rollback_saves_negative_restores_env_and_regenerates_only_the_failed_tu
     bad, good, final = call("add", n="x"), call("add", n=3), "Total 3.<|im_end|>"
     b = ScriptBackend(tiny_tokenizer, [[good], [final]])
     env = LedgerEnv()
-    config = cfg(enable_tool_rollback=True, save_negative_samples=True, rollback_feedback=feedback)
+    config = rollback_cfg(rollback_feedback=feedback)
     _, prompt_ids, (tool_mask, completions, completion_ids, logprobs, n_calls, n_fail, _), result = run_loop(
         b, [bad], [env], config
     )
     p = prompt_ids[0]
     t_bad, t_good, t_final = b.enc(bad), b.enc(good), b.enc(final)
-    err = "TypeError: n must be an integer, got str"
-    hint = b.enc(f"<H>{config.rollback_hint_template.format(error=err)}</H>") if feedback == "hint" else []
+    hint_text = config.rollback_hint_template.format(error=f"TypeError: {TYPE_ERROR}")
+    hint = b.enc(f"<H>{hint_text}</H>") if feedback == "hint" else []
     ok_suffix = b.enc("<R>3</R><|im_start|>")
 
-    # The negative sample: the failed call and its error result, with the sampling log-probs of the failed turn.
+    # The negative sample: the failed call and its error result (in TRL's error format), with the sampling
+    # log-probs of the failed turn.
     (neg,) = result.extra_rows
-    err_suffix = b.enc(f"<R>{err}</R><|im_start|>")
+    err_suffix = b.enc(f"<R>{render_tool_error(TYPE_ERROR)}</R><|im_start|>")
     assert neg.kind == RowKind.NEGATIVE and neg.parent == 0 and neg.tool_position == 0
     assert neg.prompt_ids == p
     assert neg.completion_ids == t_bad + err_suffix
@@ -76,17 +83,38 @@ def test_rollback_saves_negative_restores_env_and_regenerates_only_the_failed_tu
     assert roles == (["assistant", "user"] if feedback == "hint" else []) + ["assistant", "tool", "assistant"]
 
 
+def test_a_negative_row_trains_only_its_failed_turn(tiny_tokenizer):
+    """A failure at the second turn: the good first turn (also in the regular row) is the negative row's context
+    (its prompt), so the negative advantage never reaches it; the row's trainable tokens are the failed turn's."""
+    good1, bad, good2, final = call("add", n=1), call("add", n="x"), call("add", n=2), "Total 3.<|im_end|>"
+    b = ScriptBackend(tiny_tokenizer, [[bad], [good2], [final]])
+    env = LedgerEnv()
+    _, prompt_ids, (tool_mask, _, completion_ids, _, _, _, _), result = run_loop(b, [good1], [env], rollback_cfg())
+    p, e = prompt_ids[0], b.enc
+    s1 = e("<R>1</R><|im_start|>")
+    err = e(f"<R>{render_tool_error(TYPE_ERROR)}</R><|im_start|>")
+    (neg,) = result.extra_rows
+    assert neg.prompt_ids == p + e(good1) + s1
+    assert neg.completion_ids == e(bad) + err
+    assert neg.tool_mask == [1] * len(e(bad)) + [0] * len(err)
+    assert neg.logprobs == b.lps(e(bad)) + [0.0] * len(err)
+    trained = [t for t, m in zip(neg.completion_ids, neg.tool_mask) if m]
+    assert trained == e(bad)
+    # The regular row trains the good first turn, the regenerated turn and the answer.
+    assert completion_ids[0] == e(good1) + s1 + e(good2) + e("<R>3</R><|im_start|>") + e(final)
+    assert [t for t, m in zip(completion_ids[0], tool_mask[0]) if m] == e(good1) + e(good2) + e(final)
+    assert env.log == [1, 2]
+
+
 def test_retries_exhausted_keeps_error_and_continues(tiny_tokenizer):
     bad = call("add", n="x")
     b = ScriptBackend(tiny_tokenizer, [[bad], ["I give up.<|im_end|>"]])
     env = LedgerEnv()
-    config = cfg(
-        enable_tool_rollback=True, save_negative_samples=True, max_tool_retries=1, max_negative_samples_per_group=5
-    )
+    config = rollback_cfg(max_tool_retries=1, max_negative_samples_per_group=5)
     _, _, (tool_mask, completions, completion_ids, _, n_calls, n_fail, _), result = run_loop(b, [bad], [env], config)
     assert result.stats.rollback_attempts == 1 and result.stats.rollback_exhausted == 1
     assert len(result.extra_rows) == 1  # one negative for the one rollback; the kept error is not a negative
-    assert "no retries left" in completions[0][1]["content"]
+    assert completions[0][1]["content"] == render_tool_error(TYPE_ERROR)
     assert (n_calls, n_fail) == (2, 2)
     assert env.log == ["x"]  # the kept failed call's side effect stays (no restore after exhaustion)
 
@@ -96,93 +124,155 @@ def test_negative_quota_per_group_and_retry_budget_bound_the_loop(tiny_tokenizer
     # Two rollouts of one group keep failing: 2 retries each, quota 1 negative for the group.
     b = ScriptBackend(tiny_tokenizer, [[bad, bad], [bad, bad], ["a<|im_end|>", "b<|im_end|>"]])
     envs = [LedgerEnv(), LedgerEnv()]
-    config = cfg(enable_tool_rollback=True, save_negative_samples=True, max_tool_retries=2)
-    *_, result = run_loop(b, [bad, bad], envs, config, group_ids=[7, 7])
+    *_, result = run_loop(b, [bad, bad], envs, rollback_cfg(max_tool_retries=2), group_ids=[7, 7])
     assert result.stats.rollback_attempts == 4
     assert len([r for r in result.extra_rows if r.kind == RowKind.NEGATIVE]) == 1
     assert result.stats.rollback_exhausted == 2
     assert len(b.calls) == 3 and all(len(c) == 2 for c in b.calls)  # one batched call per iteration
 
 
-def test_without_rollback_errors_are_messages_and_no_negatives(tiny_tokenizer):
+def test_without_rollback_errors_are_trl_messages_and_no_negatives(tiny_tokenizer):
     bad = call("add", n="x")
     b = ScriptBackend(tiny_tokenizer, [["ok<|im_end|>"]])
-    config = cfg(enable_tool_rollback=False, save_negative_samples=True)
+    config = cfg(enable_tool_rollback=False, save_negative_samples=True, tool_timeout=5.0)
     _, _, (_, completions, _, _, n_calls, n_fail, _), result = run_loop(b, [bad], [LedgerEnv()], config)
     assert result.extra_rows == [] and result.stats.rollback_attempts == 0
-    assert completions[0][1]["content"].startswith("TypeError: n must be an integer")
+    assert completions[0][1]["content"] == "{'error': 'n must be an integer, got str'}"  # TRL's rendering
     assert (n_calls, n_fail) == (1, 1)
+
+
+class ModelCodeEnv(LedgerEnv):
+    """Tools reporting the failures of model-written code the way the Python sandbox does (typed model errors)."""
+
+    def loop_forever(self) -> str:
+        """Runs code that never ends."""
+        self.log.append("loop")
+        raise ToolCallError("execution exceeded 5 s", error_type="SandboxTimeout")
+
+    def caught(self) -> str:
+        """Runs code that catches an error and prints it."""
+        self.log.append("caught")
+        return "Traceback (most recent call last):\nValueError: caught and printed by the model's own code"
+
+
+def test_model_code_failures_are_model_errors_and_printed_errors_are_results(tiny_tokenizer):
+    """A timeout of model-written code is the model's error: rolled back, saved as a negative (the policy is
+    penalised), never retried as infrastructure nor dropped. A result that merely prints an error is a result."""
+    b = ScriptBackend(tiny_tokenizer, [[call("caught")], ["done<|im_end|>"]])
+    env = ModelCodeEnv()
+    prompts, prompt_ids, completion_ids, completions, logprobs = start(b, [call("loop_forever")])
+    tools = [{"loop_forever": env.loop_forever, "caught": env.caught}]
+    loop = AgenticRolloutLoop(b, rollback_cfg())
+    (_, completions, *_), result = loop.run(
+        prompts, prompt_ids, completion_ids, completions, logprobs, tools, [{}], [env]
+    )
+    (neg,) = result.extra_rows
+    assert neg.kind == RowKind.NEGATIVE and neg.error_types == ["SandboxTimeout"]
+    assert result.infra_failed == [False] and result.stats.infra_retries == 0
+    assert result.stats.rollback_attempts == 1
+    assert env.log == ["caught"]  # the timed-out call was rolled back, the printing one ran once
+    assert completions[0][1]["content"].startswith("Traceback") and result.stats.tool_failures == 1
 
 
 class FlakyEnv(LedgerEnv):
     # The infrastructure's flakiness lives outside the environment state (a restore must not reset it).
     failures = 0
 
-    def add(self, n: int) -> str:
+    def flaky_add(self, n: int) -> str:
         """
-        Add a number to the running total.
+        Add a number through a flaky service.
 
         Args:
             n: The number to add.
         """
         if FlakyEnv.failures > 0:
             FlakyEnv.failures -= 1
-            raise RuntimeError("SandboxTimeout: execution exceeded 1 s")
+            raise InfrastructureError("the service refused the connection")
         return super().add(n)
 
 
+@pytest.mark.parametrize("rollback", [False, True])
 @pytest.mark.parametrize("failures,expect_failed", [(1, False), (5, True)])
-def test_infra_errors_are_retried_without_negatives(tiny_tokenizer, failures, expect_failed):
-    turn = call("add", n=1)
+def test_infra_errors_are_retried_in_place_without_negatives(tiny_tokenizer, rollback, failures, expect_failed):
+    """Only the failed call is re-run: the call before it in the same turn ran once (the environment saw it once),
+    with or without rollback (no checkpoint to restore without it)."""
+    turn = "".join(call(name, n=k).replace("<|im_end|>", "") for name, k in (("add", 1), ("flaky_add", 2)))
+    turn += "<|im_end|>"
     script = [] if expect_failed else [["done<|im_end|>"]]
     b = ScriptBackend(tiny_tokenizer, script)
     FlakyEnv.failures = failures
     env = FlakyEnv()
-    config = cfg(enable_tool_rollback=True, save_negative_samples=True, max_infra_retries=2)
-    *_, result = run_loop(b, [turn], [env], config)
+    config = (rollback_cfg if rollback else cfg)(max_infra_retries=2)
+    _, _, (_, completions, *_), result = run_tools_loop(
+        b, [turn], [{"add": env.add, "flaky_add": env.flaky_add}], config, envs=[env]
+    )
     assert result.extra_rows == []
     assert result.stats.infra_retries == min(failures, 2)
     assert result.infra_failed == [expect_failed]
     assert result.stats.rollback_attempts == 0
+    assert env.log == ([1] if expect_failed else [1, 2])
+    if not expect_failed:
+        assert [m["content"] for m in completions[0][1:3]] == ["1", "3"]
 
 
 def test_continuations_and_regenerations_share_one_generation_call(tiny_tokenizer):
     good, bad = call("add", n=1), call("add", n="x")
     b = ScriptBackend(tiny_tokenizer, [["end0<|im_end|>", call("add", n=2)], ["end1<|im_end|>"]])
     envs = [LedgerEnv(), LedgerEnv()]
-    config = cfg(enable_tool_rollback=True)
-    _, prompt_ids, (_, _, completion_ids, _, _, _, _), _ = run_loop(b, [good, bad], envs, config)
+    _, prompt_ids, (_, _, completion_ids, _, _, _, _), _ = run_loop(
+        b, [good, bad], envs, cfg(enable_tool_rollback=True)
+    )
     # Iteration 1: row 0 continues after its tool result, row 1 regenerates its failed turn — one call, two contexts.
     assert len(b.calls[0]) == 2
     assert b.calls[0][1] == prompt_ids[1]
     assert envs[1].log == [2] and envs[0].log == [1]
 
 
-def test_malformed_unknown_and_bad_arguments_reach_the_model(tiny_tokenizer):
+@pytest.mark.parametrize("feedback", [False, True])
+def test_malformed_unknown_and_bad_arguments_reach_the_model(tiny_tokenizer, feedback):
     turns = [
         "<tool_call>{not json</tool_call><|im_end|>",
         call("nope", x=1),
         call("add"),
         '<tool_call>{"name": "add", "arguments": {"n": 1}}<|im_end|>',  # unclosed
     ]
-    b = ScriptBackend(tiny_tokenizer, [["fine<|im_end|>"] * 4])
+    b = ScriptBackend(tiny_tokenizer, [["fine<|im_end|>"] * (4 if feedback else 2)])
     envs = [LedgerEnv() for _ in turns]
-    _, _, (_, completions, _, _, n_calls, n_fail, _), result = run_loop(b, turns, envs, cfg())
-    contents = [c[1]["content"] for c in completions]
-    assert contents[0].startswith("ToolCallParseError: invalid JSON")
-    assert contents[1].startswith("ToolNotFoundError: unknown tool 'nope'; available tools: add")
-    assert contents[2].startswith("TypeError:") and "missing" in contents[2]
-    assert contents[3] == "ToolCallParseError: unclosed <tool_call> tag"
-    assert (n_calls, n_fail) == (4, 4) and result.stats.malformed_calls == 2
+    _, _, (_, completions, _, _, n_calls, n_fail, _), result = run_loop(
+        b, turns, envs, cfg(malformed_tool_call_feedback=feedback)
+    )
+    assert completions[1][1]["content"] == render_tool_error("Tool nope not found.")  # TRL's message
+    assert completions[2][1]["content"].startswith("{'error': ") and "missing" in completions[2][1]["content"]
+    if feedback:
+        contents = [c[1]["content"] for c in completions]
+        assert contents[0].startswith("{'error': 'invalid JSON in <tool_call> block")
+        assert contents[3] == render_tool_error("unclosed <tool_call> tag")
+        assert (n_calls, n_fail) == (4, 4) and result.stats.malformed_calls == 2
+    else:  # TRL ignores malformed markup: those rollouts end as plain text
+        assert len(completions[0]) == len(completions[3]) == 1
+        assert (n_calls, n_fail) == (2, 2) and result.stats.malformed_calls == 0
 
 
 class NastyEnv:
+    def __init__(self):
+        self.log = []
+        self.release = threading.Event()
+        self.finished = threading.Event()
+
     def reset(self, **kwargs):
-        pass
+        self.log = []
+
+    def _checkpoint(self):
+        return list(self.log)
+
+    def _restore(self, state):
+        self.log = list(state)
 
     def hang(self) -> str:
-        """Never returns."""
-        time.sleep(30)
+        """Blocks until released, then changes the state."""
+        self.release.wait()
+        self.log.append("late")
+        self.finished.set()
         return "late"
 
     def huge(self) -> str:
@@ -196,18 +286,162 @@ class NastyEnv:
 
 def test_hanging_huge_and_non_string_tools_never_stall(tiny_tokenizer):
     turns = [call("hang"), call("huge"), call("number")]
-    b = ScriptBackend(tiny_tokenizer, [["ok<|im_end|>"] * 2])
+    b = ScriptBackend(tiny_tokenizer, [["ok<|im_end|>"] * 3])
     envs = [NastyEnv() for _ in turns]
     prompts, prompt_ids, completion_ids, completions, logprobs = start(b, turns)
     tools = [{"hang": e.hang, "huge": e.huge, "number": e.number} for e in envs]
     loop = AgenticRolloutLoop(b, cfg(tool_timeout=0.5, max_tool_output_chars=1000))
-    t0 = time.monotonic()
     (_, completions, *_), result = loop.run(
         prompts, prompt_ids, completion_ids, completions, logprobs, tools, [{}] * 3, envs
     )
-    assert time.monotonic() - t0 < 5
     hang, huge, number = (c[1]["content"] for c in completions)
-    assert hang.startswith("ToolTimeout: tool did not return within 0.5 s")
+    assert hang == render_tool_error("tool did not return within 0.5 s")
     assert len(huge) <= 1000 and "truncated" in huge
     assert number == "42"
-    assert result.infra_failed == [True, False, False]  # ToolTimeout is an infrastructure failure
+    assert result.infra_failed == [False, False, False]  # a timeout is a model error, not infrastructure
+    assert result.stats.truncated_outputs == 1 and result.stats.retired_environments == 1
+    tools[0]["hang"].__self__.release.set()  # let the abandoned thread end
+
+
+def test_a_timed_out_call_never_touches_the_environment_after_the_restore(tiny_tokenizer):
+    """The hung call completes after the loop rolled back: it changes only the retired instance; the rollout
+    continued (and the trainer's pool holds) a fresh instance restored to the state before the call."""
+    b = ScriptBackend(tiny_tokenizer, [[call("number")], ["ok<|im_end|>"]])
+    env = NastyEnv()
+    envs = [env]
+    prompts, prompt_ids, completion_ids, completions, logprobs = start(b, [call("hang")])
+    tools = [{"hang": env.hang, "huge": env.huge, "number": env.number}]
+    config = rollback_cfg(tool_timeout=0.2, rollback_on_errors=["ToolTimeout"])
+    loop = AgenticRolloutLoop(b, config)
+    (_, completions, *_), result = loop.run(
+        prompts, prompt_ids, completion_ids, completions, logprobs, tools, [{}], envs
+    )
+    (neg,) = result.extra_rows
+    assert neg.error_types == ["ToolTimeout"] and result.stats.rollback_attempts == 1
+    ((row, old, new),) = b.new_environments
+    assert row == 0 and old is env and envs[0] is new and new is not env
+    assert tools[0]["number"].__self__ is new and tools[0]["hang"].__self__ is new
+    # Let the abandoned call finish now: it writes into the retired instance only.
+    env.release.set()
+    assert env.finished.wait(timeout=60)
+    assert env.log == ["late"] and new.log == []
+    assert completions[0][-1]["content"] == "ok"
+
+
+def test_a_turn_cut_by_the_budget_is_not_rolled_back_nor_a_negative(tiny_tokenizer):
+    """The second turn runs out of completion budget inside its tool call: no `ToolCallParseError` rollback into the
+    same exhausted budget, no negative row; the rollout ends there and the turn is counted as truncated."""
+    good = call("add", n=1)
+    cut = '<tool_call>{"name": "add", "arguments": {"n": 100000000000}}</tool_call><|im_end|>'
+    b = ScriptBackend(tiny_tokenizer, [[cut]])
+    first = b.enc(good) + b.enc("<R>1</R><|im_start|>")
+    b.max_completion_length = len(first) + 12  # the second turn is cut after 12 tokens
+    env = LedgerEnv()
+    _, _, (tool_mask, completions, completion_ids, _, _, _, _), result = run_loop(b, [good], [env], rollback_cfg())
+    assert completion_ids[0] == first + b.enc(cut)[:12]
+    assert result.extra_rows == [] and result.stats.rollback_attempts == 0
+    assert result.stats.truncated_turns == 1 and result.stats.malformed_calls == 0
+    assert len(b.calls) == 1 and env.log == [1]
+    assert tool_mask[0][-12:] == [1] * 12  # still the model's tokens (TRL's mask_truncated_completions decides)
+
+
+def test_a_truncated_first_turn_is_not_executed(tiny_tokenizer):
+    b = ScriptBackend(tiny_tokenizer, [])
+    env = LedgerEnv()
+    complete_call_without_eos = call("add", n=1).replace("<|im_end|>", "")
+    *_, result = run_loop(b, [complete_call_without_eos], [env], rollback_cfg())
+    assert env.log == [] and result.stats.truncated_turns == 1 and result.stats.tool_calls == 0
+
+
+class ConversationEnv(LedgerEnv):
+    """Three user requests; the second one makes `double` available and withdraws `add`."""
+
+    def reset(self, **kwargs):
+        super().reset()
+        self.requests = ["Now double it.", "Thanks, that's all."]
+        self.seen = []
+
+    def double(self) -> str:
+        """Double the total."""
+        self.log.append("double")
+        self.total *= 2
+        return str(self.total)
+
+    def _next_user_turn(self, assistant_message):
+        self.seen.append(assistant_message.get("content"))
+        if not self.requests:
+            return None
+        content = self.requests.pop(0)
+        if content.startswith("Now"):
+            return UserTurn(content, add_tools=[self.double], remove_tools=["add"])
+        return content
+
+
+def test_user_turns_continue_the_same_row_with_masked_tokens_and_new_tools(tiny_tokenizer):
+    b = ScriptBackend(
+        tiny_tokenizer,
+        [["It is 2.<|im_end|>"], [call("add", n=1)], [call("double")], ["It is 4.<|im_end|>"], ["Bye.<|im_end|>"]],
+    )
+    env = ConversationEnv()
+    env.reset()
+    tools = [{"add": env.add}]
+    config = rollback_cfg(rollback_on_errors=["ToolNotFoundError"])
+    prompts, prompt_ids, (tool_mask, completions, completion_ids, logprobs, *_), result = run_tools_loop(
+        b, [call("add", n=2)], tools, config, envs=[env]
+    )
+    e = b.enc
+    u1, u2 = e("<U>Now double it.</U><|im_start|>"), e("<U>Thanks, that's all.</U><|im_start|>")
+    pieces = [
+        (e(call("add", n=2)), 1),
+        (e("<R>2</R><|im_start|>"), 0),
+        (e("It is 2.<|im_end|>"), 1),
+        (u1, 0),
+        (e(call("double")), 1),  # the call to the withdrawn `add` was rolled back and regenerated
+        (e("<R>4</R><|im_start|>"), 0),
+        (e("It is 4.<|im_end|>"), 1),
+        (u2, 0),
+        (e("Bye.<|im_end|>"), 1),
+    ]
+    assert completion_ids[0] == [t for ids, _ in pieces for t in ids]
+    assert tool_mask[0] == [m for ids, m in pieces for _ in ids]
+    assert logprobs[0] == [lp for ids, m in pieces for lp in (b.lps(ids) if m else [0.0] * len(ids))]
+    roles = [m["role"] for m in completions[0]]
+    assert roles == ["assistant", "tool", "assistant", "user", "assistant", "tool", "assistant", "user", "assistant"]
+    assert env.seen == ["It is 2.", "It is 4.", "Bye."] and env.log == [2, "double"]
+    assert set(tools[0]) == {"double"}
+    # The rollback inside the second request restored the state after the first request's call.
+    (neg,) = result.extra_rows
+    assert neg.prompt_ids == prompt_ids[0] + [t for ids, _ in pieces[:4] for t in ids]
+    assert neg.error_types == ["ToolNotFoundError"] and result.stats.user_turns == 2
+    # The conversation the tokens render, for the next segment or a re-render.
+    assert [m["role"] for m in prompts[0]] == [
+        *["user", "assistant", "tool", "assistant"],
+        *["user", "assistant", "tool", "assistant"],
+        "user",
+    ]
+    assert prompts[0][4]["content"] == "Now double it." and prompts[0][8]["content"] == "Thanks, that's all."
+
+
+def test_a_user_turn_that_does_not_fit_ends_the_rollout(tiny_tokenizer):
+    b = ScriptBackend(tiny_tokenizer, [])
+    b.max_completion_length = len(b.enc("It is 2.<|im_end|>")) + 3
+    env = ConversationEnv()
+    env.reset()
+    _, _, (_, completions, *_), result = run_tools_loop(
+        b, ["It is 2.<|im_end|>"], [{"add": env.add}], cfg(), envs=[env]
+    )
+    assert result.stats.user_turns == 0 and result.stats.user_turns_dropped == 1 and len(completions[0]) == 1
+
+
+class BrokenHookEnv(ConversationEnv):
+    def _next_user_turn(self, assistant_message):
+        raise RuntimeError("the user simulator crashed")
+
+
+def test_an_exception_in_the_loop_is_raised_not_swallowed(tiny_tokenizer):
+    """In one process it propagates; with several, every rank raises it at the next synchronisation
+    (tests/distributed: test_an_error_on_one_rank_stops_every_rank)."""
+    b = ScriptBackend(tiny_tokenizer, [])
+    env = BrokenHookEnv()
+    with pytest.raises(RuntimeError, match="user simulator crashed"):
+        run_tools_loop(b, ["Hello.<|im_end|>"], [{"add": env.add}], cfg(), envs=[env])

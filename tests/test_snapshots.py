@@ -21,7 +21,8 @@ from rollout_helpers import (
     start,
 )
 
-from trl_agentic.config import DEFAULT_INFRA_ERROR_PATTERNS, DEFAULT_ROLLBACK_ON_ERRORS
+from trl_agentic.config import DEFAULT_INFRA_ERROR_TYPES, DEFAULT_ROLLBACK_ON_ERRORS
+from trl_agentic.errors import render_tool_error
 from trl_agentic.rollout.loop import AgenticRolloutLoop, LoopConfig
 from trl_agentic.rollout.types import RowKind
 
@@ -32,7 +33,7 @@ def cfg(**overrides):
     base = dict(
         enable_context_snapshots=True,
         rollback_on_errors=list(DEFAULT_ROLLBACK_ON_ERRORS),
-        infra_error_patterns=list(DEFAULT_INFRA_ERROR_PATTERNS),
+        infra_error_types=list(DEFAULT_INFRA_ERROR_TYPES),
     )
     base.update(overrides)
     return LoopConfig(**base)
@@ -84,8 +85,9 @@ def test_one_deletion_closes_the_segment_and_continues_from_the_stubbed_prompt(t
     assert snap.completion_ids == t1 + s1 + t_del
     assert snap.tool_mask == [1] * len(t1) + [0] * len(s1) + [1] * len(t_del)
     assert snap.logprobs == b.lps(t1) + [0.0] * len(s1) + b.lps(t_del)
-    assert [m["role"] for m in snap.messages] == ["user", "assistant", "tool", "assistant"]
-    assert snap.messages[2]["content"] == "2"
+    assert [m["role"] for m in snap.prompt_messages] == ["user"]
+    assert [m["role"] for m in snap.messages] == ["assistant", "tool", "assistant"]
+    assert snap.messages[1]["content"] == "2"
     # Freed: the context the next turn would have had (segment + delete result) minus the new prompt.
     s_del = suffix(b, "Deleted messages [2].")
     # Byte-level tokens, counted by hand: 9 + 41 + 9 + 64 + 29 = 152 before, 78 after.
@@ -216,7 +218,7 @@ def test_a_batch_mixing_rollouts_with_and_without_deletion(tiny_tokenizer):
     assert completion_ids[2] == b.enc(first[2]) + suffix(b, "2") + b.enc("end2<|im_end|>")
     # With snapshots off the call is an unknown tool: no row, the rollout goes on with the error message.
     assert result_off.extra_rows == [] and result_off.num_segments == [1, 1, 1]
-    assert completions_off[0][3]["content"].startswith("ToolNotFoundError: unknown tool 'delete_context'")
+    assert completions_off[0][3]["content"] == render_tool_error("Tool delete_context not found.")
 
 
 def _five_deletions(tokenizer, config):
@@ -257,10 +259,10 @@ def test_downsampling_keeps_the_last_segments_or_random_plus_last(tiny_tokenizer
 @pytest.mark.parametrize(
     "ids,error",
     [
-        ([1], "ValueError: the latest message cannot be deleted"),
-        ([7], "ValueError: message index 7 is out of range 0..1"),
-        ([], "TypeError: message_ids must be a non-empty list of message indices"),
-        (["a"], "TypeError: message_ids must contain integers only"),
+        ([1], render_tool_error("the latest message cannot be deleted")),
+        ([7], render_tool_error("message index 7 is out of range 0..1")),
+        ([], render_tool_error("message_ids must be a non-empty list of message indices")),
+        (["a"], render_tool_error("message_ids must contain integers only")),
     ],
 )
 def test_invalid_deletions_are_shown_to_the_model_and_close_nothing(tiny_tokenizer, ids, error):
@@ -281,11 +283,11 @@ def test_system_messages_cannot_be_deleted(tiny_tokenizer):
     turn = delete(0)
     b = ScriptBackend(tiny_tokenizer, [[delete(1)], [DONE]])
     _, prompt_ids, (_, completions, _, _, _, _, _), result = run_tools_loop(b, [turn], [{}], cfg(), prompts=[convo])
-    assert completions[0][1]["content"] == "ValueError: message 0 is a system message and cannot be deleted"
+    refused = render_tool_error("message 0 is a system message and cannot be deleted")
+    assert completions[0][1]["content"] == refused
     (snap,) = result.extra_rows  # the retry deletes the user message instead
     assert prompt_ids[0] == b.enc(
-        "system:sys|user:[deleted]|assistant:|tool:ValueError: message 0 is a system message and cannot be deleted"
-        "|assistant:|tool:Deleted messages [1].<|im_start|>"
+        f"system:sys|user:[deleted]|assistant:|tool:{refused}|assistant:|tool:Deleted messages [1].<|im_start|>"
     )
     assert snap.prompt_ids == b.enc("system:sys|user:go<|im_start|>")
 
@@ -311,9 +313,11 @@ def test_a_deletion_next_to_a_malformed_call_still_applies(tiny_tokenizer):
     turn1 = call("add", n=1)
     mixed = "<tool_call>{not json</tool_call>" + delete(2)
     b = GiveUpParseBackend(tiny_tokenizer, [[mixed], [DONE]])
-    _, prompt_ids, (_, completions, _, _, n_calls, n_fail, _), result = run_loop(b, [turn1], [LedgerEnv()], cfg())
+    _, prompt_ids, (_, completions, _, _, n_calls, n_fail, _), result = run_loop(
+        b, [turn1], [LedgerEnv()], cfg(malformed_tool_call_feedback=True)
+    )
     parse_error, deleted = completions[0][3]["content"], completions[0][4]["content"]
-    assert parse_error.startswith("ToolCallParseError: invalid JSON") and deleted == "Deleted messages [2]."
+    assert parse_error.startswith("{'error': 'invalid JSON") and deleted == "Deleted messages [2]."
     assert result.stats.snapshots == 1 and len(result.extra_rows) == 1
     assert prompt_ids[0] == b.enc(
         f"user:user: go|assistant:|tool:[deleted]|assistant:|tool:{parse_error}|tool:Deleted messages [2].<|im_start|>"
@@ -372,7 +376,7 @@ def test_rollback_never_crosses_a_snapshot_boundary(tiny_tokenizer):
     p1 = e("user:user: go|assistant:|tool:[deleted]|assistant:|tool:Deleted messages [2].<|im_start|>")
     neg0, neg1, snap = result.extra_rows  # negatives are saved as they happen, snapshots at the end
     assert [r.kind for r in result.extra_rows] == [RowKind.NEGATIVE, RowKind.NEGATIVE, RowKind.SNAPSHOT]
-    err_x = "TypeError: n must be an integer, got str"
+    err_x = render_tool_error("n must be an integer, got str")
     assert neg0.prompt_ids == p0 and neg0.segment_index == 0
     assert neg0.completion_ids == e(bad) + suffix(b, err_x)
     # Second failure: in segment 1, its negative starts from the stubbed prompt, not from the original one.
@@ -454,7 +458,7 @@ def test_arguments_given_as_a_json_string(tiny_tokenizer, raw, deleted):
         assert prompt_ids[0] == b.enc("user:[deleted]|assistant:|tool:Deleted messages [0].<|im_start|>")
         assert len(result.extra_rows) == 1 and n_fail == 0
     else:
-        assert completions[0][1]["content"] == (
-            "TypeError: the arguments of delete_context must be a JSON object with a 'message_ids' list"
+        assert completions[0][1]["content"] == render_tool_error(
+            "the arguments of delete_context must be a JSON object with a 'message_ids' list"
         )
         assert result.extra_rows == [] and n_fail == 1

@@ -7,6 +7,7 @@ from datasets import Dataset
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_agentic.envs.calculator import CalculatorEnv, answer_reward, make_arithmetic_tasks
 from trl_agentic.envs.protocol import tool_methods
+from trl_agentic.errors import render_tool_error
 from trl_agentic.evaluation import ChatRenderer
 from trl_agentic.warmstart import make_tool_traces, run_warmstart, tokenize_trace
 
@@ -38,7 +39,7 @@ def test_faulty_traces_show_the_real_error_then_recover():
         # The message is what the rollout loop shows the model for this call.
         with pytest.raises(ValueError) as info:
             CalculatorEnv().calculate(expression)
-        assert error["content"] == f"ValueError: {info.value}"
+        assert error["content"] == render_tool_error(str(info.value))
         assert good["tool_calls"][0]["function"]["arguments"]["expression"] == row["expression"]
         assert result["content"] == row["answer"] and answer["content"] == f"Answer: {row['answer']}"
     assert "<e> =" in bad_calls and len(bad_calls) > 3  # several kinds of mistakes

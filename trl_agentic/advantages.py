@@ -33,6 +33,16 @@ def group_advantages(
     group's *statistics rows*: the rows whose reward is not NaN and, when `baseline_mask` is given, whose mask is set.
     Every non-NaN row of the group, in the baseline or not, is then scored against these statistics.
 
+    Rows outside the baseline (a non-NaN reward, mask unset) are scored the same way and then, unless
+    `scale="none"`, clipped to `[-C, C]`, where `C` is the larger of `(m - 1) / sqrt(m)` (`m` = the group's
+    statistics rows; no standardised baseline row can exceed it) and the largest `|advantage|` of the group's
+    baseline rows. So when the baseline has no spread, an outside row gets `±(m - 1) / sqrt(m)` instead of
+    `(r - mean) / 1e-4`, and an outside row whose reward equals a baseline row's gets exactly that row's advantage.
+
+    Bounds (for rewards in `[-1, 1]`): every advantage is finite, and `|A| <= (m - 1) / sqrt(m)` with
+    `scale="group"`, `|A| <= sqrt((m - 1) (N - 1) / m)` with `scale="batch"` (`N` = statistics rows of the batch),
+    `|A| <= 2` with `scale="none"`.
+
     Special cases:
         - A row with a NaN reward (unscorable) gets advantage 0.
         - A group with fewer than two statistics rows has no usable spread, so all its rows get advantage 0 (TRL gets
@@ -118,6 +128,20 @@ def group_advantages(
         correction = n.to(dtype) / (n - 1).clamp(min=1).to(dtype)
         batch_std = torch.sqrt(((centred * centred).sum() / n.clamp(min=1)) * correction)
         advantages = advantages / (batch_std + _EPS)
+
+    if scale != "none" and not bool(stats[valid].all()):
+        # Rows outside the baseline are scored like the baseline rows, then clipped to the largest magnitude a
+        # baseline row of their group can reach: without the clip, a baseline without spread (std 0) divides them by
+        # 1e-4. The bound is `(m - 1) / sqrt(m)` for `m` baseline rows (the extreme of a sample standardised by its
+        # own unbiased std), or the group's largest baseline advantage if that is larger (`scale="batch"`).
+        m = counts.to(dtype)
+        bound = (m - 1) / torch.sqrt(m.clamp(min=1))
+        in_baseline = torch.where(stats, advantages.abs(), torch.zeros_like(advantages))
+        largest = torch.zeros(num_groups, dtype=dtype, device=device).scatter_reduce_(
+            0, inverse, in_baseline, reduce="amax"
+        )
+        bound = torch.maximum(bound, largest)[inverse]
+        advantages = torch.where(stats, advantages, torch.maximum(torch.minimum(advantages, bound), -bound))
 
     # NaN rows and groups with fewer than two statistics rows carry no learning signal.
     keep = valid & (counts[inverse] >= 2)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import gather, gather_object
@@ -24,6 +26,7 @@ from trl.trainer.utils import use_adapter
 
 from .advantages import negative_sample_rewards
 from .estimators import AdvantageBatch, EstimatorResult
+from .rollout.trl_backend import any_rank
 from .rollout.types import ExtraRow, RowKind
 
 # Keys of TRL's output dict that are (B, T) per-token tensors, with their padding value.
@@ -58,6 +61,22 @@ def _stack(rows: list[list], width: int, value, side: str, dtype, device) -> tor
 
 def _round_up(x: int, multiple: int | None) -> int:
     return x if not multiple else int(math.ceil(x / multiple) * multiple)
+
+
+@dataclass
+class _Failed:
+    """What a process gathers in place of its payload when it failed (an exception may not pickle)."""
+
+    error: str
+
+
+def _raise_if_failed(gathered: list, local_error: BaseException | None) -> None:
+    """Raise on every process when any process failed: its own error on that process, a `RuntimeError` elsewhere."""
+    if local_error is not None:
+        raise local_error
+    failed = {rank: p.error for rank, p in enumerate(gathered) if isinstance(p, _Failed)}
+    if failed:
+        raise RuntimeError(f"Stopped because the batch augmentation failed on another process: {failed}")
 
 
 def _import(path: str):
@@ -97,10 +116,16 @@ class BatchAugmenter:
         rewards[infra] = torch.nan
 
         # 2. Extra rows: metadata gathered with variable counts per process (small Python objects).
-        local_meta = [
-            (int(e.kind), rank * num_local + e.parent, e.error_types, self._segment_term(e, inputs)) for e in extras
-        ]
+        local_error = None
+        try:
+            local_meta = [
+                (int(e.kind), rank * num_local + e.parent, e.error_types, self._segment_term(e, inputs))
+                for e in extras
+            ]
+        except Exception as e:  # noqa: BLE001 - e.g. a failing snapshot_reward_func: raised on every process below
+            local_error, local_meta = e, _Failed(f"{type(e).__name__}: {e}")
         all_meta = gather_object([local_meta]) if nproc > 1 else [local_meta]
+        _raise_if_failed(all_meta, local_error)
         kinds = [int(RowKind.REGULAR)] * (num_local * nproc)
         parents = list(range(num_local * nproc))
         extra_rewards: list[float] = []
@@ -169,7 +194,14 @@ class BatchAugmenter:
             loss_mask=loss_mask,
             scale=t.scale_rewards,
         )
-        result = t.advantage_estimator(estimator_batch, t)
+        try:
+            result, error = t.advantage_estimator(estimator_batch, t), None
+        except Exception as e:  # noqa: BLE001 - re-raised on every process (a custom estimator's bug on one rank)
+            result, error = None, e
+        if nproc > 1:
+            any_rank(t.accelerator, False, error)
+        elif error is not None:
+            raise error
         if isinstance(result, EstimatorResult):
             advantages, est_rows, est_adv = result.advantages, list(result.extra_rows), result.extra_advantages
         else:
@@ -200,7 +232,10 @@ class BatchAugmenter:
         batch = self._pad_rows(batch, target)
         loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
         batch["num_items_in_batch"] = t.accelerator.gather(loss_mask.sum()).sum()
+        # Rows trained on, over every process: the per-row loss types weigh each by its inverse (loss_weights.py).
+        batch["num_rows_in_batch"] = t.accelerator.gather((batch["row_kind"] != RowKind.PADDING).sum()).sum()
         self._log_metrics(mode, batch, loop_result, group_t, kind_t)
+        self._log_trained_rows(batch, num_local, local_extras, loop_result, inputs)
         return batch
 
     # ------------------------------------------------------------------------------------------------------------
@@ -267,8 +302,12 @@ class BatchAugmenter:
         if not rows:
             return dict(output)
         if "sampling_per_token_logps" in output:
+            # vLLM gives None for a NaN log-prob; NaN here, as TRL does for regular rows (neutralised in the IS ratio).
             ext["sampling_per_token_logps"] = _stack(
-                [r.logprobs or [0.0] * len(r.completion_ids) for r in rows],
+                [
+                    [math.nan if lp is None else lp for lp in (r.logprobs or [0.0] * len(r.completion_ids))]
+                    for r in rows
+                ],
                 comp_w,
                 0.0,
                 "right",
@@ -289,7 +328,15 @@ class BatchAugmenter:
             elif key == "importance_sampling_ratio":
                 width = value.size(1) if value.size(1) == 1 else comp_w
                 merged[key] = torch.cat([_pad_to(value, width, 1.0, "right"), _pad_to(ext[key], width, 1.0, "right")])
-            elif key in ("advantages", "num_items_in_batch", "group_id", "row_kind", "episode_id", "segment_index"):
+            elif key in (
+                "advantages",
+                "num_items_in_batch",
+                "num_rows_in_batch",
+                "group_id",
+                "row_kind",
+                "episode_id",
+                "segment_index",
+            ):
                 merged[key] = value  # recomputed or extended by the caller
             else:
                 raise NotImplementedError(f"Extra rows cannot be combined with the batch key {key!r} (multimodal?).")
@@ -385,6 +432,56 @@ class BatchAugmenter:
             padded[key] = torch.cat([value, filler])
         return padded
 
+    def _log_trained_rows(
+        self, batch: dict, num_local: int, local_extras: list[ExtraRow], loop_result, inputs
+    ) -> None:
+        """Make TRL's completion logs show what is trained on: the recomputed advantages of the regular rows, the last
+        segment of a rollout that deleted context, and the extra rows (negatives, snapshot segments)."""
+        t = self.trainer
+        logs = t._logs
+        advantages = batch["advantages"].float()
+        if advantages.dim() == 2:  # token-level: the mean over the row's trained tokens
+            mask = (batch["completion_mask"] * batch.get("tool_mask", 1)).float()
+            advantages = (advantages * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        values = advantages.tolist()
+        starts = (loop_result.segment_starts if loop_result is not None else None) or [0] * num_local
+        extras = [
+            (e.prompt_messages, e.messages, values[num_local + k], RowKind(e.kind).name.lower())
+            for k, e in enumerate(local_extras)
+        ]
+        payload = (values[:num_local], starts, extras)
+        gathered = gather_object([payload]) if t.accelerator.num_processes > 1 else [payload]
+        regular = [a for p in gathered for a in p[0]]
+        starts = [s for p in gathered for s in p[1]]
+        extras = [x for p in gathered for x in p[2]]
+        n = len(regular)
+        if len(logs["advantages"]) < n or len(logs["completion"]) < n:
+            return  # not the batch TRL just logged (e.g. a test calling the augmenter directly)
+        first = len(logs["advantages"]) - n
+        for k, value in enumerate(regular):
+            logs["advantages"][first + k] = value
+        first = len(logs["completion"]) - n
+        for k, start in enumerate(starts):
+            if start:
+                logs["completion"][first + k] = logs["completion"][first + k][start:]
+        if not extras:
+            return
+        size = n + len(extras)  # this generation batch, extra rows included
+        columns = [logs["prompt"], logs["completion"], logs["advantages"], *logs["rewards"].values()]
+        grown = [deque(column, maxlen=max(size, column.maxlen or 0)) for column in columns]
+        logs["prompt"], logs["completion"], logs["advantages"] = grown[:3]
+        logs["rewards"].update(zip(list(logs["rewards"]), grown[3:]))
+        for prompt, completion, value, _ in extras:
+            logs["prompt"].append(prompt)
+            logs["completion"].append(completion)
+            logs["advantages"].append(value)
+            for column in logs["rewards"].values():
+                column.append(math.nan)  # an extra row has one reward, not one per reward function
+        for name in list(logs["extra"]):
+            logs["extra"][name] = deque([*logs["extra"][name], *([None] * len(extras))], maxlen=size)
+        kinds = ["regular"] * (len(logs["prompt"]) - len(extras)) + [kind for *_, kind in extras]
+        logs["extra"]["row_kind"] = deque(kinds, maxlen=len(kinds))
+
     def _log_metrics(self, mode: str, batch: dict, loop_result, group_t: torch.Tensor, kind_t: torch.Tensor) -> None:
         t = self.trainer
         metrics = t._metrics[mode]
@@ -413,9 +510,12 @@ class BatchAugmenter:
                         stats.regenerated_tokens,
                         stats.failed_turn_tokens,
                         stats.truncated_outputs,
+                        stats.truncated_turns,
+                        stats.user_turns,
+                        stats.retired_environments,
                     ]
                     if stats is not None
-                    else [0] * 13
+                    else [0] * 16
                 ),
             ],
             dtype=torch.float64,
@@ -439,6 +539,9 @@ class BatchAugmenter:
             regen_tokens,
             failed_tokens,
             truncated,
+            truncated_turns,
+            user_turns,
+            retired,
         ) = total
         sizes = torch.bincount(group_t - group_t.min()) if group_t.numel() else torch.zeros(1)
         sizes = sizes[sizes > 0].float()
@@ -456,9 +559,12 @@ class BatchAugmenter:
             metrics["negatives/rows"].append(neg_rows)
             metrics["negatives/mean_advantage"].append(neg_adv / neg_rows if neg_rows else 0.0)
             metrics["infra/retries"].append(infra_retries)
-        if t.tools:
+        if t.tools and getattr(t, "_uses_agentic_loop", True):  # TRL's own loop keeps TRL's metrics only
             metrics["tools/malformed_calls"].append(malformed)
             metrics["tools/truncated_outputs"].append(truncated)
+            metrics["tools/truncated_turns"].append(truncated_turns)
+            metrics["tools/retired_environments"].append(retired)
+            metrics["conversation/user_turns"].append(user_turns)
         if args.enable_context_snapshots:
             metrics["snapshots/rows"].append(snap_rows)
             metrics["snapshots/per_episode_mean"].append(snapshots / episodes if episodes else 0.0)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-# The seed's default list (seed 000): model errors that trigger a rollback.
+# The seed's default list (seed 000), by error type name: model errors that trigger a rollback. The seed's
+# "worker_timeout" is the sandbox's time limit on model-written code, `SandboxTimeout` here (a model error).
 DEFAULT_ROLLBACK_ON_ERRORS = [
     "ImportError",
     "ModuleNotFoundError",
@@ -21,19 +22,11 @@ DEFAULT_ROLLBACK_ON_ERRORS = [
     "NameError",
     "TypeError",
     "IndexError",
-    "worker_timeout",
+    "SandboxTimeout",
 ]
 
-# Failures of the tool infrastructure rather than of the model's call: retried, never trained on.
-DEFAULT_INFRA_ERROR_PATTERNS = [
-    "SandboxTimeout",
-    "SandboxCrashed",
-    "SandboxMemoryError",
-    "SandboxInfraError",
-    "ToolTimeout",
-    "BrokenPipeError",
-    "ConnectionError",
-]
+# Failures that are not the model's (see `trl_agentic.errors`): retried in place, never trained on.
+DEFAULT_INFRA_ERROR_TYPES = ["InfrastructureError"]
 
 _CHOICES = {
     "rollback_feedback": ("none", "hint"),
@@ -65,20 +58,29 @@ class AgenticGRPOConfig(GRPOConfig):
             Maximum number of regenerations per tool-call position (assistant turn). After that the error is kept and
             shown to the model, and the rollout continues.
         rollback_on_errors (`list[str]`, *optional*):
-            Patterns (plain substrings, case-sensitive) matched against the exception type, the exception text and
-            the tool's returned text. Defaults to the seed's list.
+            Error type names that trigger a rollback, matched exactly against the names of a failed call's error: the
+            exception's class and its base classes (`"OSError"` matches `FileNotFoundError`), or the `error_type` of
+            a `trl_agentic.errors.ToolCallError` (the Python sandbox reports the model code's exception, e.g.
+            `"NameError"`, and `"SandboxTimeout"` for code past its time limit). The loop's own errors are
+            `"ToolCallParseError"` (malformed call markup), `"ToolNotFoundError"`, `"ToolTimeout"` (`tool_timeout`),
+            `"ToolError"` (a tool returned `{"error": ...}`). Text is never searched: a tool result that merely
+            prints `"ValueError: ..."` is not an error. Defaults to the seed's list.
         rollback_feedback (`str`, *optional*, defaults to `"none"`):
             What the model sees before it retries: `"none"` restores the trajectory exactly to the checkpoint and
             re-samples; `"hint"` inserts `rollback_hint_template` as environment tokens (masked from the loss) that
             stay in the trajectory.
         rollback_hint_template (`str`, *optional*):
             Text of the hint inserted with `rollback_feedback="hint"`; `{error}` is replaced by the error message.
-        infra_error_patterns (`list[str]`, *optional*):
-            Patterns of infrastructure failures (sandbox timeouts, dead interpreter, out-of-memory). They are retried
-            without creating a negative sample and are never trained on. Checked before `rollback_on_errors`.
+        infra_error_types (`list[str]`, *optional*, defaults to `["InfrastructureError"]`):
+            Error type names (matched like `rollback_on_errors`, checked first) of failures that are not the model's:
+            a tool or environment raises `trl_agentic.errors.InfrastructureError` (or a subclass) when, e.g., its
+            sandbox cannot start or a remote tool server refuses the connection. Add e.g. `"ConnectionError"` for tool
+            clients that raise it. Such a call is retried in place; it never creates a negative sample and is never
+            trained on. A timeout, crash or memory kill of model-written code is a model error, not this.
         max_infra_retries (`int`, *optional*, defaults to `2`):
-            Re-executions of a tool call that failed for an infrastructure reason. If it still fails the rollout is
-            kept out of the loss and out of the group statistics.
+            Re-executions of a call that failed with an infrastructure error (only that call: the calls before it in
+            the turn are not run again). If it still fails the rollout is kept out of the loss and out of the group
+            statistics.
         save_negative_samples (`bool`, *optional*, defaults to `False`):
             Save the failed trajectory before each rollback as an extra training row of the same group, with reward
             `negative_sample_reward`. Requires `enable_tool_rollback`.
@@ -92,11 +94,18 @@ class AgenticGRPOConfig(GRPOConfig):
         group_baseline (`str`, *optional*, defaults to `"all_rows"`):
             Which rows enter a group's mean and std: `"all_rows"` (seed: negatives and snapshots counted) or
             `"episodes"` (only the regular rollouts; negatives and snapshots are scored against them).
-        tool_timeout (`float`, *optional*, defaults to `60.0`):
-            Wall-clock limit in seconds for one call of a plain Python tool; a call past it is reported to the model
-            as a `ToolTimeout` error (an infrastructure failure). `0` disables the limit.
-        max_tool_output_chars (`int`, *optional*, defaults to `4000`):
-            Tool results longer than this are truncated (with a marker) before they reach the model.
+        tool_timeout (`float`, *optional*, defaults to `0.0`):
+            Wall-clock limit in seconds of one tool call; a call past it is reported to the model as a `ToolTimeout`
+            error (a model error) and its environment is retired: the rollout continues on a fresh instance restored
+            to the state before the call, so the abandoned call cannot change it later. `0` (TRL's behaviour)
+            disables the limit.
+        max_tool_output_chars (`int`, *optional*):
+            Tool results (and error messages) longer than this are truncated, with a marker, before they reach the
+            model. Unset (TRL's behaviour): no limit.
+        malformed_tool_call_feedback (`bool`, *optional*, defaults to `False`):
+            Tell the model when its tool-call markup is malformed (a `ToolCallParseError` tool message) instead of
+            ending the rollout as plain text, as TRL does. `enable_tool_rollback` turns this on, so that malformed
+            calls can be rolled back.
 
         > Context snapshots (seed 004)
 
@@ -197,7 +206,8 @@ class AgenticGRPOConfig(GRPOConfig):
     rollback_on_errors: list[str] = field(
         default_factory=lambda: list(DEFAULT_ROLLBACK_ON_ERRORS),
         metadata={
-            "help": "Error patterns (substrings of exception type, exception text or tool output) that trigger a rollback."
+            "help": "Error type names (exception class or base class, or a ToolCallError's error_type; never text) "
+            "that trigger a rollback."
         },
     )
     rollback_feedback: str = field(
@@ -211,12 +221,15 @@ class AgenticGRPOConfig(GRPOConfig):
         default="Your previous tool call failed with: {error}. Write a corrected call.",
         metadata={"help": "Hint text for rollback_feedback='hint'; '{error}' is replaced by the error message."},
     )
-    infra_error_patterns: list[str] = field(
-        default_factory=lambda: list(DEFAULT_INFRA_ERROR_PATTERNS),
-        metadata={"help": "Infrastructure error patterns: retried without a negative sample, never trained on."},
+    infra_error_types: list[str] = field(
+        default_factory=lambda: list(DEFAULT_INFRA_ERROR_TYPES),
+        metadata={
+            "help": "Error type names of failures that are not the model's (default: trl_agentic.errors."
+            "InfrastructureError): retried in place, never trained on."
+        },
     )
     max_infra_retries: int = field(
-        default=2, metadata={"help": "Re-executions of a tool call after an infrastructure failure."}
+        default=2, metadata={"help": "Re-executions of a call (that call only) after an infrastructure error."}
     )
     save_negative_samples: bool = field(
         default=False, metadata={"help": "Save failed trajectories before a rollback as negative training rows."}
@@ -237,10 +250,21 @@ class AgenticGRPOConfig(GRPOConfig):
         },
     )
     tool_timeout: float = field(
-        default=60.0, metadata={"help": "Wall-clock limit (s) of one plain Python tool call; 0 disables it."}
+        default=0.0,
+        metadata={
+            "help": "Wall-clock limit (s) of one tool call, reported as a ToolTimeout model error; 0 (TRL) disables it."
+        },
     )
-    max_tool_output_chars: int = field(
-        default=4000, metadata={"help": "Truncate tool results longer than this many characters."}
+    max_tool_output_chars: int | None = field(
+        default=None,
+        metadata={"help": "Truncate tool results longer than this many characters; unset (TRL): no limit."},
+    )
+    malformed_tool_call_feedback: bool = field(
+        default=False,
+        metadata={
+            "help": "Send malformed tool-call markup back to the model as a ToolCallParseError (TRL ends the rollout "
+            "instead); on with enable_tool_rollback."
+        },
     )
     # --- context snapshots ------------------------------------------------------------------------------------
     enable_context_snapshots: bool = field(
@@ -365,6 +389,20 @@ class AgenticGRPOConfig(GRPOConfig):
         super().__post_init__()
 
     @property
+    def uses_agentic_loop(self) -> bool:
+        """Whether tool rollouts need trl-agentic's loop; otherwise TRL's own `_tool_call_loop` runs, unchanged.
+
+        An environment that supplies further user turns (`_next_user_turn`) also needs it (decided by the trainer).
+        """
+        return (
+            self.enable_tool_rollback
+            or self.enable_context_snapshots
+            or bool(self.tool_timeout)
+            or self.max_tool_output_chars is not None
+            or self.malformed_tool_call_feedback
+        )
+
+    @property
     def agentic_features_enabled(self) -> bool:
         """Whether any feature that adds rows, changes the rollout loop, the advantages or the training step is on."""
         return (
@@ -379,24 +417,25 @@ class AgenticGRPOConfig(GRPOConfig):
             value = getattr(self, name)
             if value not in choices:
                 raise ValueError(f"`{name}` must be one of {list(choices)}, got {value!r}.")
-        for name in (
-            "max_tool_retries",
-            "max_infra_retries",
-            "max_negative_samples_per_group",
-            "max_tool_output_chars",
-        ):
+        for name in ("max_tool_retries", "max_infra_retries", "max_negative_samples_per_group"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"`{name}` must be a non-negative integer, got {value!r}.")
-        if self.max_tool_output_chars < 64:
-            raise ValueError(f"`max_tool_output_chars` must be at least 64, got {self.max_tool_output_chars}.")
+        if self.max_tool_output_chars is not None and (
+            not isinstance(self.max_tool_output_chars, int)
+            or isinstance(self.max_tool_output_chars, bool)
+            or self.max_tool_output_chars < 64
+        ):
+            raise ValueError(
+                f"`max_tool_output_chars` must be unset or an integer >= 64, got {self.max_tool_output_chars!r}."
+            )
         if not isinstance(self.max_snapshots_per_episode, int) or self.max_snapshots_per_episode < 0:
             raise ValueError(
                 f"`max_snapshots_per_episode` must be a non-negative integer, got {self.max_snapshots_per_episode!r}."
             )
         if self.tool_timeout is None or self.tool_timeout < 0:
             raise ValueError(f"`tool_timeout` must be >= 0 (0 disables it), got {self.tool_timeout!r}.")
-        for name in ("rollback_on_errors", "infra_error_patterns"):
+        for name in ("rollback_on_errors", "infra_error_types"):
             patterns = getattr(self, name)
             if isinstance(patterns, str):  # a single pattern from the command line
                 patterns = [patterns]
@@ -405,8 +444,15 @@ class AgenticGRPOConfig(GRPOConfig):
                 raise ValueError(f"`{name}` must be a list of non-empty strings, got {patterns!r}.")
         if self.enable_tool_rollback and not self.rollback_on_errors:
             raise ValueError("`rollback_on_errors` is empty but `enable_tool_rollback=True`: nothing would roll back.")
-        if "{error}" not in self.rollback_hint_template and self.rollback_feedback == "hint":
-            raise ValueError("`rollback_hint_template` must contain '{error}' when `rollback_feedback='hint'`.")
+        if self.rollback_feedback == "hint":
+            if "{error}" not in self.rollback_hint_template:
+                raise ValueError("`rollback_hint_template` must contain '{error}' when `rollback_feedback='hint'`.")
+            try:  # the loop formats it at every rollback: a bad template must fail here, not mid-training
+                self.rollback_hint_template.format(error="ValueError: x")
+            except (KeyError, IndexError, ValueError) as e:
+                raise ValueError(
+                    f"`rollback_hint_template` is not a valid format string with one '{{error}}' field: {e!r}."
+                ) from e
         if isinstance(self.negative_reward_by_error, str):  # JSON from the command line
             try:
                 self.negative_reward_by_error = json.loads(self.negative_reward_by_error)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -35,16 +34,9 @@ from typing import Any
 import torch
 
 from .envs.protocol import tool_methods
+from .errors import tool_error_message
 from .rollout.loop import AgenticRolloutLoop, LoopConfig
-from .rollout.tools import error_in_text
-
-
-def grpo_chat_template(tokenizer) -> str | None:
-    """The chat template `GRPOTrainer` renders tool conversations with: `None` (the tokenizer's own) when it is
-    prefix-preserving, otherwise TRL's training variant (the rule of TRL 1.16's `GRPOTrainer.__init__`)."""
-    from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
-
-    return None if is_chat_template_prefix_preserving(tokenizer) else get_training_chat_template(tokenizer)
+from .rollout.rendering import ChatRenderer, grpo_chat_template  # noqa: F401 - grpo_chat_template re-exported
 
 
 def with_response_schema(tokenizer):
@@ -54,61 +46,6 @@ def with_response_schema(tokenizer):
     if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
         tokenizer = add_response_schema(tokenizer)
     return tokenizer
-
-
-class ChatRenderer:
-    """Token-level rendering of tool conversations, identical to `GRPOTrainer`'s (prompt, tool-result suffix, hint).
-
-    Args:
-        tokenizer: The policy's tokenizer (with a tool-calling chat template).
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.chat_template = grpo_chat_template(tokenizer)
-
-    def _apply(self, messages: list[dict], *, add_generation_prompt: bool, tools=None) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            messages,
-            tools=tools or None,
-            chat_template=self.chat_template,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
-        )
-        return list(ids[0]) if ids and isinstance(ids[0], list) else list(ids)
-
-    def prompt_ids(self, messages: list[dict], tools=None) -> list[int]:
-        """The prompt as GRPO tokenizes it: the conversation plus the assistant header."""
-        return self._apply(messages, add_generation_prompt=True, tools=tools)
-
-    def tool_suffix_ids(self, tool_messages: list[dict]) -> list[int]:
-        """Tokens appended after an assistant turn for its tool results (TRL's `_get_tool_suffix_ids`)."""
-        calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
-        dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
-        prefix = self._apply(dummy, add_generation_prompt=False)
-        full = self._apply(dummy + list(tool_messages), add_generation_prompt=True)
-        eos = self.tokenizer.eos_token_id
-        ends = [k for k, tok in enumerate(prefix) if tok == eos]
-        if ends:  # Qwen-style templates render "<|im_end|>\n": cut at the end-of-turn token, as TRL does
-            prefix = prefix[: ends[-1] + 1]
-        if full[: len(prefix)] != prefix:
-            raise ValueError("The chat template does not render tool results as a prefix extension.")
-        return full[len(prefix) :]
-
-    def user_turn_ids(self, content: str) -> list[int]:
-        """Tokens of a user message (and the next assistant header) after an assistant turn that ended with the
-        end-of-turn token: the hint construction without its leading end-of-turn token."""
-        return self.hint_ids(content)[1:]
-
-    def hint_ids(self, hint: str) -> list[int]:
-        """Masked hint tokens for `rollback_feedback="hint"` (same construction as the trainer's backend)."""
-        prefix_msgs = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": ""}]
-        prefix = self._apply(prefix_msgs, add_generation_prompt=False)
-        full = self._apply(prefix_msgs + [{"role": "user", "content": hint}], add_generation_prompt=True)
-        eos = self.tokenizer.eos_token_id
-        cut = max((k for k, tok in enumerate(prefix) if tok == eos), default=len(prefix) - 1) + 1
-        return [eos, *full[cut:]]
 
 
 # Below this many shared tokens, a plain batched call is as fast.
@@ -159,6 +96,8 @@ class HFGenerationBackend:
         self.model = model
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer)
+        self.environment_factory: Callable | None = None  # for a fresh environment after a timed-out call
+        self.stop_token_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
         self.tools_per_row = tools_per_row
         self.max_completion_length = max_completion_length
         self.max_iterations = max_iterations
@@ -241,28 +180,19 @@ class HFGenerationBackend:
     def hint_ids(self, hint: str) -> list[int]:
         return self.renderer.hint_ids(hint)
 
+    def user_turn_ids(self, content: str) -> list[int]:
+        return self.renderer.user_turn_ids(content)
+
     def render_prompt(self, messages: list[dict], row: int) -> list[int]:
         return self.renderer.prompt_ids(messages, tools=list(self.tools_per_row[row]))
 
-    def any_rank(self, flag: bool) -> bool:
+    def new_environment(self, row: int, old):
+        return self.environment_factory() if self.environment_factory is not None else type(old)()
+
+    def any_rank(self, flag: bool, error: BaseException | None = None) -> bool:
+        if error is not None:
+            raise error
         return flag
-
-
-class _CountingTool:
-    """Wraps a tool to count the calls that returned a result without error (the loop counts all the others)."""
-
-    def __init__(self, fn: Callable):
-        self.fn = fn
-        self.ok = 0
-        self.__name__ = fn.__name__
-        self.__doc__ = fn.__doc__
-        self.__signature__ = inspect.signature(fn)
-
-    def __call__(self, *args, **kwargs):
-        result = self.fn(*args, **kwargs)
-        if not (isinstance(result, dict) and "error" in result) and error_in_text(str(result)) is None:
-            self.ok += 1
-        return result
 
 
 @dataclass
@@ -360,7 +290,8 @@ def evaluate_policy(
     model.eval()
     start = time.perf_counter()
     records: list[dict] = []
-    config = LoopConfig(rollback_on_errors=[], infra_error_patterns=[], tool_timeout=10.0)
+    # Malformed calls are shown to the model and counted as failed calls, as during training with rollback.
+    config = LoopConfig(rollback_on_errors=[], tool_timeout=10.0, malformed_tool_call_feedback=True)
     bar = tqdm(total=len(rows), desc=desc, disable=not progress, unit="problem")
     # A forked RNG: the sampled completions depend only on `seed`, and training's random stream is left as it was.
     with contextlib.ExitStack() as stack:
@@ -371,12 +302,9 @@ def evaluate_policy(
         for chunk in _chunks(rows, batch_size, batch_by):
             chunk = [dict(r) for r in chunk]
             envs = [_factory_for(environment_factory, row)() for row in chunk]
-            tool_dicts, counters = [], []
             for env, row in zip(envs, chunk):
                 env.reset(**_reset_kwargs(environment_factory, row))
-                wrapped = {name: _CountingTool(fn) for name, fn in tool_methods(env).items()}
-                tool_dicts.append(wrapped)
-                counters.append(list(wrapped.values()))
+            tool_dicts = [tool_methods(env) for env in envs]
             # Prompts are rendered with the environment's bound methods, the schema GRPO shows the model.
             tools_per_row = [list(tool_methods(env).values()) for env in envs]
             backend = HFGenerationBackend(
@@ -390,6 +318,8 @@ def evaluate_policy(
                 prefix_caching=prefix_caching,
                 max_turn_tokens=max_turn_tokens,
             )
+            # A fresh environment after a timed-out call (multi-environment mode: the class of the old one).
+            backend.environment_factory = None if isinstance(environment_factory, dict) else environment_factory
             prompts = [list(row["prompt"]) for row in chunk]
             prompt_ids = [backend.render_prompt(p, k) for k, p in enumerate(prompts)]
             completion_ids, _ = backend.generate(prompt_ids)
@@ -425,7 +355,8 @@ def evaluate_policy(
             for k, row in enumerate(chunk):
                 messages = completions[k]
                 tool_msgs = [m for m in messages if m.get("role") == "tool"]
-                ok = sum(c.ok for c in counters[k])
+                # The loop renders every failure in TRL's error format (malformed calls, unknown tools, exceptions).
+                failures = sum(tool_error_message(m.get("content")) is not None for m in tool_msgs)
                 rewards = [values[k] for values in per_func]
                 records.append(
                     {
@@ -436,7 +367,7 @@ def evaluate_policy(
                         "reward": float(sum(r for r in rewards if not math.isnan(r))),
                         "correct": bool(rewards and rewards[0] >= 0.5),
                         "tool_calls": len(tool_msgs),
-                        "tool_failures": len(tool_msgs) - min(ok, len(tool_msgs)),
+                        "tool_failures": failures,
                         "completion_tokens": sum(tool_mask[k]),
                     }
                 )

@@ -29,7 +29,7 @@ CITATIONS = {
 }
 
 _KEY_SETTINGS = {
-    "rollback": ["max_tool_retries", "rollback_feedback", "rollback_on_errors", "infra_error_patterns"],
+    "rollback": ["max_tool_retries", "rollback_feedback", "rollback_on_errors", "infra_error_types"],
     "negatives": ["max_negative_samples_per_group", "negative_sample_reward", "group_baseline"],
     "snapshots": ["max_snapshots_per_episode", "snapshot_downsample", "snapshot_advantage"],
     "rlvcr": ["rlvcr_mode", "rlvcr_k", "rlvcr_step_advantage_w", "rlvcr_expand", "rlvcr_expand_steps"],

@@ -39,6 +39,10 @@ class TaskArguments:
             Seed of the task generator (held-out problems use `task_seed + 1`).
         sandbox_timeout (`float`, *optional*, defaults to `5.0`):
             Wall-clock limit of one Python sandbox call, in seconds.
+        sandbox_isolation (`str`, *optional*, defaults to `"required"`):
+            Isolation policy of the Python sandbox: `"required"` refuses to start on a machine without bubblewrap
+            namespaces and memory/pids/cpu cgroups; `"best_effort"` runs with what the machine has and logs what is
+            missing (see docs/reliability.md).
         extra_reward_funcs (`list[str]`, *optional*):
             Import paths `"package.module:function"` of extra reward functions.
 
@@ -97,6 +101,13 @@ class TaskArguments:
     task_difficulty: str = field(default="medium", metadata={"help": "easy, medium or hard."})
     task_seed: int = field(default=0, metadata={"help": "Seed of the task generator."})
     sandbox_timeout: float = field(default=5.0, metadata={"help": "Wall-clock limit of one Python sandbox call (s)."})
+    sandbox_isolation: str = field(
+        default="required",
+        metadata={
+            "help": "Python sandbox isolation: 'required' refuses to start without bubblewrap and cgroups; "
+            "'best_effort' runs with what the machine has and logs what is missing."
+        },
+    )
     extra_reward_funcs: list[str] | None = field(
         default=None, metadata={"help": "Import paths 'pkg.module:function' of extra reward functions."}
     )
@@ -153,6 +164,10 @@ class TaskArguments:
                 raise ValueError(f"`{name}` must be non-negative, got {getattr(self, name)}.")
         if self.sandbox_timeout <= 0:
             raise ValueError(f"`sandbox_timeout` must be positive, got {self.sandbox_timeout}.")
+        if self.sandbox_isolation not in ("required", "best_effort"):
+            raise ValueError(
+                f"`sandbox_isolation` must be 'required' or 'best_effort', got {self.sandbox_isolation!r}."
+            )
         for name in ("warmstart_steps", "report_max_trajectories"):
             if getattr(self, name) < 0:
                 raise ValueError(f"`{name}` must be non-negative, got {getattr(self, name)}.")
@@ -245,13 +260,15 @@ def build_task(args: TaskArguments) -> Task:
 
         from .envs.calculator import answer_reward
         from .envs.python_sandbox import PythonSandboxEnv
+        from .envs.sandbox_isolation import resolve_isolation
 
+        resolve_isolation(args.sandbox_isolation)  # a machine the policy refuses fails now, before any model loads
         train, evaluation, warmstart = _arithmetic(args, PYTHON_SYSTEM_PROMPT)
         options = {"tool_name": "python", "argument": "code", "argument_template": "print({expression})"}
         return Task(
             train,
             evaluation,
-            partial(PythonSandboxEnv, timeout=args.sandbox_timeout),
+            partial(PythonSandboxEnv, timeout=args.sandbox_timeout, isolation=args.sandbox_isolation),
             [answer_reward, *extra],
             warmstart_options=options,
             warmstart_dataset=warmstart,

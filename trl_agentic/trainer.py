@@ -13,14 +13,14 @@ from trl import GRPOTrainer
 
 from .batch import BatchAugmenter
 from .config import AgenticGRPOConfig
-from .envs.protocol import check_checkpointable
+from .envs.protocol import check_checkpointable, has_user_turns
 from .estimators import resolve_estimator
 from .gloo_exit import register_gloo_exit_pause
+from .loss_weights import RowWeightedLossMixin
 from .model_card import card_section, feature_tags
 from .rollout.context import delete_context
 from .rollout.loop import AgenticRolloutLoop, LoopConfig
 from .rollout.trl_backend import TrainerBackend
-from .rollout.types import RowKind
 from .tracin.trainer_mixin import TracInMixin
 from .vllm_lora import lora_sync_vllm
 
@@ -36,7 +36,7 @@ def _tupled(value):
     return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
 
 
-class AgenticGRPOTrainer(TracInMixin, GRPOTrainer):
+class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
     """
     GRPO trainer for agentic tool use, built on [`~trl.GRPOTrainer`].
 
@@ -50,13 +50,19 @@ class AgenticGRPOTrainer(TracInMixin, GRPOTrainer):
 
     Overridden `GRPOTrainer` methods (all private in TRL 1.16, guarded by `tests/test_trl_signatures.py`):
 
-    - `_tool_call_loop`: replaced by `trl_agentic.rollout.loop.AgenticRolloutLoop` (same inputs and 7-tuple);
+    - `_tool_call_loop`: TRL's own loop unless a feature needs ours (`AgenticGRPOConfig.uses_agentic_loop`:
+      rollback, snapshots, `tool_timeout`, `max_tool_output_chars`, `malformed_tool_call_feedback`, or an
+      environment with further user turns), then `trl_agentic.rollout.loop.AgenticRolloutLoop` (same inputs and
+      7-tuple). Delegating, rather than reproducing TRL's loop, makes "features off = TRL" hold by construction for
+      tool and environment runs too, and keeps it holding when TRL's loop changes; our loop renders tool messages
+      and errors exactly as TRL does, so a run that turns a feature on keeps what the model reads;
     - `_calculate_rewards`: calls TRL's and keeps the gathered rewards for the batch augmentation;
     - `_generate_and_score_completions`: calls TRL's, then `trl_agentic.batch.BatchAugmenter` appends the extra
       rows, recomputes the advantages over explicit group ids and the loss normaliser, and pads every process to the
       same divisible row count;
-    - `_compute_loss`: calls TRL's; for per-row loss types (`grpo`, `sapo`, `dr_grpo`, `luspo`) it rescales so that
-      zero-weight padding rows do not count in the per-row mean;
+    - `_compute_loss` (`trl_agentic.loss_weights.RowWeightedLossMixin`): calls TRL's; for per-row loss types
+      (`grpo`, `sapo`, `dr_grpo`, `luspo`) it rescales the policy term so that every trained row weighs
+      `1 / num_rows_in_batch` whatever the padding rows and the micro-batch it falls in;
     - `_save_checkpoint` / `_load_optimizer_and_scheduler`: call TRL's and save/restore trl-agentic's own state;
     - `create_model_card` (public): TRL's card plus the features used, their settings and citations.
 
@@ -122,9 +128,12 @@ class AgenticGRPOTrainer(TracInMixin, GRPOTrainer):
                 environment_factory=environment_factory,
                 **kwargs,
             )
-        if args.enable_tool_rollback and self.environment_factories is not None:
-            for pool in self._environment_pool.values():
-                check_checkpointable(pool[0])
+        probes = [pool[0] for pool in self._environment_pool.values()] if self.environment_factories else []
+        if (args.enable_tool_rollback or args.tool_timeout) and probes:
+            # Rollback restores a checkpoint; a timed-out call's environment is replaced by a restored copy.
+            for env in probes:
+                check_checkpointable(env)
+        self._uses_agentic_loop = args.uses_agentic_loop or any(has_user_turns(env) for env in probes)
         self.advantage_estimator = resolve_estimator(advantage_estimator or args.advantage_estimator)
         self._loop_config = LoopConfig.from_args(args)
         self._rng = random.Random(args.seed)
@@ -136,12 +145,13 @@ class AgenticGRPOTrainer(TracInMixin, GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------------------------
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
-        if images is not None or multimodal_fields:
-            if self.args.agentic_features_enabled:
-                raise NotImplementedError("trl-agentic's tool loop does not handle images; use text environments.")
+        if not self._uses_agentic_loop:
+            # No feature needs our loop: TRL's own, so that tool messages, tokens and rewards are TRL's exactly.
             return super()._tool_call_loop(
                 prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
             )
+        if images is not None or multimodal_fields:
+            raise NotImplementedError("trl-agentic's tool loop does not handle images; use text environments.")
         num_local = len(prompt_ids)
         base = self.accelerator.process_index * num_local
         group_size = self.num_generations if self.model.training else self.num_generations_eval
@@ -218,21 +228,6 @@ class AgenticGRPOTrainer(TracInMixin, GRPOTrainer):
                     UserWarning,
                     stacklevel=2,
                 )
-
-    def _compute_loss(self, model, inputs):
-        loss = super()._compute_loss(model, inputs)
-        kinds = inputs.get("row_kind")
-        # TRL's per-row loss types average over every row of the micro-batch: zero-weight padding rows must not count.
-        if (
-            self.loss_type in ("grpo", "sapo", "dr_grpo", "luspo")
-            and kinds is not None
-            and not self._entropy_bonus_enabled
-            and not self.aux_loss_enabled
-        ):
-            real = int((kinds != RowKind.PADDING).sum())
-            if 0 < real < kinds.numel():
-                loss = loss * (kinds.numel() / real)
-        return loss
 
     @torch.no_grad()
     def _logps_for_rows(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):

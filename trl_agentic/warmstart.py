@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .envs.protocol import tool_methods
-from .evaluation import ChatRenderer
-from .rollout.tools import run_tool_call
+from .rollout.rendering import ChatRenderer
+from .rollout.tools import ErrorPolicy, run_tool_call
 
 
 def tool_call_text(name: str, arguments: dict) -> str:
@@ -104,9 +104,7 @@ def make_tool_traces(
         def call(expression: str, tools=tools) -> tuple[dict, dict, bool]:
             value = argument_template.format(expression=expression)
             request = {"type": "function", "function": {"name": tool_name, "arguments": {argument: value}}}
-            outcome = run_tool_call(
-                request, tools, {}, timeout=0, max_chars=4000, infra_patterns=[], rollback_patterns=[]
-            )
+            outcome = run_tool_call(request, tools, {}, timeout=0, max_chars=None, policy=ErrorPolicy([], []))
             assistant = {"role": "assistant", "content": "", "tool_calls": [request]}
             return assistant, {"role": "tool", "name": tool_name, "content": outcome.content}, not outcome.failed
 

@@ -203,8 +203,12 @@ def _parity_args(model: str) -> list[str]:
     return ["--model", model, "--scenario", "parity", "--rows_per_rank", "6", "--num_generations", "4"]
 
 
-def test_variable_rows_across_processes_match_one_process(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_variable_rows_across_processes_match_one_process(tiny_model_dir, tmp_path, loss_type):
     """2 DDP processes vs 1 process on the union of their generation batches: same rows, advantages, loss, gradient.
+
+    With `grpo` (a per-row mean), rank 1's micro-batches hold more zero-weight padding rows than rank 0's: every real
+    row must still weigh 1 / (real rows) as in the 1-process run.
 
     Layout: 4 rollouts per group, 3 per device and 2 micro-steps, so each rank generates 6 rollouts (rank 0 rows 0-5,
     rank 1 rows 6-11) and group 1 (rows 4-7) is split across the ranks. The 1-process run has 6 per device: the same
@@ -222,6 +226,8 @@ def test_variable_rows_across_processes_match_one_process(tiny_model_dir, tmp_pa
         "--learning_rate",
         "0.1",
         "--record_grads",
+        "--loss_type",
+        loss_type,
     ]
     multi = launch(cpu_config("ddp", tmp_path), tmp_path / "ddp", *common, "--per_device_train_batch_size", "3")
     (single,) = launch(
@@ -257,7 +263,8 @@ def test_variable_rows_across_processes_match_one_process(tiny_model_dir, tmp_pa
     assert any(a != 0 for v in ref.values() for _, a, _ in v)
     assert multi[0]["batches"][0]["num_items_in_batch"] == single["batches"][0]["num_items_in_batch"]
 
-    # Global DAPO normaliser: the mean over ranks of the summed micro-step losses is the 1-process loss.
+    # Global normalisers (tokens for dapo, rows for grpo): the mean over ranks of the summed micro-step losses is the
+    # 1-process loss.
     multi_loss = sum(sum(r["losses"]) for r in multi) / 2
     assert len(single["losses"]) == 2 and all(len(r["losses"]) == 2 for r in multi)
     assert abs(multi_loss - sum(single["losses"])) <= 1e-6, (multi_loss, single["losses"])

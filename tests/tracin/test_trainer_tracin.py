@@ -127,11 +127,22 @@ def grad_of(loss, params) -> torch.Tensor:
 
 
 def only_rows(batch, keep: torch.Tensor, num_items=None) -> dict:
-    """The batch with the loss mask of rows outside `keep` zeroed (and optionally a new token normaliser)."""
+    """The batch with the loss mask of rows outside `keep` zeroed (and optionally new token and row normalisers: the
+    trained rows are then the kept ones)."""
     out = dict(batch)
     out["tool_mask"] = loss_mask(batch) * keep.unsqueeze(1).to(batch["completion_mask"].dtype)
     if num_items is not None:
         out["num_items_in_batch"] = torch.tensor(num_items, dtype=batch["num_items_in_batch"].dtype)
+        if "num_rows_in_batch" in batch:
+            out["num_rows_in_batch"] = keep.sum().to(batch["num_rows_in_batch"].dtype)
+    return out
+
+
+def subset(batch, keep: torch.Tensor) -> dict:
+    """A batch made of the kept rows only (what "training on exactly those rows" means), normalisers recomputed."""
+    out = {k: v[keep] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
+    out["num_items_in_batch"] = loss_mask(out).sum().to(batch["num_items_in_batch"].dtype)
+    out.pop("num_rows_in_batch", None)  # TRL's own loss over these rows: their plain mean
     return out
 
 
@@ -212,21 +223,19 @@ def test_fused_step_selects_by_brute_force_sign_and_trains_only_selected_rows(
     assert torch.equal(state.last["selected"], expected)
     assert 0 < int(expected.sum()) < int(valid.sum()), "the test needs both selected and rejected rows"
 
-    # The update is -lr * gradient of TRL's loss with unselected rows zero-weighted by hand and the normaliser over
-    # the selected tokens; rejected rows contribute nothing.
+    # The update is -lr * gradient of TRL's own loss on a batch of the selected rows alone: rejected rows contribute
+    # nothing and the normalisers count only what is trained (tokens for dapo/bnpo, rows for grpo).
     num_selected = float((loss_mask(batch).sum(1) * expected).sum())
     assert num_selected < float(batch["num_items_in_batch"])
-    masked = only_rows(batch, expected, num_items=num_selected)
-    gradient = grad_of(trl_loss(trainer, masked), params)
+    gradient = grad_of(trl_loss(trainer, subset(batch, expected)), params)
     update = torch.cat([(after[n] - before[n]).reshape(-1) for n, _ in trainer.model.named_parameters() if n in after])
     assert_close(update, -LR * gradient)
-    # The selected rows' terms of the unfiltered loss: the same direction, rescaled by the recomputed normaliser for
-    # token-normalised losses (dapo: global count, bnpo: micro-batch count); row-mean losses keep their row count.
+    # It is not the selected rows' terms of the unfiltered loss (that would shrink the step by |S| / B for grpo).
     naive = row_grads[expected].sum(0)
+    assert (naive - gradient).abs().max() > 1e-2 * gradient.abs().max()
     if loss_type == "grpo":
-        assert_close(gradient, naive)
-    else:
-        assert (naive - gradient).abs().max() > 1e-2 * gradient.abs().max()
+        assert_close(gradient, naive * batch["prompt_ids"].size(0) / int(expected.sum()))
+    masked = only_rows(batch, expected, num_items=num_selected)
 
     # Metrics, against the brute-force scores and decoded rewards.
     logs = trainer.state.log_history[0]
@@ -246,12 +255,14 @@ def test_fused_step_selects_by_brute_force_sign_and_trains_only_selected_rows(
     assert logs["reward"] == pytest.approx(sum(letter_fraction(None, train_texts)) / len(train_texts))
     assert list(trainer._logs["completion"]) and set(trainer._logs["completion"]) <= set(train_texts)
     assert trainer.state.num_input_tokens_seen == int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
-    # The logged loss is the masked batch's loss value.
-    assert logs["loss"] == pytest.approx(trl_loss(trainer, masked).item(), rel=1e-4, abs=1e-6)
+    # The logged loss is the loss value of the selected rows.
+    assert logs["loss"] == pytest.approx(trl_loss(trainer, subset(batch, expected)).item(), rel=1e-4, abs=1e-6)
+    assert masked["num_items_in_batch"] == num_selected
 
 
-def test_fused_update_equals_a_plain_step_on_the_hand_masked_batch(tiny_model_dir, tmp_path):
-    trainer = make_trainer(tiny_model_dir, tmp_path)
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_fused_update_equals_a_plain_step_on_the_hand_masked_batch(tiny_model_dir, tmp_path, loss_type):
+    trainer = make_trainer(tiny_model_dir, tmp_path, loss_type=loss_type)
     recorder = Recorder(trainer)
     before = trainable(trainer.model)
     trainer.train()
@@ -260,19 +271,27 @@ def test_fused_update_equals_a_plain_step_on_the_hand_masked_batch(tiny_model_di
     selected = trainer._tracin.last["selected"]
     assert 0 < int(selected.sum()) < selected.numel()
     num_selected = float((loss_mask(batch).sum(1) * selected).sum())
-    expected = plain_update(tiny_model_dir, tmp_path, before, only_rows(batch, selected, num_items=num_selected))
+    masked = only_rows(batch, selected, num_items=num_selected)
+    expected = plain_update(tiny_model_dir, tmp_path, before, masked, loss_type=loss_type)
     for name in before:
         assert_close(after[name] - before[name], expected[name])
+    # ... which is a plain step on the selected rows alone.
+    alone = plain_update(tiny_model_dir, tmp_path / "alone", before, subset(batch, selected), loss_type=loss_type)
+    for name in before:
+        assert_close(alone[name], expected[name])
     # And the rejected rows do move the weights when they are not masked: the comparison can fail.
-    unfiltered = plain_update(tiny_model_dir, tmp_path / "all", before, batch)
+    unfiltered = plain_update(tiny_model_dir, tmp_path / "all", before, batch, loss_type=loss_type)
     assert any((unfiltered[n] - expected[n]).abs().max() > 1e-6 for n in before)
 
 
 # ------------------------------------------------------------------------------------------------------- two-pass
 
 
-def test_two_pass_with_accumulation_and_checkpointing(tiny_model_dir, tmp_path):
-    overrides = dict(steps_per_generation=2, gradient_accumulation_steps=2, gradient_checkpointing=True)
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_two_pass_with_accumulation_and_checkpointing(tiny_model_dir, tmp_path, loss_type):
+    overrides = dict(
+        steps_per_generation=2, gradient_accumulation_steps=2, gradient_checkpointing=True, loss_type=loss_type
+    )
     trainer = make_trainer(tiny_model_dir, tmp_path, **overrides)
     assert not trainer._tracin.fused
     recorder = Recorder(trainer)
@@ -305,6 +324,8 @@ def test_two_pass_with_accumulation_and_checkpointing(tiny_model_dir, tmp_path):
     # Same update as a plain step on the masked rows.
     masked = {k: torch.cat([c[k] for c in chunks]) for k in chunks[0] if chunks[0][k].dim() > 0}
     masked["num_items_in_batch"] = chunks[0]["num_items_in_batch"]
+    masked["num_rows_in_batch"] = chunks[0]["num_rows_in_batch"]
+    assert int(masked["num_rows_in_batch"]) == int(selected.sum())
     masked = {k: v for k, v in masked.items() if not k.startswith("tracin_")}
     expected = plain_update(tiny_model_dir, tmp_path, before, masked, **overrides)
     for name in before:

@@ -1,21 +1,19 @@
-"""Child side of `PythonSandboxEnv`: isolation set-up, a supervisor, and the persistent interpreter loop.
+"""Child side of `PythonSandboxEnv`: the launcher, a supervisor, and the persistent interpreter loop.
 
-`SandboxProcess` runs this file as `python -I -u -B _sandbox_child.py '<json config>'`, with stdin carrying JSON-lines
-commands and stdout JSON-lines responses. It uses the standard library only and never imports `trl_agentic`, so the
-child starts fast and user code sees a clean module table.
+`SandboxProcess` runs this file as `python -I -u -B _sandbox_child.py launch '<json config>'`, with stdin carrying
+JSON-lines commands and stdout JSON-lines responses. It uses the standard library only and never imports `trl_agentic`
+(inside bubblewrap, `trl_agentic` is not even visible), so the child starts fast and user code sees a clean module
+table.
 
-Three processes, all in the session the parent created (so the parent can `killpg` them as a last resort):
-
-- launcher: joins the `pids` cgroup, unshares the network and pid namespaces, forks the supervisor and waits for it.
-- supervisor (pid 1 of the new pid namespace): forks the interpreter, reaps orphans, reports the interpreter's death,
-  and ends everything when the parent closes the command pipe (or dies). As pid 1 its exit makes the kernel kill every
-  process left in the namespace, including ones that called `setsid()`. Without a pid namespace it is a child
-  subreaper instead and kills the cgroup's processes and its own children until none is left.
-- interpreter: redirects fds 1/2 to a capture file, applies rlimits, drops capabilities, and runs the cells.
-
-The process budget is the `pids` cgroup the parent created (see `pids_cgroup.py`) or, for non-root users without
-one, `RLIMIT_NPROC`. The network is cut by an empty network namespace or, failing that, by disabling `socket.socket`.
-A private mount namespace makes the whole filesystem read-only except the working directory and a private /dev/shm.
+- launcher: joins the sandbox's cgroups (their limits then hold for every process it starts), then either `exec`s
+  bubblewrap, which runs `_sandbox_child.py supervise` as pid 1 of fresh namespaces (see `sandbox_isolation.py`), or,
+  without bubblewrap, becomes the supervisor itself.
+- supervisor: forks the interpreter, reaps orphans, reports the interpreter's death, and ends everything when the
+  parent closes the command pipe (or dies). As pid 1 of the pid namespace its exit makes the kernel kill every process
+  left there. Without a pid namespace it is a child subreaper and kills the sandbox's processes (cgroup members, its
+  session, its descendants) until none is left.
+- interpreter: redirects fds 1/2 to the capture file, applies rlimits, drops capabilities, and runs the cells. After
+  each cell it kills every process the cell started: nothing outlives its cell.
 
 Commands: `{"code": str}`. Responses: `{"ready": true, "isolation": {...}}` once, then one
 `{"text": str, "error_type": str | null}` per command, or a final `{"dead": true, ...}` from the supervisor.
@@ -32,41 +30,23 @@ import resource
 import select
 import signal
 import sys
+import time
 import traceback
 
-CLONE_NEWNS = 0x00020000
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWPID = 0x20000000
-CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
 PR_CAPBSET_DROP = 24
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
-MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
-AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 0x1
-# mount_setattr(2) (Linux 5.12+) has this number in the x86_64 table and the generic one (arm64, riscv, ...) alike.
-SYS_MOUNT_SETATTR = {"x86_64": 442, "aarch64": 442, "riscv64": 442}.get(os.uname().machine)
 MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "out of memory")
+# The launcher exits with this code when it cannot join the cgroups: the parent reports the sandbox unavailable.
+EXIT_CGROUP_FAILED = 97
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _prctl(option: int, arg: int) -> bool:
     return _libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0), 0) == 0
-
-
-def _unshare(flags: int) -> bool:
-    return _libc.unshare(ctypes.c_int(flags)) == 0
-
-
-def _write_file(path: str, text: str) -> bool:
-    try:
-        with open(path, "w") as f:
-            f.write(text)
-        return True
-    except OSError:
-        return False
 
 
 def _write_message(fd: int, message: dict) -> None:
@@ -78,143 +58,54 @@ def _write_message(fd: int, message: dict) -> None:
 # ----------------------------------------------------------------------------------------------------------- launcher
 
 
-class _MountAttr(ctypes.Structure):
-    _fields_ = [
-        ("attr_set", ctypes.c_uint64),
-        ("attr_clr", ctypes.c_uint64),
-        ("propagation", ctypes.c_uint64),
-        ("userns_fd", ctypes.c_uint64),
-    ]
-
-
-def _mount(source: str | None, target: str, fs_type: str | None, flags: int, data: str | None = None) -> bool:
-    encode = lambda text: None if text is None else text.encode()  # noqa: E731
-    return _libc.mount(encode(source), encode(target), encode(fs_type), ctypes.c_ulong(flags), encode(data)) == 0
-
-
-def _set_read_only(path: str, read_only: bool, recursive: bool) -> bool:
-    if SYS_MOUNT_SETATTR is None:
-        return False
-    attr = _MountAttr(attr_set=MOUNT_ATTR_RDONLY) if read_only else _MountAttr(attr_clr=MOUNT_ATTR_RDONLY)
-    flags = AT_RECURSIVE if recursive else 0
-    result = _libc.syscall(
-        ctypes.c_long(SYS_MOUNT_SETATTR),
-        ctypes.c_int(AT_FDCWD),
-        path.encode(),
-        ctypes.c_uint(flags),
-        ctypes.byref(attr),
-        ctypes.c_size_t(ctypes.sizeof(attr)),
-    )
-    return result == 0
-
-
-def _read_only_filesystem(workdir: str, shm_mb: int) -> bool:
-    """In a private mount namespace, makes every mount read-only except the sandbox's directory and a fresh /dev/shm.
-
-    The interpreter runs as root (minus capabilities): without this it could still modify any file root owns, and
-    write itself out of its cgroup.
-    """
-    if not _unshare(CLONE_NEWNS) or not _mount(None, "/", None, MS_REC | MS_PRIVATE):  # nothing propagates to the host
-        return False
-    if not _mount(workdir, workdir, None, MS_BIND):  # its own mount, so it can stay writable
-        return False
-    os.chdir(workdir)  # our cwd still points into the mount below the bind mount
-    # multiprocessing needs a writable /dev/shm; a private tmpfs is freed with the namespace.
-    shm = _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={shm_mb}m,mode=1777")
-    if not _set_read_only("/", True, recursive=True):
-        return False
-    if not _set_read_only(workdir, False, recursive=False):
-        _set_read_only("/", False, recursive=True)  # a sandbox that cannot write its own directory would not work
-        return False
-    if shm:
-        _set_read_only("/dev/shm", False, recursive=False)
-    return True
-
-
 def _launch(config: dict) -> None:
-    isolation = {
-        "network": "allowed",
-        "pid_namespace": False,
-        "process_limit": None,
-        "filesystem": "writable",
-        "capabilities": "unchanged",
-    }
-    if config["cgroup"] and _write_file(os.path.join(config["cgroup"], "cgroup.procs"), str(os.getpid())):
-        isolation["process_limit"] = "cgroup"
-
-    if config["use_namespaces"] and os.geteuid() != 0:
-        # Unprivileged: a user namespace grants the capabilities needed to create the other namespaces.
-        uid, gid = os.getuid(), os.getgid()
-        if _unshare(CLONE_NEWUSER):
-            _write_file("/proc/self/setgroups", "deny")
-            _write_file("/proc/self/uid_map", f"{uid} {uid} 1")
-            _write_file("/proc/self/gid_map", f"{gid} {gid} 1")
-    if not config["allow_network"]:
-        # A fresh network namespace has only a down loopback device: no route to anything, localhost included.
-        netns = config["use_namespaces"] and _unshare(CLONE_NEWNET)
-        isolation["network"] = "namespace" if netns else "socket-disabled"
-    isolation["pid_namespace"] = bool(config["use_namespaces"] and _unshare(CLONE_NEWPID))
-    if config["use_namespaces"] and _read_only_filesystem(config["workdir"], config["max_file_mb"]):
-        isolation["filesystem"] = "read-only"  # except the working directory and /dev/shm
-
-    if isolation["process_limit"] is None and os.getuid() != 0:
-        # RLIMIT_NPROC counts all tasks of the uid, so allow what already runs plus the sandbox's budget.
-        limit = _count_user_tasks(os.getuid()) + config["max_processes"] + 3
-        resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
-        isolation["process_limit"] = "rlimit"
-
-    pid = os.fork()
-    if pid == 0:
-        _supervise(config, isolation)
-    # Only the supervisor and interpreter hold the pipes, so their death is an immediate EOF for the parent.
-    os.close(0)
-    os.close(1)
-    _, status = os.waitpid(pid, 0)
-    os._exit(min(max(os.waitstatus_to_exitcode(status), 0), 255))
-
-
-def _count_user_tasks(uid: int) -> int:
-    count = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.stat(f"/proc/{entry}").st_uid == uid:
-                    count += len(os.listdir(f"/proc/{entry}/task"))
-            except OSError:
-                pass
-    return count
+    config["session"] = os.getsid(0)  # the parent started us in a new session: every sandbox process starts in it
+    for procs in config["cgroup_procs"]:
+        try:
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+        except OSError as exc:
+            sys.stderr.write(f"cannot join the sandbox cgroup {procs}: {exc}\n")
+            os._exit(EXIT_CGROUP_FAILED)
+    if config["exec"]:
+        os.execv(config["exec"][0], config["exec"])  # bubblewrap, which runs `supervise` inside the namespaces
+    _supervise(config)
 
 
 # --------------------------------------------------------------------------------------------------------- supervisor
 
 
-def _supervise(config: dict, isolation: dict) -> None:
-    if not isolation["pid_namespace"]:
-        # Without a pid namespace, become the reaper of orphaned user processes so they stay in our session.
+def _supervise(config: dict) -> None:
+    pid_namespace = os.getpid() == 1
+    if not pid_namespace:
+        # Become the reaper of orphaned user processes, so they stay our descendants and can be found and ended.
         _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    capture_fd = os.open(".", os.O_TMPFILE | os.O_RDWR, 0o600)  # unnamed: invisible to the user's os.listdir()
+    capture_fd = config["capture_fd"]
     hangup_fd = os.dup(0)
     report_fd = os.dup(1)
     interpreter = os.fork()
     if interpreter == 0:
         os.close(hangup_fd)
         os.close(report_fd)
-        _interpret(config, isolation, capture_fd)
+        _interpret(config, pid_namespace, capture_fd)
     os.close(0)
     os.close(1)
 
+    # Orphans are reparented to us: reap them at once (zombies count against the process limit).
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_write)
     poller = select.poll()
     # Event mask 0: only POLLHUP/POLLERR, i.e. the parent closed the command pipe (or died).
     poller.register(hangup_fd, 0)
-    try:
-        exit_fd = os.pidfd_open(interpreter)
-        poller.register(exit_fd, select.POLLIN)
-    except (AttributeError, OSError):
-        pass  # old kernel: the 100 ms poll timeout below still notices the exit
+    poller.register(wake_read, select.POLLIN)
     while True:
         for fd, _ in poller.poll(100):
             if fd == hangup_fd:
-                _end_all(isolation, config["cgroup"])
+                _end_all(pid_namespace, config)
+            elif fd == wake_read:
+                os.read(wake_read, 4096)
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -224,7 +115,7 @@ def _supervise(config: dict, isolation: dict) -> None:
                 break
             if pid == interpreter:
                 _report_death(report_fd, capture_fd, status)
-                _end_all(isolation, config["cgroup"])
+                _end_all(pid_namespace, config)
 
 
 def _report_death(report_fd: int, capture_fd: int, status: int) -> None:
@@ -242,61 +133,80 @@ def _report_death(report_fd: int, capture_fd: int, status: int) -> None:
         pass
 
 
-def _children() -> list[int]:
-    # /proc/<pid>/task/<tid>/children needs CONFIG_PROC_CHILDREN, which not every kernel has: scan parent pids.
-    me, children = os.getpid(), []
+def _process_table() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent pid, session id, state) of every process we can see."""
+    table = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat", "rb") as f:
-                    if int(f.read().rsplit(b")", 1)[1].split()[1]) == me:
-                        children.append(int(entry))
+                    fields = f.read().rsplit(b")", 1)[1].split()
+                table[int(entry)] = (int(fields[1]), int(fields[3]), fields[0].decode())
             except (OSError, IndexError, ValueError):
                 pass  # exited meanwhile
-    return children
+    return table
 
 
-def _cgroup_members(cgroup: str) -> list[int]:
-    try:
-        with open(os.path.join(cgroup, "cgroup.procs")) as f:
-            return [int(line) for line in f if line.strip()]
-    except OSError:
-        return []
+def _sandbox_members(config: dict, roots: set[int]) -> set[int]:
+    """Without a pid namespace: the live processes of the sandbox other than `roots` (cgroup members, processes of
+    the sandbox's session, and every descendant of `roots`), however deep or setsid'ed."""
+    members: set[int] = set()
+    for procs in config["cgroup_procs"]:
+        try:
+            with open(procs) as f:
+                members |= {int(line) for line in f if line.strip()}
+        except OSError:
+            pass
+    table = _process_table()
+    members |= {pid for pid, (_, session, _) in table.items() if session == config.get("session")}
+    seen, frontier = set(roots), set(roots)
+    while frontier:
+        frontier = {pid for pid, (ppid, _, _) in table.items() if ppid in frontier and pid not in seen}
+        seen |= frontier
+    members |= seen
+    return {pid for pid in members - roots if table.get(pid, (0, 0, "Z"))[2] != "Z"}
 
 
-def _end_all(isolation: dict, cgroup: str | None) -> None:
-    if isolation["pid_namespace"]:
-        os._exit(0)  # pid 1 exiting: the kernel SIGKILLs everything else in the namespace
-    # No pid namespace. The cgroup lists every sandbox process at once, however deep or setsid'ed (a fork bomb dies in
-    # one round); as subreaper we also inherit every orphaned descendant, so our children cover the no-cgroup case.
-    # Reaping them here leaves no zombie for init to collect.
-    protected = {os.getpid(), os.getppid()}
+def _kill_until_gone(config: dict, roots: set[int], reap) -> bool:
+    """Without a pid namespace: SIGKILLs the sandbox's other processes, round after round, until none is left."""
     for _ in range(1000):
-        while True:
-            try:
-                if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                    break
-            except ChildProcessError:
-                break
-        members = _cgroup_members(cgroup) if isolation["process_limit"] == "cgroup" else []
-        victims = (set(members) | set(_children())) - protected
+        reap()
+        victims = _sandbox_members(config, roots)
         if not victims:
-            os._exit(0)
+            return True
         for pid in victims:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         select.select([], [], [], 0.002)
-    os.killpg(0, signal.SIGKILL)
+    return False
+
+
+def _reap_all() -> None:
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+
+
+def _end_all(pid_namespace: bool, config: dict) -> None:
+    if pid_namespace:
+        os._exit(0)  # pid 1 exiting: the kernel SIGKILLs everything else in the namespace
+    if not _kill_until_gone(config, {os.getpid()}, _reap_all):
+        os.killpg(0, signal.SIGKILL)
+    os._exit(0)
 
 
 # -------------------------------------------------------------------------------------------------------- interpreter
 
 
 def _drop_capabilities() -> bool:
-    # Root without capabilities cannot setns() back to the host network, mount, read other processes' memory or
-    # environment, or raise rlimits again. (In a user namespace, a non-root process holds capabilities there too.)
+    # Only matters without bubblewrap when the trainer is root: root without capabilities cannot raise rlimits again,
+    # read other processes' memory or environment, or override file permissions. (Inside bubblewrap the sandbox runs
+    # as a non-root user of its user namespace, which has no capabilities to begin with.)
     for cap in range(64):
         _prctl(PR_CAPBSET_DROP, cap)
 
@@ -312,13 +222,25 @@ def _drop_capabilities() -> bool:
 
 
 def _disable_sockets() -> None:
-    # Fallback when no network namespace could be created: best effort, Python-level only.
+    # Fallback when no network namespace could be created: Python-level only (`_socket` or a subprocess gets out).
     import socket
 
     def refuse(self, *args, **kwargs):
         raise PermissionError("network access is disabled in this sandbox")
 
     socket.socket.__init__ = refuse
+
+
+def _count_user_tasks(uid: int) -> int:
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    count += len(os.listdir(f"/proc/{entry}/task"))
+            except OSError:
+                pass
+    return count
 
 
 def _read_capture(fd: int, limit: int) -> tuple[str, int]:
@@ -365,6 +287,24 @@ def _reap_children() -> None:
                 obj.returncode = exit_codes[obj.pid]
 
 
+def _end_cell_processes(config: dict, pid_namespace: bool) -> None:
+    """Kills every process the cell started (background servers, daemons, `setsid()` escapees): none outlives it."""
+    if pid_namespace:
+        # kill(-1) reaches every process of our pid namespace except pid 1 (the supervisor) and ourselves. A process
+        # being killed cannot fork any more, so a round or two clears a fork bomb; zombies keep it succeeding until
+        # they are reaped (our children by us, orphans by the supervisor).
+        for _ in range(2000):
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except ProcessLookupError:
+                break
+            _reap_children()
+            time.sleep(0.0005)
+    else:
+        _kill_until_gone(config, {os.getpid(), os.getppid()}, _reap_children)
+    _reap_children()
+
+
 def _run_cell(code: str, namespace: dict) -> None:
     tree = compile(code, "<cell>", "exec", ast.PyCF_ONLY_AST)
     # Like a notebook: the value of a trailing expression is printed.
@@ -376,7 +316,7 @@ def _run_cell(code: str, namespace: dict) -> None:
             print(repr(value))
 
 
-def _interpret(config: dict, isolation: dict, capture_fd: int) -> None:
+def _interpret(config: dict, pid_namespace: bool, capture_fd: int) -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     commands = os.fdopen(os.dup(0), "rb")
     responses = os.dup(1)
@@ -385,15 +325,25 @@ def _interpret(config: dict, isolation: dict, capture_fd: int) -> None:
     os.close(null)
 
     memory = config["memory_limit_mb"] * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))  # one huge allocation: a MemoryError, not an OOM kill
     file_size = config["max_file_mb"] * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # oversized writes raise OSError instead of killing us
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if isolation["network"] == "socket-disabled":
+    isolation = {
+        "pid_namespace": pid_namespace,
+        "network": "allowed" if config["allow_network"] else ("namespace" if config["namespaces"] else "socket"),
+        "process_limit": "cgroup" if config["pids_cgroup"] else None,
+    }
+    if not config["pids_cgroup"] and os.getuid() != 0:
+        # RLIMIT_NPROC counts all tasks of the uid, so allow what already runs plus the sandbox's budget.
+        limit = _count_user_tasks(os.getuid()) + config["max_processes"]
+        resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
+        isolation["process_limit"] = "rlimit"
+    if isolation["network"] == "socket":
         _disable_sockets()
-    if _drop_capabilities():
-        isolation["capabilities"] = "dropped"
+    if not config["namespaces"]:
+        _drop_capabilities()
 
     my_pid = os.getpid()
     limit = config["max_output_chars"]
@@ -429,13 +379,13 @@ def _interpret(config: dict, isolation: dict, capture_fd: int) -> None:
             del exc
         if os.getpid() != my_pid:
             os._exit(0)  # a process forked by user code must never answer on the protocol pipe
-        _reap_children()
         user_sigchld = signal.signal(signal.SIGCHLD, lambda *_: _reap_children())
         try:
             sys.stdout.flush()
             sys.stderr.flush()
         except BaseException:
             pass
+        _end_cell_processes(config, pid_namespace)
         try:
             error = _clip(error, limit // 2) if error else None
             output, total = _read_capture(capture_fd, limit - len(error or ""))
@@ -449,4 +399,4 @@ def _interpret(config: dict, isolation: dict, capture_fd: int) -> None:
 
 
 if __name__ == "__main__":
-    _launch(json.loads(sys.argv[1]))
+    (_launch if sys.argv[1] == "launch" else _supervise)(json.loads(sys.argv[2]))

@@ -8,6 +8,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import tool_error_message
+
 SYSTEM_PROMPT = (
     "Solve the math problem. Use the `calculate` tool for the arithmetic, then give the final answer on its own "
     'line as "Answer: <number>".'
@@ -425,7 +427,7 @@ def tool_use_reward(completions: list, **kwargs) -> list[float]:
     for completion in completions:
         messages = [] if isinstance(completion, str) else completion
         success = any(
-            message.get("role") == "tool" and not _text(message.get("content")).startswith("{'error'")
+            message.get("role") == "tool" and tool_error_message(_text(message.get("content"))) is None
             for message in messages
         )
         rewards.append(TOOL_USE_BONUS if success else 0.0)

@@ -1,35 +1,64 @@
-"""Infrastructure errors raised by sandboxed tool environments.
+"""Errors raised by the Python sandbox (`PythonSandboxEnv`), placed in trl-agentic's taxonomy (see `trl_agentic.errors`).
 
-These signal that the *sandbox* failed (the interpreter hung, died or ran out of memory), not that the model wrote bad
-code: the trainer retries the turn and never trains on it. Errors in the model's own code are returned to the model as
-tool output text instead (see `PythonSandboxEnv.python`).
+Model errors (the model's code is at fault; shown to the model, may trigger a rollback, never retried):
+
+- `CodeError`: the code raised an exception. Its `error_type` is the exception's class name (e.g. `"NameError"`).
+- `SandboxError` and its subclasses `SandboxTimeout`, `SandboxCrashed`, `SandboxMemoryError`: the code ran past the
+  time limit, killed its interpreter, or went over the cell's memory limit. The sandbox cleaned up after it.
+
+Infrastructure errors (not the model's fault; retried in place, never trained on):
+
+- `SandboxUnavailable`: the sandbox could not start, or the isolation it was asked to require is missing.
 """
 
+from ..errors import InfrastructureError, ToolCallError
 
-class SandboxInfraError(RuntimeError):
+__all__ = [
+    "CodeError",
+    "SandboxCrashed",
+    "SandboxError",
+    "SandboxMemoryError",
+    "SandboxTimeout",
+    "SandboxUnavailable",
+]
+
+
+class CodeError(ToolCallError):
     """
-    Base class of sandbox infrastructure failures.
-
-    The message always starts with the class name (e.g. `"SandboxTimeout: execution exceeded 5.0 s"`), so it stays
-    recognizable after the trainer turns the exception into text.
+    The model's code raised an exception (a `SyntaxError`, a `NameError`, a caught-and-reraised `MemoryError`, ...).
 
     Args:
-        detail (`str`):
-            What went wrong, appended after the class name.
+        message (`str`):
+            What the model reads: the output the cell printed, then the error line (e.g.
+            `"partial\\nZeroDivisionError: division by zero"`).
+        error_type (`str`):
+            The exception's class name.
     """
 
-    def __init__(self, detail: str):
-        self.detail = detail
-        super().__init__(f"{type(self).__name__}: {detail}")
+
+class SandboxError(ToolCallError):
+    """
+    Base class of the sandbox failures caused by the model's code. The sandbox ended every process of the cell.
+
+    Args:
+        message (`str`):
+            What went wrong, as the model reads it.
+    """
 
 
-class SandboxTimeout(SandboxInfraError):
-    """A call exceeded its wall-clock limit; the interpreter and all its processes were killed."""
+class SandboxTimeout(SandboxError):
+    """The cell exceeded its wall-clock limit; its interpreter and all its processes were killed."""
 
 
-class SandboxCrashed(SandboxInfraError):
-    """The interpreter process died or failed to start (e.g. a segfault, `os._exit`, or a broken pipe)."""
+class SandboxCrashed(SandboxError):
+    """The interpreter died during the cell (e.g. `os._exit`, a segfault, `os.abort()`)."""
 
 
 class SandboxMemoryError(SandboxCrashed):
-    """The interpreter died because it ran out of memory (a `MemoryError` caught in user code is not this)."""
+    """The cell's processes together went over the memory limit (the kernel killed one), or the interpreter died of an
+    allocation failure. A `MemoryError` that the code raises and does not catch is a `CodeError` instead."""
+
+
+class SandboxUnavailable(InfrastructureError):
+    """The sandbox cannot start here, or isolation it was asked to require is missing (the message names what and the
+    opt-in). Not the model's fault."""

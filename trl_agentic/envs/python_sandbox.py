@@ -1,6 +1,9 @@
 """`PythonSandboxEnv`: a TRL tool environment exposing a persistent, sandboxed Python interpreter."""
 
-from .errors import SandboxInfraError
+from __future__ import annotations
+
+from .errors import CodeError, SandboxError, SandboxUnavailable
+from .sandbox_isolation import resolve_isolation
 from .sandbox_process import SandboxProcess
 
 
@@ -9,20 +12,26 @@ class PythonSandboxEnv:
     TRL environment with one tool, `python`, backed by a persistent interpreter in an isolated subprocess.
 
     Use it as `GRPOTrainer(..., environment_factory=PythonSandboxEnv)` (or a `functools.partial` to change limits).
-    Each episode (between two `reset` calls) gets a fresh interpreter in a fresh temporary directory, started lazily
-    on the first tool call, with a minimal environment (none of the trainer's variables), an address-space limit, a
-    process budget, a read-only view of the rest of the filesystem and, unless `allow_network=True`, no network. What
-    the machine allowed is reported by `isolation` (see `_sandbox_child.py` for the mechanisms and their fallbacks).
-    This contains accidents and runaway code; it is not hardened against deliberately malicious code.
+    Each episode (between two `reset` calls) gets a fresh interpreter in a fresh working directory, started lazily on
+    the first tool call. Model-written code is treated as hostile; see docs/reliability.md for what stops each attack.
 
-    Errors are split in two kinds:
+    Isolation (checked when the environment is constructed, i.e. at trainer start-up; see `sandbox_isolation.py`):
+    bubblewrap namespaces (no network, no host processes, no host files but the read-only system and Python
+    directories, none of the trainer's environment variables) and cgroups for limits that hold for all processes of a
+    cell together (memory, processes, cores). With `isolation="required"` (the default) a machine that lacks any of
+    them is refused with `SandboxUnavailable` naming what is missing; `"best_effort"` runs with what there is and logs
+    once what protection is absent.
 
-    - the model's errors (an exception raised by its code, including `SyntaxError` and a caught `MemoryError`) are
-      returned as text ending with e.g. `"NameError: name 'x' is not defined"`, and their class name is stored in
-      `last_error_type`;
-    - infrastructure errors (`SandboxTimeout`, `SandboxCrashed`, `SandboxMemoryError`) are raised, for the trainer to
-      retry. The interpreter is gone after them; the next call starts a new one and silently replays the cells that
-      had succeeded, so the episode state survives.
+    Errors, in trl-agentic's taxonomy (`trl_agentic.errors`):
+
+    - the code raised → `CodeError` (a model error) whose `error_type` is the exception's class name and whose message
+      is the printed output then the error line;
+    - the code ran past the time limit, killed the interpreter or went over the memory limit → `SandboxTimeout`,
+      `SandboxCrashed`, `SandboxMemoryError` (model errors). The next call starts a new interpreter and silently
+      replays the cells that had succeeded, so the episode state survives;
+    - the sandbox cannot start → `SandboxUnavailable` (an infrastructure error: retried, not the model's fault).
+
+    A cell's processes never outlive it: when a call returns, everything the cell started has been killed.
 
     The state for rollback (`_checkpoint`/`_restore`) is the list of cells that ran without error: restoring restarts
     the interpreter (and its directory) and replays them. Cells that raised are not replayed, so side effects they had
@@ -32,19 +41,27 @@ class PythonSandboxEnv:
         timeout (`float`, *optional*, defaults to `5.0`):
             Wall-clock limit of one call, in seconds.
         memory_limit_mb (`int`, *optional*, defaults to `512`):
-            Address-space limit (`RLIMIT_AS`) of the interpreter, in MiB.
+            Memory of all processes of the sandbox together (memory cgroup), and `RLIMIT_AS` of each, in MiB.
         max_output_chars (`int`, *optional*, defaults to `4000`):
             Longer output is cut, with a `"...[truncated N chars]"` marker.
         allow_network (`bool`, *optional*, defaults to `False`):
             Whether user code may use the network.
         max_processes (`int`, *optional*, defaults to `32`):
-            How many processes/threads user code may run at once (enforced by a `pids` cgroup when available, see
-            `pids_cgroup.py`).
+            How many processes/threads user code may run at once (pids cgroup).
         max_file_mb (`int`, *optional*, defaults to `64`):
             Largest file (and total output of one call) user code may write, in MiB.
-        use_namespaces (`bool`, *optional*, defaults to `True`):
-            Isolate network, processes and the filesystem with Linux namespaces when permitted; otherwise sockets are
-            disabled in Python, the filesystem stays writable and processes are ended through the cgroup.
+        max_disk_mb (`int`, *optional*, defaults to `128`):
+            Size of the working directory (a tmpfs); `/dev/shm` gets a quarter of it on top. Its number of files is
+            bounded by the memory cgroup (each file is kernel memory charged to the sandbox).
+        max_cpus (`float`, *optional*, defaults to `1.0`):
+            Cores the sandbox's processes may use together (cpu cgroup): a call uses at most `max_cpus x timeout` of
+            CPU time.
+        isolation (`str`, *optional*, defaults to `"required"`):
+            `"required"`: refuse to run without every isolation mechanism. `"best_effort"`: use what the machine has
+            and log what is missing.
+        without (`tuple[str, ...]`, *optional*, defaults to `()`):
+            Mechanisms to leave unused as if the machine lacked them (`"bwrap"`, `"memory_cgroup"`, `"pids_cgroup"`,
+            `"cpu_cgroup"`): for tests of the refusal and fallback paths.
     """
 
     def __init__(
@@ -55,7 +72,10 @@ class PythonSandboxEnv:
         allow_network: bool = False,
         max_processes: int = 32,
         max_file_mb: int = 64,
-        use_namespaces: bool = True,
+        max_disk_mb: int = 128,
+        max_cpus: float = 1.0,
+        isolation: str = "required",
+        without: tuple[str, ...] = (),
     ):
         if timeout <= 0:
             raise ValueError(f"`timeout` must be positive, got {timeout}.")
@@ -67,14 +87,22 @@ class PythonSandboxEnv:
             raise ValueError(f"`max_output_chars` must be at least 100, got {max_output_chars}.")
         if max_processes < 1:
             raise ValueError(f"`max_processes` must be at least 1, got {max_processes}.")
+        if not 1 <= max_file_mb <= max_disk_mb:
+            raise ValueError(f"need 1 <= `max_file_mb` <= `max_disk_mb`, got {max_file_mb} and {max_disk_mb}.")
+        if max_cpus <= 0:
+            raise ValueError(f"`max_cpus` must be positive, got {max_cpus}.")
         self.timeout = float(timeout)
+        self.isolation_policy = isolation
+        self.mechanisms = resolve_isolation(isolation, without)  # refuses here, at start-up, when "required"
         self._process_kwargs = {
+            "mechanisms": self.mechanisms,
             "memory_limit_mb": memory_limit_mb,
             "max_output_chars": max_output_chars,
             "allow_network": allow_network,
             "max_processes": max_processes,
             "max_file_mb": max_file_mb,
-            "use_namespaces": use_namespaces,
+            "max_disk_mb": max_disk_mb,
+            "max_cpus": max_cpus,
         }
         self._process: SandboxProcess | None = None
         self._cells: list[str] = []
@@ -96,28 +124,37 @@ class PythonSandboxEnv:
         Run Python code in a persistent interpreter and return its printed output.
 
         Variables, imports and files persist between calls, and the value of a final expression is printed.
-        There is no network access and each call has a time limit.
+        There is no network access, each call has a time limit, and processes started by a call end with it.
 
         Args:
             code: The Python code to run.
 
         Returns:
-            The printed output (stdout and stderr), then the error message if the code raised, or "(no output)".
+            The printed output (stdout and stderr), or "(no output)".
         """
         try:
             result = self._interpreter().run(code, self.timeout)
-        except SandboxInfraError as exc:
+        except (SandboxError, SandboxUnavailable) as exc:
             self.last_error_type = type(exc).__name__
             raise
         self.last_error_type = result["error_type"]
-        if result["error_type"] is None:
-            self._cells.append(code)
+        if result["error_type"] is not None:
+            raise CodeError(result["text"], error_type=result["error_type"])
+        self._cells.append(code)
         return result["text"] or "(no output)"
 
     @property
     def isolation(self) -> dict | None:
-        """`dict` or `None`: What the running interpreter got (network, pid namespace, process limit, capabilities)."""
-        return None if self._process is None else dict(self._process.isolation)
+        """`dict` or `None`: The policy, the mechanisms in use and what the running interpreter got."""
+        if self._process is None:
+            return None
+        return {
+            "policy": self.isolation_policy,
+            "mechanisms": sorted(self.mechanisms),
+            "filesystem": "private" if self._process.namespaces else "host",
+            "limits": sorted(self._process.controllers),
+            **self._process.isolation,
+        }
 
     def _interpreter(self) -> SandboxProcess:
         if self._process is not None and self._process.alive:
@@ -125,8 +162,13 @@ class PythonSandboxEnv:
         process = SandboxProcess(**self._process_kwargs)
         self._process = process
         for cell in self._cells:
-            # Cells that raise now are ignored: they succeeded before, so the state is as close as we can get.
-            process.run(cell, self.timeout)
+            # Cells that raise now are ignored: they succeeded before, so the state is as close as we can get. One that
+            # kills the interpreter (e.g. times out on a loaded machine) is not this call's fault: retried as infra.
+            try:
+                process.run(cell, self.timeout)
+            except SandboxError as exc:
+                self._close()
+                raise SandboxUnavailable(f"could not restore the episode's state: {exc}") from exc
         return process
 
     def _checkpoint(self) -> list[str]:

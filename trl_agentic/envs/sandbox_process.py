@@ -1,4 +1,6 @@
-"""The parent's handle on one sandboxed Python interpreter process (see `_sandbox_child.py` for the child side)."""
+"""The parent's handle on one sandboxed Python interpreter (see `_sandbox_child.py` for the child side)."""
+
+from __future__ import annotations
 
 import json
 import os
@@ -11,12 +13,14 @@ import tempfile
 import time
 import weakref
 
-from .errors import SandboxCrashed, SandboxMemoryError, SandboxTimeout
-from .pids_cgroup import cgroup_pids, create_pids_cgroup, remove_pids_cgroup
+from .errors import SandboxCrashed, SandboxMemoryError, SandboxTimeout, SandboxUnavailable
+from .sandbox_cgroup import CellCgroup
+from .sandbox_isolation import CHILD_PATH, SANDBOX_DIR, bwrap_command
 
 CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
-# Launcher + supervisor + interpreter count against the cgroup's pids.max on top of the user's budget.
+# bubblewrap's monitor, the supervisor and the interpreter count against the cgroup's pids.max on top of the budget.
 _OWN_PROCESSES = 3
+_EXIT_CGROUP_FAILED = 97  # `_sandbox_child.EXIT_CGROUP_FAILED`
 
 
 def _minimal_env(workdir: str) -> dict[str, str]:
@@ -39,7 +43,7 @@ def _minimal_env(workdir: str) -> dict[str, str]:
     }
 
 
-def _teardown(popen: subprocess.Popen, workdir: str, cgroup: str | None, owner_pid: int) -> None:
+def _teardown(popen: subprocess.Popen, workdir: str | None, cgroup: CellCgroup | None, capture, owner_pid: int):
     # Module-level so `weakref.finalize` can call it without keeping the handle alive.
     if os.getpid() != owner_pid:
         return  # a forked copy of the trainer (e.g. a dataloader worker) must not kill the parent's sandbox
@@ -56,10 +60,10 @@ def _teardown(popen: subprocess.Popen, workdir: str, cgroup: str | None, owner_p
         except (ProcessLookupError, PermissionError):
             pass
     if cgroup is not None:
-        # Processes that left our session with setsid() are still in the cgroup (the pid namespace, when there is one,
-        # already ended them). The cgroup caps their number, so a few rounds of SIGKILL catch a fork bomb too.
+        # Whatever is still in the cgroup (the pid namespace, when there is one, already ended it). The cgroup caps
+        # the number of processes, so a few rounds of SIGKILL catch a fork bomb too.
         for _ in range(100):
-            pids = cgroup_pids(cgroup)
+            pids = cgroup.pids()
             if not pids:
                 break
             for pid in pids:
@@ -71,23 +75,29 @@ def _teardown(popen: subprocess.Popen, workdir: str, cgroup: str | None, owner_p
     popen.wait()
     for stream in (popen.stdout, popen.stderr):
         stream.close()
+    capture.close()
     if cgroup is not None:
-        remove_pids_cgroup(cgroup)
-    shutil.rmtree(workdir, ignore_errors=True)
+        cgroup.remove()
+    if workdir is not None:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 class SandboxProcess:
     """
     One isolated, persistent Python interpreter running in a subprocess.
 
-    The process gets its own temporary working directory (also `HOME` and `TMPDIR`, the only writable place), a
-    minimal environment, an address space limit, a file size limit, no network and a process budget (see
-    `_sandbox_child.py` for how each is enforced and `isolation` for what was actually available). It is started by the constructor and torn down by `close`, or
-    when the handle is garbage collected, or at interpreter exit.
+    With bubblewrap (`"bwrap"` in `mechanisms`) the interpreter runs in its own user, pid, network, mount and IPC
+    namespaces, sees only the system and Python directories (read-only), and works in a tmpfs of `max_disk_mb` at
+    `/tmp` (also `HOME` and `TMPDIR`) that disappears with it. Without it, it works in a host temporary directory and
+    is isolated only by rlimits, a Python-level socket block and process bookkeeping. The cgroup controllers in
+    `mechanisms` add limits for all processes of the sandbox together. Started by the constructor and torn down by
+    `close`, when the handle is garbage collected, or at interpreter exit.
 
     Args:
+        mechanisms (`Iterable[str]`):
+            The isolation mechanisms to use (see `sandbox_isolation.resolve_isolation`).
         memory_limit_mb (`int`, *optional*, defaults to `512`):
-            `RLIMIT_AS` of the interpreter, in MiB.
+            Memory of all processes together (memory cgroup, plus the tmpfs budgets), and `RLIMIT_AS` of each.
         max_output_chars (`int`, *optional*, defaults to `4000`):
             Output (stdout + stderr + error) longer than this is cut by the child before it is sent.
         allow_network (`bool`, *optional*, defaults to `False`):
@@ -96,65 +106,110 @@ class SandboxProcess:
             How many processes/threads user code may run at once, besides the sandbox's own three.
         max_file_mb (`int`, *optional*, defaults to `64`):
             `RLIMIT_FSIZE`: the largest file user code may write, which also bounds the captured output.
-        use_namespaces (`bool`, *optional*, defaults to `True`):
-            Use Linux network, pid and mount namespaces when permitted. With `False` (or when unsharing fails), network
-            is blocked at the Python `socket` level only, the filesystem stays writable, and processes are ended
-            through the cgroup and by the supervisor, a child subreaper.
-        startup_timeout (`float`, *optional*, defaults to `10.0`):
+        max_disk_mb (`int`, *optional*, defaults to `128`):
+            Size of the working directory's tmpfs (bubblewrap only); `/dev/shm` gets a quarter of it.
+        max_cpus (`float`, *optional*, defaults to `1.0`):
+            Cores all processes may use together (cpu cgroup).
+        startup_timeout (`float`, *optional*, defaults to `30.0`):
             Seconds to wait for the interpreter to report ready.
     """
 
     def __init__(
         self,
+        mechanisms,
         memory_limit_mb: int = 512,
         max_output_chars: int = 4000,
         allow_network: bool = False,
         max_processes: int = 32,
         max_file_mb: int = 64,
-        use_namespaces: bool = True,
-        startup_timeout: float = 10.0,
+        max_disk_mb: int = 128,
+        max_cpus: float = 1.0,
+        startup_timeout: float = 30.0,
     ):
+        mechanisms = frozenset(mechanisms)
         self.max_output_chars = max_output_chars
-        self.workdir = tempfile.mkdtemp(prefix="trl_agentic_sandbox_")
-        self.cgroup = create_pids_cgroup(max_processes + _OWN_PROCESSES)
+        self.memory_limit_mb = memory_limit_mb
+        self.namespaces = "bwrap" in mechanisms
+        shm_mb = max(1, max_disk_mb // 4)
+        # Files in the sandbox's tmpfs are memory too (charged to the cgroup): each budget stays usable on its own.
+        memory_bytes = (memory_limit_mb + (max_disk_mb + shm_mb if self.namespaces else 0)) * 1024 * 1024
+        controllers = [c for c in ("memory", "pids", "cpu") if f"{c}_cgroup" in mechanisms]
+        self.workdir = None if self.namespaces else tempfile.mkdtemp(prefix="trl_agentic_sandbox_")
+        self._capture = tempfile.TemporaryFile(prefix="trl_agentic_sandbox_output_")  # the child's stdout/stderr
+        try:
+            self.cgroup = (
+                CellCgroup(memory_bytes, max_processes + _OWN_PROCESSES, max_cpus, controllers)
+                if controllers
+                else None
+            )
+        except OSError as exc:
+            self._capture.close()
+            if self.workdir is not None:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+            raise SandboxUnavailable(f"could not create the sandbox's cgroup: {exc}") from exc
+        self.controllers = set(self.cgroup.dirs) if self.cgroup is not None else set()
         config = {
             "memory_limit_mb": memory_limit_mb,
             "max_output_chars": max_output_chars,
             "allow_network": allow_network,
             "max_processes": max_processes,
             "max_file_mb": max_file_mb,
-            "use_namespaces": use_namespaces,
-            "cgroup": self.cgroup,
-            "workdir": self.workdir,  # the one writable place; also makes the command line unique and easy to find
+            "namespaces": self.namespaces,
+            "pids_cgroup": "pids" in self.controllers,
+            "capture_fd": self._capture.fileno(),
+            "cgroup_procs": self.cgroup.procs_files if self.cgroup is not None else [],
+            "exec": None,
         }
+        workdir = SANDBOX_DIR if self.namespaces else self.workdir
+        if self.namespaces:
+            inside = dict(config, cgroup_procs=[])  # nothing of /sys is visible inside
+            config["exec"] = bwrap_command(
+                shutil.which("bwrap") or "bwrap",
+                allow_network=allow_network,
+                disk_bytes=max_disk_mb * 1024 * 1024,
+                shm_bytes=shm_mb * 1024 * 1024,
+                child_script=CHILD_SCRIPT,
+                argv=[sys.executable, "-I", "-u", "-B", CHILD_PATH, "supervise", json.dumps(inside)],
+                env=_minimal_env(workdir),
+            )
         try:
             self._popen = subprocess.Popen(
-                [sys.executable, "-I", "-u", "-B", CHILD_SCRIPT, json.dumps(config)],
+                [sys.executable, "-I", "-u", "-B", CHILD_SCRIPT, "launch", json.dumps(config)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                cwd=self.workdir,
-                env=_minimal_env(self.workdir),
-                start_new_session=True,  # own process group: killpg reaches every process of the sandbox
+                cwd=workdir if self.workdir is not None else "/",
+                env=_minimal_env(workdir),
+                pass_fds=(self._capture.fileno(),),
+                start_new_session=True,  # own session and process group: killpg reaches the launcher's processes
             )
-        except BaseException:
+        except BaseException as exc:
+            self._capture.close()
             if self.cgroup is not None:
-                remove_pids_cgroup(self.cgroup)
-            shutil.rmtree(self.workdir, ignore_errors=True)
+                self.cgroup.remove()
+            if self.workdir is not None:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+            if isinstance(exc, OSError):
+                raise SandboxUnavailable(f"could not start the sandbox: {exc}") from exc
             raise
-        self._finalizer = weakref.finalize(self, _teardown, self._popen, self.workdir, self.cgroup, os.getpid())
+        self._finalizer = weakref.finalize(
+            self, _teardown, self._popen, self.workdir, self.cgroup, self._capture, os.getpid()
+        )
         self._buffer = b""
         # A well-behaved child never sends more than this per message (text is clipped in the child).
         self._max_message_bytes = 16 * max_output_chars + 65536
-        hello = self._receive(time.monotonic() + startup_timeout, "startup", startup_timeout)
+        try:
+            hello = self._receive(time.monotonic() + startup_timeout, None)
+        except (SandboxTimeout, SandboxCrashed) as exc:
+            raise SandboxUnavailable(f"the sandbox did not start: {exc}") from exc
         if not hello.get("ready"):
             self.close()
-            raise SandboxCrashed(f"unexpected first message from the interpreter: {hello!r}")
+            raise SandboxUnavailable(f"unexpected first message from the sandbox: {hello!r}")
         self.isolation: dict = hello["isolation"]
 
     @property
     def pid(self) -> int:
-        """`int`: Pid of the launcher process, which is also the process group id of the whole sandbox."""
+        """`int`: Pid of the launcher (bubblewrap's monitor, or the supervisor), the sandbox's process group id."""
         return self._popen.pid
 
     @property
@@ -164,7 +219,7 @@ class SandboxProcess:
 
     def run(self, code: str, timeout: float) -> dict:
         """
-        Executes one cell in the interpreter.
+        Executes one cell in the interpreter. When it returns, every process the cell started is gone.
 
         Args:
             code (`str`):
@@ -177,33 +232,54 @@ class SandboxProcess:
             the exception class name if the code raised.
 
         Raises:
-            `SandboxTimeout`, `SandboxCrashed`, `SandboxMemoryError`: the sandbox is closed after any of these.
+            `SandboxTimeout`, `SandboxCrashed`: the sandbox is closed after these. `SandboxMemoryError`: the cell went
+            over the memory limit (the sandbox is closed if its interpreter died).
         """
         if not self.alive:
             raise SandboxCrashed("the interpreter was already closed")
+        oom_kills = self.cgroup.oom_kills() if self.cgroup is not None else 0
         try:
             self._popen.stdin.write((json.dumps({"code": code}) + "\n").encode())
             self._popen.stdin.flush()
         except (BrokenPipeError, ValueError):
             pass  # the interpreter died: _receive reads its death report or EOF
-        return self._receive(time.monotonic() + timeout, "execution", timeout)
+        try:
+            message = self._receive(time.monotonic() + timeout, timeout, oom_kills)
+        except SandboxTimeout:
+            raise SandboxTimeout(f"the cell exceeded its time limit ({timeout:g} s) and was stopped") from None
+        killed = (self.cgroup.oom_kills() if self.cgroup is not None else 0) - oom_kills
+        if killed > 0:
+            raise SandboxMemoryError(self._over_memory(killed))
+        return message
 
     def close(self) -> None:
-        """Kills every process of the sandbox and removes its working directory and cgroup. Idempotent."""
+        """Kills every process of the sandbox and removes its cgroup and working directory. Idempotent."""
         self._finalizer()
 
-    def _receive(self, deadline: float, phase: str, timeout: float) -> dict:
+    def _over_memory(self, killed: int) -> str:
+        return (
+            f"the cell went over the sandbox memory limit ({self.memory_limit_mb} MiB for all its processes "
+            f"together): {killed} of its processes {'was' if killed == 1 else 'were'} killed"
+        )
+
+    def _receive(self, deadline: float, timeout: float | None, oom_kills: int = 0) -> dict:
+        phase = "startup" if timeout is None else "execution"
         fd = self._popen.stdout.fileno()
         while b"\n" not in self._buffer:
             remaining = deadline - time.monotonic()
             ready = select.select([fd], [], [], remaining)[0] if remaining > 0 else []
             if not ready:
                 self.close()
-                raise SandboxTimeout(f"{phase} exceeded {timeout} s")
+                raise SandboxTimeout(f"{phase} exceeded its time limit")
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 stderr = self._stderr_tail()
+                killed = (self.cgroup.oom_kills() if self.cgroup is not None else 0) - oom_kills
                 self.close()
+                if self._popen.returncode == _EXIT_CGROUP_FAILED:
+                    raise SandboxUnavailable(f"the sandbox could not join its cgroup{stderr}")
+                if killed > 0 and timeout is not None:
+                    raise SandboxMemoryError(self._over_memory(killed))
                 raise SandboxCrashed(f"the interpreter exited unexpectedly during {phase}{stderr}")
             self._buffer += chunk
             if len(self._buffer) > self._max_message_bytes:
@@ -216,14 +292,17 @@ class SandboxProcess:
             self.close()
             raise SandboxCrashed(f"the interpreter sent a malformed message: {line[:200]!r}") from None
         if message.get("dead"):
+            killed = (self.cgroup.oom_kills() if self.cgroup is not None else 0) - oom_kills
             self.close()
+            if killed > 0:
+                raise SandboxMemoryError(self._over_memory(killed))
             error = SandboxMemoryError if message["memory"] else SandboxCrashed
             detail = message["detail"].strip()
             raise error(f"the interpreter {message['how']}" + (f": {detail[-300:]}" if detail else ""))
         return message
 
     def _stderr_tail(self) -> str:
-        # Only launcher/supervisor start-up failures reach the real stderr; read what is there without blocking.
+        # Only launcher/bubblewrap/supervisor failures reach the real stderr; read what is there without blocking.
         fd = self._popen.stderr.fileno()
         if not select.select([fd], [], [], 0.2)[0]:
             return ""

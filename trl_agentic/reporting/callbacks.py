@@ -11,8 +11,8 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
+from ..errors import tool_error_message
 from ..rollout.parsing import parse_tool_calls
-from ..rollout.tools import error_in_text
 from ..rollout.types import RowKind
 
 _KIND_NAMES = {
@@ -185,7 +185,7 @@ def describe_segments(segments: list[dict]) -> dict:
             segment["levels"] = [int(level) for level in _LEVEL.findall(text)]
         else:
             found = [
-                {"content": content, "error": error_in_text(content) is not None}
+                {"content": content, "error": tool_error_message(content) is not None}
                 for content in _TOOL_RESPONSE.findall(segment["text"])
             ]
             results += found

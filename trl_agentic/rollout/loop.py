@@ -1,25 +1,35 @@
-"""The multi-turn tool loop with rollback-and-retry, negative samples and context snapshots.
+"""The multi-turn tool loop with rollback-and-retry, negative samples, context snapshots and several user turns.
 
-This replaces `GRPOTrainer._tool_call_loop`. It is plain data in, plain data out: generation, parsing and chat
-templating are reached through a `RolloutBackend`, so tests drive the loop with scripted token sequences and the
-trainer plugs in TRL's own `_generate_single_turn`, `parse_response` and `_get_tool_suffix_ids`.
+This replaces `GRPOTrainer._tool_call_loop` when an agentic feature needs it (`AgenticGRPOTrainer` delegates to
+TRL's own loop otherwise). It is plain data in, plain data out: generation, parsing and chat templating are reached
+through a `RolloutBackend`, so tests drive the loop with scripted token sequences and the trainer plugs in TRL's own
+`_generate_single_turn`, `parse_response` and `_get_tool_suffix_ids`.
 
-Per iteration, for every rollout whose last assistant turn asked for tools:
+Each rollout is in one of three states after a generated turn: it asked for tools, its turn ended without tools (the
+environment may then supply the next user message, `_next_user_turn`), or it is done (no more user turns, a
+truncated turn, or out of budget). Per iteration, every rollout with work is stepped:
 
-1. checkpoint the environment (rollback on), run the calls (`tools.run_tool_call`), re-run infrastructure failures;
-2. on a model error matching `rollback_on_errors` with retries left: save the failed trajectory as a negative row,
-   restore the environment, truncate the tokens and messages to the start of that turn (plus an optional masked
-   hint) and queue the turn for regeneration;
-3. on `delete_context`: close the segment as a snapshot row and continue from the re-rendered, shorter prompt;
-4. otherwise append the tool results (masked) and queue the next turn;
+1. tools: checkpoint the environment (rollback on), run the calls one by one (an infrastructure error is retried in
+   place; a call past `tool_timeout` leaves its environment behind, see `_isolate_timed_out_env`), then
+   - on a model error matching `rollback_on_errors` with retries left: save the failed turn as a negative row (the
+     failed turn only; earlier turns become its prompt), restore the environment, truncate the tokens and messages
+     to the start of that turn (plus an optional masked hint) and queue the turn for regeneration;
+   - on `delete_context`: close the segment as a snapshot row and continue from the re-rendered, shorter prompt;
+   - otherwise append the tool results (masked) and queue the next turn;
+2. user turn: append the environment's next user message (masked) and queue the next assistant turn;
 
-then ONE batched generation call serves every queued rollout (continuations and regenerations alike). With several
-processes, every rank makes the same number of generation calls (a dummy one when it has nothing to do), because
-generation can be a collective (ZeRO-3 gathers, vLLM server mode).
+then ONE batched generation call serves every queued rollout. With several processes every rank makes the same number
+of generation calls (a dummy one when it has nothing to do), because generation can be a collective (ZeRO-3 gathers,
+vLLM server mode), and an exception on one rank is re-raised on every rank at the next synchronisation instead of
+leaving the others waiting in a collective.
+
+A turn cut by `max_completion_length` (it does not end with an end-of-sequence token) is never executed, rolled back
+or trained as a negative: the rollout ends there and the turn is counted in `truncated_turns`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import random
@@ -27,10 +37,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..envs.protocol import checkpoint_env, restore_env
+from ..envs.protocol import checkpoint_env, has_user_turns, next_user_turn, restore_env
 from .context import DELETE_CONTEXT_TOOL, apply_deletion
 from .parsing import parse_tool_calls
-from .tools import ToolOutcome, classify, run_tool_call
+from .tools import PARSE_ERROR, ErrorPolicy, ToolOutcome, failure, run_tool_call
 from .types import ExtraRow, LoopResult, LoopStats, RowKind
 
 
@@ -41,6 +51,7 @@ class RolloutBackend(Protocol):
     max_model_len: int
     max_iterations: int
     multi_process: bool
+    stop_token_ids: set[int]  # a turn that does not end with one of these was truncated
 
     def generate(self, contexts: list[list[int]]) -> tuple[list[list[int]], list[list[float]] | None]: ...
 
@@ -52,9 +63,13 @@ class RolloutBackend(Protocol):
 
     def hint_ids(self, hint: str) -> list[int]: ...
 
+    def user_turn_ids(self, content: str) -> list[int]: ...
+
     def render_prompt(self, messages: list[dict], row: int) -> list[int]: ...
 
-    def any_rank(self, flag: bool) -> bool: ...
+    def new_environment(self, row: int, old: Any) -> Any: ...
+
+    def any_rank(self, flag: bool, error: BaseException | None = None) -> bool: ...
 
 
 @dataclass
@@ -66,12 +81,13 @@ class LoopConfig:
     rollback_on_errors: list[str] = field(default_factory=list)
     rollback_feedback: str = "none"
     rollback_hint_template: str = "Your previous tool call failed with: {error}. Write a corrected call."
-    infra_error_patterns: list[str] = field(default_factory=list)
+    infra_error_types: list[str] = field(default_factory=lambda: ["InfrastructureError"])
     max_infra_retries: int = 2
     save_negative_samples: bool = False
     max_negative_samples_per_group: int = 1
     tool_timeout: float = 0.0
-    max_tool_output_chars: int = 4000
+    max_tool_output_chars: int | None = None
+    malformed_tool_call_feedback: bool = False
     enable_context_snapshots: bool = False
     max_snapshots_per_episode: int = 4
     snapshot_downsample: str = "last"
@@ -80,6 +96,18 @@ class LoopConfig:
     @classmethod
     def from_args(cls, args) -> LoopConfig:
         return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
+
+    @property
+    def detects_malformed_calls(self) -> bool:
+        # Rollback needs to see a malformed call to roll it back, so it turns the detection on.
+        return self.malformed_tool_call_feedback or self.enable_tool_rollback
+
+    @property
+    def policy(self) -> ErrorPolicy:
+        return ErrorPolicy(list(self.rollback_on_errors), list(self.infra_error_types))
+
+
+_TOOLS, _USER = "tools", "user"
 
 
 @dataclass
@@ -92,10 +120,13 @@ class _Rollout:
     logprobs: list[float] | None
     prompt_msgs: list[dict]  # the conversation that the current segment's tokens render (TRL's `prompts[i]`)
     completion_msgs: list[dict]  # every message the model produced or received in the episode (TRL's `completions[i]`)
+    pending: str | None = None  # `_TOOLS`, `_USER` or None (done)
     calls: list[dict] = field(default_factory=list)
     parse_errors: list[str] = field(default_factory=list)
     turn_start: int = 0  # token offset in completion_ids where the current assistant turn starts
     turn_msg_start: int = 0  # index in completion_msgs of the current assistant turn
+    segment_msg_start: int = 0  # index in completion_msgs where the current segment starts
+    segment_prompt_len: int = 0  # number of prompt_msgs the current segment's prompt renders
     turn_k: int = 0  # assistant turn position (a regenerated turn keeps its position)
     turns_done: int = 0  # tool rounds executed (rolled-back rounds do not count)
     retries: dict[int, int] = field(default_factory=dict)
@@ -106,10 +137,6 @@ class _Rollout:
     infra_failed: bool = False
     context: list[int] | None = None  # queued for generation when set
     rollbacks: list[dict] = field(default_factory=list)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.calls or self.parse_errors)
 
 
 class AgenticRolloutLoop:
@@ -125,6 +152,7 @@ class AgenticRolloutLoop:
     def __init__(self, backend: RolloutBackend, config: LoopConfig, async_loop=None, rng: random.Random | None = None):
         self.backend = backend
         self.config = config
+        self.policy = config.policy
         self.async_loop = async_loop
         self.rng = rng or random.Random(0)
 
@@ -143,7 +171,9 @@ class AgenticRolloutLoop:
     ) -> tuple[tuple, LoopResult]:
         """Run the loop. Arguments are TRL's per-rollout lists (mutated in place, like TRL's loop does).
 
-        `prompt_ids[i]` is replaced by the prompt of rollout i's last segment when it deleted context.
+        `prompt_ids[i]` is replaced by the prompt of rollout i's last segment when it deleted context; the tool dicts
+        and `environments[i]` are updated in place when a user turn changes the tools or a timed-out call retires its
+        environment.
 
         Returns:
             `(trl_tuple, result)` where `trl_tuple` is TRL's `(tool_mask, completions, completion_ids, logprobs,
@@ -152,10 +182,12 @@ class AgenticRolloutLoop:
         started = time.perf_counter()
         backend = self.backend
         n = len(prompt_ids)
-        stats = LoopStats()
-        extra_rows: list[ExtraRow] = []
-        group_ids = group_ids if group_ids is not None else list(range(n))
-        negatives_per_group: dict[int, int] = {}
+        self._stats = stats = LoopStats()
+        self._extra_rows: list[ExtraRow] = []
+        self._group_ids = group_ids if group_ids is not None else list(range(n))
+        self._negatives_per_group: dict[int, int] = {}
+        self._environments = environments
+        self._sync_tools, self._async_tools = sync_tool_dicts, async_tool_dicts
 
         rollouts = []
         for i in range(n):
@@ -168,43 +200,40 @@ class AgenticRolloutLoop:
                 completion_msgs=completions[i],
             )
             r.turn_msg_start = max(0, len(r.completion_msgs) - 1)
-            self._read_calls(r, completion_ids[i], completions[i][-1] if completions[i] else {})
+            r.segment_prompt_len = len(r.prompt_msgs)
+            self._after_turn(i, r, completion_ids[i], completions[i][-1] if completions[i] else {})
             rollouts.append(r)
 
-        iteration = 0
+        error: BaseException | None = None
         while True:
-            local_active = [i for i, r in enumerate(rollouts) if r.has_work and r.turns_done < backend.max_iterations]
-            active = backend.any_rank(bool(local_active)) if backend.multi_process else bool(local_active)
-            if not active:
-                break
-            iteration += 1
             queued: list[int] = []
-            for i in local_active:
-                env = environments[i] if environments else None
-                self._step_rollout(
-                    i,
-                    rollouts[i],
-                    env,
-                    sync_tool_dicts[i],
-                    async_tool_dicts[i],
-                    stats,
-                    extra_rows,
-                    group_ids,
-                    negatives_per_group,
-                )
-                if rollouts[i].context is not None:
-                    queued.append(i)
-            self._generate(rollouts, queued, stats)
+            try:
+                for i, r in enumerate(rollouts):
+                    if r.pending == _TOOLS and r.turns_done >= backend.max_iterations:
+                        r.pending = None  # iteration cap: leftover calls stay unexecuted, like TRL
+                    if r.pending is not None:
+                        self._step(i, r)
+                    if r.context is not None:
+                        queued.append(i)
+            except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+                error = e
+            if not self._any_rank(bool(queued), error):
+                break
+            try:
+                self._generate(rollouts, queued)
+            except Exception as e:  # noqa: BLE001 - re-raised at the next synchronisation, on every rank
+                error = e
 
-        # Close: snapshot downsampling, leftover unexecuted calls (iteration cap) are left as-is, like TRL.
-        infra_failed, num_segments, rollback_log = [], [], []
+        # Close: snapshot downsampling.
+        infra_failed, num_segments, rollback_log, segment_starts = [], [], [], []
         for i, r in enumerate(rollouts):
             kept = self._downsample(r.snapshots)
             stats.snapshot_rows += len(kept)
-            extra_rows.extend(kept)
+            self._extra_rows.extend(kept)
             infra_failed.append(r.infra_failed)
             num_segments.append(r.segment_index + 1)
             rollback_log.append(r.rollbacks)
+            segment_starts.append(r.segment_msg_start)
             prompt_ids[i] = r.prompt_ids
             completion_ids[i] = r.completion_ids
             if logprobs is not None:
@@ -220,34 +249,63 @@ class AgenticRolloutLoop:
             stats.tool_failures,
             [[] for _ in range(n)],
         )
-        return trl_tuple, LoopResult(extra_rows, infra_failed, num_segments, stats, rollback_log)
+        return trl_tuple, LoopResult(self._extra_rows, infra_failed, num_segments, stats, rollback_log, segment_starts)
+
+    def _any_rank(self, flag: bool, error: BaseException | None) -> bool:
+        """Whether any rank has work; raises on every rank when any rank failed (never a rank left waiting)."""
+        if self.backend.multi_process:
+            return self.backend.any_rank(flag, error)
+        if error is not None:
+            raise error
+        return flag
+
+    def _env(self, i: int):
+        return self._environments[i] if self._environments else None
 
     # ------------------------------------------------------------------------------------------------------------
-    def _read_calls(self, r: _Rollout, ids: list[int], message: dict) -> None:
-        """Set the rollout's pending calls from its newest assistant turn, detecting malformed tool-call markup."""
-        calls = message.get("tool_calls") if message else None
-        r.calls, r.parse_errors = list(calls or []), []
-        if calls or not ids:
+    def _after_turn(self, i: int, r: _Rollout, ids: list[int], message: dict) -> None:
+        """Decide what a freshly generated turn asks for: tools, the next user turn, or nothing (done)."""
+        r.calls, r.parse_errors = [], []
+        if not ids or ids[-1] not in self.backend.stop_token_ids:
+            # Cut by the completion budget: its calls may be cut too, and there is no budget left to act on them.
+            r.pending = None
+            self._stats.truncated_turns += 1
             return
-        parsed = parse_tool_calls(self.backend.decode(ids))
-        if parsed.errors:  # TRL's parser gave up silently: tell the model what was wrong
-            r.calls, r.parse_errors = parsed.calls, parsed.errors
+        calls = message.get("tool_calls") if message else None
+        r.calls = list(calls or [])
+        if not calls and self.config.detects_malformed_calls:
+            parsed = parse_tool_calls(self.backend.decode(ids))
+            if parsed.errors:  # TRL's parser gave up silently: tell the model what was wrong
+                r.calls, r.parse_errors = parsed.calls, parsed.errors
+        if r.calls or r.parse_errors:
+            r.pending = _TOOLS
+        elif has_user_turns(self._env(i)):
+            r.pending = _USER
+        else:
+            r.pending = None
 
-    def _step_rollout(self, i, r, env, sync_tools, async_tools, stats, extra_rows, group_ids, negatives_per_group):
-        cfg, backend = self.config, self.backend
+    def _step(self, i: int, r: _Rollout) -> None:
+        if r.pending == _USER:
+            self._user_turn(i, r)
+        else:
+            self._tool_round(i, r)
+
+    def _tool_round(self, i: int, r: _Rollout) -> None:
+        cfg, backend, stats = self.config, self.backend, self._stats
+        env = self._env(i)
         checkpoint = checkpoint_env(env) if (cfg.enable_tool_rollback and env is not None) else None
         prompt_msg_start = len(r.prompt_msgs)
         # The assistant message that asked for the tools joins the conversation (TRL does the same).
         if r.completion_msgs and r.turn_msg_start < len(r.completion_msgs):
             r.prompt_msgs.append(r.completion_msgs[r.turn_msg_start])
 
-        outcomes = self._run_calls(r, env, sync_tools, async_tools, checkpoint, stats)
+        outcomes = self._run_calls(i, r)
         stats.tool_calls += len(r.calls) + len(r.parse_errors)
         stats.tool_failures += sum(o.failed for o in outcomes)
         stats.malformed_calls += len(r.parse_errors)
         stats.truncated_outputs += sum(o.truncated for o in outcomes)
         tool_messages = [{"role": "tool", "name": o.name, "content": o.content} for o in outcomes]
-        calls, r.calls, r.parse_errors = r.calls, [], []
+        calls, r.calls, r.parse_errors, r.pending = r.calls, [], [], None
 
         if any(o.category == "infra" for o in outcomes):
             # Persistent infrastructure failure: keep the rollout out of the loss and stop it here.
@@ -258,28 +316,10 @@ class AgenticRolloutLoop:
 
         model_errors = [o for o in outcomes if o.category == "model"]
         if model_errors and cfg.enable_tool_rollback:
-            used = r.retries.get(r.turn_k, 0)
-            if used < cfg.max_tool_retries:
-                self._rollback(
-                    i,
-                    r,
-                    env,
-                    checkpoint,
-                    calls,
-                    tool_messages,
-                    model_errors,
-                    prompt_msg_start,
-                    stats,
-                    extra_rows,
-                    group_ids,
-                    negatives_per_group,
-                )
+            if r.retries.get(r.turn_k, 0) < cfg.max_tool_retries:
+                self._rollback(i, r, checkpoint, calls, tool_messages, model_errors, prompt_msg_start)
                 return
             stats.rollback_exhausted += 1
-            tool_messages[-1] = {
-                **tool_messages[-1],
-                "content": tool_messages[-1]["content"] + " (no retries left: continue without this result)",
-            }
         elif r.in_retry and not model_errors:
             stats.rollback_recovered += 1
         r.in_retry = False
@@ -295,98 +335,108 @@ class AgenticRolloutLoop:
                 for c, o, m in zip(calls, outcomes[first:], tool_messages[first:])
                 if o.name == DELETE_CONTEXT_TOOL and not o.failed
             ]
-            if deletes and self._snapshot(i, r, deletes, tool_messages, stats):
+            if deletes and self._snapshot(i, r, deletes, tool_messages):
                 return
         suffix = backend.tool_suffix_ids(tool_messages)
-        context = r.prompt_ids + r.completion_ids + suffix
-        if len(context) - len(r.prompt_ids) > backend.max_completion_length or len(context) >= backend.max_model_len:
+        if not self._fits(r, suffix):
             # Over budget: drop this round's messages and end the rollout as it is (TRL's behaviour, #5521).
             del r.completion_msgs[len(r.completion_msgs) - len(tool_messages) :]
             del r.prompt_msgs[prompt_msg_start:]
             return
         self._append_env_tokens(r, suffix)
-        r.context = context
+        r.context = r.prompt_ids + r.completion_ids
 
-    def _run_calls(self, r, env, sync_tools, async_tools, checkpoint, stats) -> list[ToolOutcome]:
-        cfg = self.config
-        attempt = 0
-        while True:
-            outcomes = [
-                ToolOutcome(
-                    name="tool_call_parser",
-                    content=f"ToolCallParseError: {error}",
-                    category=classify(
-                        "ToolCallParseError",
-                        error,
-                        infra_patterns=cfg.infra_error_patterns,
-                        rollback_patterns=cfg.rollback_on_errors,
-                    ),
-                    error_type="ToolCallParseError",
-                    error_text=error,
-                )
-                for error in r.parse_errors
-            ]
-            for call in r.calls:
-                name = call.get("function", {}).get("name") if isinstance(call, dict) else None
-                if cfg.enable_context_snapshots and name == DELETE_CONTEXT_TOOL:
-                    outcomes.append(self._check_delete(r, call))
-                    continue
+    def _fits(self, r: _Rollout, suffix: list[int]) -> bool:
+        backend = self.backend
+        completion = len(r.completion_ids) + len(suffix)
+        return completion <= backend.max_completion_length and len(r.prompt_ids) + completion < backend.max_model_len
+
+    def _user_turn(self, i: int, r: _Rollout) -> None:
+        """Ask the environment for the next user message; append it (masked) and queue the next assistant turn."""
+        r.pending = None
+        env = self._env(i)
+        message = r.completion_msgs[r.turn_msg_start] if r.turn_msg_start < len(r.completion_msgs) else {}
+        turn = next_user_turn(env, message or {"role": "assistant", "content": ""})
+        if turn is None:
+            return
+        suffix = self.backend.user_turn_ids(turn.content)
+        if not self._fits(r, suffix):
+            self._stats.user_turns_dropped += 1
+            return
+        sync_tools, async_tools = self._sync_tools[i], self._async_tools[i]
+        for name in turn.remove_tools:
+            sync_tools.pop(name, None)
+            async_tools.pop(name, None)
+        for fn in turn.add_tools:
+            target = async_tools if asyncio.iscoroutinefunction(fn) else sync_tools
+            target[fn.__name__] = fn
+        if message:
+            r.prompt_msgs.append(message)  # the assistant's answer joins the conversation
+        user = {"role": "user", "content": turn.content}
+        r.prompt_msgs.append(user)
+        r.completion_msgs.append(copy.deepcopy(user))
+        self._stats.user_turns += 1
+        self._append_env_tokens(r, suffix)
+        r.context = r.prompt_ids + r.completion_ids
+
+    def _run_calls(self, i: int, r: _Rollout) -> list[ToolOutcome]:
+        """Run the turn's calls in order; an infrastructure error is retried in place (the call failed before it did
+        anything, per the `InfrastructureError` contract), so calls that succeeded are never run twice."""
+        cfg, stats = self.config, self._stats
+        outcomes = [failure("tool_call_parser", PARSE_ERROR, error, self.policy) for error in r.parse_errors]
+        for call in r.calls:
+            name = call.get("function", {}).get("name") if isinstance(call, dict) else None
+            if cfg.enable_context_snapshots and name == DELETE_CONTEXT_TOOL:
+                outcomes.append(self._check_delete(r, call))
+                continue
+            env = self._env(i)
+            # With a time limit, the state before each call: a call that times out leaves its thread running.
+            before = checkpoint_env(env) if (cfg.tool_timeout and env is not None) else None
+            for attempt in range(cfg.max_infra_retries + 1):
                 started = time.perf_counter()
-                outcomes.append(
-                    run_tool_call(
-                        call,
-                        sync_tools,
-                        async_tools,
-                        timeout=cfg.tool_timeout,
-                        max_chars=cfg.max_tool_output_chars,
-                        infra_patterns=cfg.infra_error_patterns,
-                        rollback_patterns=cfg.rollback_on_errors,
-                        async_loop=self.async_loop,
-                    )
+                outcome = run_tool_call(
+                    call,
+                    self._sync_tools[i],
+                    self._async_tools[i],
+                    timeout=cfg.tool_timeout,
+                    max_chars=cfg.max_tool_output_chars,
+                    policy=self.policy,
+                    async_loop=self.async_loop,
                 )
                 stats.tool_seconds += time.perf_counter() - started
-            if not any(o.category == "infra" for o in outcomes) or attempt >= cfg.max_infra_retries:
-                return outcomes
-            attempt += 1
-            stats.infra_retries += 1
-            if checkpoint is not None and env is not None:
-                restore_env(env, checkpoint)  # re-run the whole turn from the state before it
+                if outcome.timed_out and before is not None:
+                    self._isolate_timed_out_env(i, before)
+                if outcome.category != "infra":
+                    break
+                if attempt < cfg.max_infra_retries:
+                    stats.infra_retries += 1
+            outcomes.append(outcome)
+            if outcome.category == "infra":
+                break  # the rollout is lost: later calls of the turn are not run
+        return outcomes
+
+    def _isolate_timed_out_env(self, i: int, state: Any) -> None:
+        """Retire an environment whose call timed out: its thread may still change it, so the rollout continues on a
+        fresh instance holding the state from before the call (the trainer's pool gets the fresh one too)."""
+        old = self._env(i)
+        new = self.backend.new_environment(i, old)
+        restore_env(new, state)
+        self._environments[i] = new
+        for tools in (self._sync_tools[i], self._async_tools[i]):
+            for name, fn in list(tools.items()):
+                if getattr(fn, "__self__", None) is old:
+                    tools[name] = getattr(new, name)
+        self._stats.retired_environments += 1
 
     def _check_delete(self, r: _Rollout, call: dict) -> ToolOutcome:
-        cfg = self.config
         try:
-            _, deleted = apply_deletion(r.prompt_msgs, _message_ids(call), cfg.context_stub_text)
+            _, deleted = apply_deletion(r.prompt_msgs, _message_ids(call), self.config.context_stub_text)
         except (TypeError, ValueError) as e:
-            return ToolOutcome(
-                name=DELETE_CONTEXT_TOOL,
-                content=f"{type(e).__name__}: {e}",
-                category=classify(
-                    type(e).__name__,
-                    str(e),
-                    infra_patterns=cfg.infra_error_patterns,
-                    rollback_patterns=cfg.rollback_on_errors,
-                ),
-                error_type=type(e).__name__,
-                error_text=str(e),
-            )
+            return failure(DELETE_CONTEXT_TOOL, type(e).__name__, str(e), self.policy)
         return ToolOutcome(name=DELETE_CONTEXT_TOOL, content=f"Deleted messages {deleted}.", category="ok")
 
-    def _rollback(
-        self,
-        i,
-        r,
-        env,
-        checkpoint,
-        calls,
-        tool_messages,
-        model_errors,
-        prompt_msg_start,
-        stats,
-        extra_rows,
-        group_ids,
-        negatives_per_group,
-    ):
-        cfg, backend = self.config, self.backend
+    def _rollback(self, i, r, checkpoint, calls, tool_messages, model_errors, prompt_msg_start):
+        cfg, backend, stats = self.config, self.backend, self._stats
         stats.rollback_attempts += 1
         r.rollbacks.append(
             {
@@ -395,28 +445,32 @@ class AgenticRolloutLoop:
                 "errors": [o.error_text for o in model_errors],
             }
         )
-        group = group_ids[i]
-        if cfg.save_negative_samples and negatives_per_group.get(group, 0) < cfg.max_negative_samples_per_group:
-            # Save the failed attempt before the fix: the failed call and its error result included.
+        group = self._group_ids[i]
+        if cfg.save_negative_samples and self._negatives_per_group.get(group, 0) < cfg.max_negative_samples_per_group:
+            # The failed turn alone is trained on (its calls, then its masked error results); the turns before it
+            # are good and also in the regular row, so here they are context: the row's prompt.
             suffix = backend.tool_suffix_ids(tool_messages)
-            extra_rows.append(
+            start = r.turn_start
+            self._extra_rows.append(
                 ExtraRow(
                     kind=RowKind.NEGATIVE,
                     parent=i,
-                    prompt_ids=list(r.prompt_ids),
-                    completion_ids=r.completion_ids + suffix,
-                    tool_mask=r.tool_mask + [0] * len(suffix),
-                    logprobs=(r.logprobs + [0.0] * len(suffix)) if r.logprobs is not None else None,
+                    prompt_ids=r.prompt_ids + r.completion_ids[:start],
+                    completion_ids=r.completion_ids[start:] + suffix,
+                    tool_mask=r.tool_mask[start:] + [0] * len(suffix),
+                    logprobs=(r.logprobs[start:] + [0.0] * len(suffix)) if r.logprobs is not None else None,
                     segment_index=r.segment_index,
                     error_types=[o.error_type or "Error" for o in model_errors],
                     error_messages=[o.error_text or "" for o in model_errors],
                     tool_calls=copy.deepcopy(calls),
                     tool_position=r.turn_k,
                     messages=copy.deepcopy(r.completion_msgs[r.turn_msg_start :]) + copy.deepcopy(tool_messages),
+                    prompt_messages=copy.deepcopy(r.prompt_msgs[:prompt_msg_start]),
                 )
             )
-            negatives_per_group[group] = negatives_per_group.get(group, 0) + 1
+            self._negatives_per_group[group] = self._negatives_per_group.get(group, 0) + 1
             stats.negatives_saved += 1
+        env = self._env(i)
         if env is not None and checkpoint is not None:
             restore_env(env, checkpoint)
         stats.failed_turn_tokens += len(r.completion_ids) - r.turn_start
@@ -439,13 +493,13 @@ class AgenticRolloutLoop:
         r.regenerating = True
         r.context = r.prompt_ids + r.completion_ids
 
-    def _snapshot(self, i, r, deletes, tool_messages, stats) -> bool:
+    def _snapshot(self, i, r, deletes, tool_messages) -> bool:
         """Close the segment and restart from the re-rendered conversation. Returns False if it cannot be done.
 
         `deletes` holds the successful `delete_context` calls of this turn with their tool messages; all of them are
         applied (each was validated against the same conversation, so their union is valid too).
         """
-        cfg, backend = self.config, self.backend
+        cfg, backend, stats = self.config, self.backend, self._stats
         ids = sorted({m for call, _ in deletes for m in _as_list(_message_ids(call))})
         # The conversation now ends with this turn's tool results; the indices refer to the messages before them.
         new_msgs, _ = apply_deletion(r.prompt_msgs, ids, cfg.context_stub_text)
@@ -470,14 +524,19 @@ class AgenticRolloutLoop:
                 logprobs=r.logprobs,
                 segment_index=r.segment_index,
                 tokens_freed=freed,
-                # The conversation this segment's tokens render (up to the delete call, before its tool results).
-                messages=copy.deepcopy(r.prompt_msgs[: len(r.prompt_msgs) - len(tool_messages)]),
+                # The segment's messages (up to the delete call, before its tool results), and its prompt.
+                messages=copy.deepcopy(
+                    r.completion_msgs[r.segment_msg_start : len(r.completion_msgs) - len(tool_messages)]
+                ),
+                prompt_messages=copy.deepcopy(r.prompt_msgs[: r.segment_prompt_len]),
             )
         )
         r.prompt_ids, r.completion_ids, r.tool_mask = new_prompt, [], []
         r.logprobs = [] if r.logprobs is not None else None
         r.prompt_msgs[:] = new_msgs  # in place: this list is TRL's `prompts[i]`
         r.segment_index += 1
+        r.segment_msg_start = len(r.completion_msgs)
+        r.segment_prompt_len = len(new_msgs)
         r.turn_start = 0
         r.context = list(new_prompt)
         return True
@@ -489,12 +548,11 @@ class AgenticRolloutLoop:
         if r.logprobs is not None:
             r.logprobs.extend([0.0] * len(ids))
 
-    def _generate(self, rollouts: list[_Rollout], queued: list[int], stats: LoopStats) -> None:
-        backend = self.backend
-        if not queued:
-            if backend.multi_process:  # keep collective generation calls matched across ranks
-                stats.dummy_generation_calls += 1
-                backend.generate([list(rollouts[0].prompt_ids)] if rollouts else [[0]])
+    def _generate(self, rollouts: list[_Rollout], queued: list[int]) -> None:
+        backend, stats = self.backend, self._stats
+        if not queued:  # another rank has work: keep collective generation calls matched
+            stats.dummy_generation_calls += 1
+            backend.generate([list(rollouts[0].prompt_ids)] if rollouts else [[0]])
             return
         contexts = [rollouts[i].context for i in queued]
         stats.generation_calls += 1
@@ -524,7 +582,7 @@ class AgenticRolloutLoop:
             r.turn_msg_start = len(r.completion_msgs)
             if message:
                 r.completion_msgs.append(message)
-            self._read_calls(r, post, message)
+            self._after_turn(i, r, post, message)
 
     def _downsample(self, snapshots: list[ExtraRow]) -> list[ExtraRow]:
         k = self.config.max_snapshots_per_episode

@@ -1,25 +1,34 @@
-"""Running one tool call safely and classifying what went wrong.
+"""Running one tool call safely and classifying what happened (the taxonomy of `trl_agentic.errors`).
 
-Every failure becomes a message the model can read (never an exception in the trainer): unknown tools, wrong
-arguments, exceptions, hangs past `tool_timeout`, huge or non-string results. Each outcome is classified as
-`"ok"`, `"model"` (a model error that may trigger a rollback), `"infra"` (an infrastructure failure: retried, never
-trained on) or `"error"` (any other failure, shown to the model and counted).
+Every failure becomes a message the model reads, rendered exactly as TRL renders a tool exception
+(`str({"error": message})`), never an exception in the trainer: unknown tools, wrong arguments, exceptions, hangs past
+`tool_timeout`, huge or non-string results. Each outcome gets a category:
+
+- `"ok"`: a result (its text is not searched for error words);
+- `"model"`: a model error whose type is listed in `rollback_on_errors` (may trigger a rollback);
+- `"error"`: any other model error (shown to the model, the rollout goes on);
+- `"infra"`: an infrastructure error (`InfrastructureError` or a type listed in `infra_error_types`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-# A traceback-style last line ("NameError: name 'x' is not defined") in a tool's returned text.
-_ERROR_LINE = re.compile(r"(?m)^\s*[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b\s*:")
+from ..errors import error_type_names, render_tool_error, tool_error_message
 
 
 class ToolTimeout(TimeoutError):
-    """A plain Python tool did not return within `tool_timeout` seconds."""
+    """A tool did not return within `tool_timeout` seconds (a model error: e.g. arguments that make it compute forever)."""
+
+
+# Model errors of the loop's own making, by type name.
+UNKNOWN_TOOL = "ToolNotFoundError"
+BAD_CALL = "ToolCallError"
+PARSE_ERROR = "ToolCallParseError"
+RETURNED_ERROR = "ToolError"  # a tool returned {"error": ...} (TRL's convention) instead of raising
 
 
 @dataclass
@@ -28,11 +37,12 @@ class ToolOutcome:
 
     Attributes:
         name: Tool name the model asked for.
-        content: Text shown to the model (already truncated).
-        category: `"ok"`, `"model"`, `"infra"` or `"error"`.
-        error_type: Exception class name (or the error type found in the returned text), None when ok.
-        error_text: Error message, None when ok.
+        content: Text shown to the model (TRL's rendering; already truncated).
+        category: `"ok"`, `"model"`, `"error"` or `"infra"`.
+        error_type: The error's type name (None when ok).
+        error_text: The error message (None when ok).
         truncated: Whether the tool's output was longer than `max_tool_output_chars` and was cut.
+        timed_out: Whether the call was abandoned at `tool_timeout` (its thread may still be running).
     """
 
     name: str
@@ -41,51 +51,47 @@ class ToolOutcome:
     error_type: str | None = None
     error_text: str | None = None
     truncated: bool = False
+    timed_out: bool = False
 
     @property
     def failed(self) -> bool:
         return self.category != "ok"
 
 
-def truncate(text: str, max_chars: int) -> str:
-    """Cut `text` to `max_chars` characters, saying how much was dropped."""
-    if len(text) <= max_chars:
+@dataclass
+class ErrorPolicy:
+    """Which error types roll back (`rollback_on_errors`) and which are infrastructure (`infra_error_types`)."""
+
+    rollback_on_errors: list[str]
+    infra_error_types: list[str]
+
+    def category(self, names: list[str]) -> str:
+        if any(name in self.infra_error_types for name in names):
+            return "infra"
+        if any(name in self.rollback_on_errors for name in names):
+            return "model"
+        return "error"
+
+
+def truncate(text: str, max_chars: int | None) -> str:
+    """Cut `text` to `max_chars` characters (None: no limit), saying how much was dropped."""
+    if max_chars is None or len(text) <= max_chars:
         return text
     marker = f"\n...[truncated {len(text) - max_chars} chars]"
     return text[: max(0, max_chars - len(marker))] + marker
 
 
-def _matches(patterns: list[str], *texts: str | None) -> bool:
-    return any(p in t for p in patterns for t in texts if t)
-
-
-def classify(
-    error_type: str | None, error_text: str | None, *, infra_patterns: list[str], rollback_patterns: list[str]
-) -> str:
-    """Classify a failure: infrastructure patterns win over model-error patterns.
-
-    Args:
-        error_type: Exception class name, if any.
-        error_text: Exception message or the tool's returned text.
-        infra_patterns: `AgenticGRPOConfig.infra_error_patterns`.
-        rollback_patterns: `AgenticGRPOConfig.rollback_on_errors`.
-
-    Returns:
-        `"infra"`, `"model"` or `"error"`.
-    """
-    if _matches(infra_patterns, error_type, error_text):
-        return "infra"
-    if _matches(rollback_patterns, error_type, error_text):
-        return "model"
-    return "error"
-
-
-def error_in_text(text: str) -> str | None:
-    """Return the error type named by a traceback-style line of a tool's returned text, if there is one."""
-    match = _ERROR_LINE.search(text[-4000:])  # the error line of a traceback is at the end
-    if match is None:
-        return None
-    return match.group(0).strip().rstrip(":").strip().split(".")[-1]
+def failure(
+    name: str, error_type: str, message: str, policy: ErrorPolicy, names: list[str] | None = None
+) -> ToolOutcome:
+    """The outcome of a failed call: TRL's rendering of `message`, classified by `names` (default `[error_type]`)."""
+    return ToolOutcome(
+        name=name,
+        content=render_tool_error(message),
+        category=policy.category(names or [error_type]),
+        error_type=error_type,
+        error_text=message,
+    )
 
 
 def _call_with_timeout(fn, kwargs: dict, timeout: float) -> Any:
@@ -99,7 +105,8 @@ def _call_with_timeout(fn, kwargs: dict, timeout: float) -> Any:
         except BaseException as e:  # noqa: BLE001 - every failure must reach the model as a message
             box["error"] = e
 
-    # A daemon thread per call: a hung tool leaks its thread but never blocks the trainer or later calls.
+    # A daemon thread per call: a hung tool leaks its thread but never blocks the trainer or later calls (the loop
+    # also stops it from touching the environment again, see `AgenticRolloutLoop._isolate_timed_out_env`).
     thread = threading.Thread(target=target, daemon=True, name="trl-agentic-tool")
     thread.start()
     thread.join(timeout)
@@ -116,40 +123,31 @@ def run_tool_call(
     async_tools: dict,
     *,
     timeout: float,
-    max_chars: int,
-    infra_patterns: list[str],
-    rollback_patterns: list[str],
+    max_chars: int | None,
+    policy: ErrorPolicy,
     async_loop: asyncio.AbstractEventLoop | None = None,
 ) -> ToolOutcome:
-    """Execute one parsed tool call and turn whatever happens into a `ToolOutcome`.
+    """Execute one parsed tool call and turn whatever happens into a `ToolOutcome`; never raises.
+
+    The messages of the failures TRL also handles are TRL's own (`"Tool {name} not found."`, `str(exception)`,
+    `"Unsupported tool call type: ..."`), so the model reads the same text under both loops.
 
     Args:
         call: TRL's call dict `{"type": "function", "function": {"name": ..., "arguments": {...}}}`.
         sync_tools / async_tools: Name → callable for this rollout.
         timeout: Seconds before a call is abandoned (`0` = no limit).
-        max_chars: Truncation limit for the text shown to the model.
-        infra_patterns / rollback_patterns: Patterns used by `classify`.
+        max_chars: Truncation limit for the text shown to the model (None = no limit).
+        policy: Classification of error types.
         async_loop: Event loop (running in another thread) for async tools.
-
-    Returns:
-        The outcome; never raises.
     """
     function = call.get("function") if isinstance(call, dict) else None
     name = function.get("name", "unknown") if isinstance(function, dict) else "unknown"
     if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(function, dict):
-        return _failure(
-            name,
-            "ToolCallError",
-            f"unsupported tool call {str(call)[:200]}",
-            max_chars,
-            infra_patterns,
-            rollback_patterns,
-        )
+        kind = call.get("type") if isinstance(call, dict) else type(call).__name__
+        return failure(name, BAD_CALL, f"Unsupported tool call type: {kind}", policy)
     arguments = function.get("arguments") or {}
     if not isinstance(arguments, dict):
-        return _failure(
-            name, "TypeError", f"arguments of {name!r} must be an object", max_chars, infra_patterns, rollback_patterns
-        )
+        return failure(name, "TypeError", f"arguments of {name!r} must be an object", policy)
     try:
         if name in sync_tools:
             result = _call_with_timeout(sync_tools[name], arguments, timeout)
@@ -163,30 +161,20 @@ def run_tool_call(
                 future.cancel()
                 raise ToolTimeout(f"tool did not return within {timeout:g} s") from e
         else:
-            available = ", ".join(sorted([*sync_tools, *async_tools])) or "none"
-            return _failure(
-                name,
-                "ToolNotFoundError",
-                f"unknown tool {name!r}; available tools: {available}",
-                max_chars,
-                infra_patterns,
-                rollback_patterns,
-            )
+            return failure(name, UNKNOWN_TOOL, f"Tool {name} not found.", policy)
     except Exception as e:  # noqa: BLE001 - every failure must reach the model as a message
-        return _failure(name, type(e).__name__, str(e), max_chars, infra_patterns, rollback_patterns)
+        names = error_type_names(e)
+        outcome = failure(name, names[0], truncate(str(e), max_chars), policy, names)
+        outcome.timed_out = isinstance(e, ToolTimeout)
+        return outcome
     full = result if isinstance(result, str) else _to_text(result)
-    text = truncate(full, max_chars)
-    if isinstance(result, dict) and "error" in result:  # TRL convention for tools that report errors
-        outcome = _classified(name, text, "ToolError", str(result["error"]), infra_patterns, rollback_patterns)
-    elif (
-        (in_text := error_in_text(text)) is not None
-        or _matches(rollback_patterns, text)
-        or _matches(infra_patterns, text)
-    ):
-        outcome = _classified(name, text, in_text, text, infra_patterns, rollback_patterns)
+    returned_error = tool_error_message(result)
+    if returned_error is not None:  # TRL's convention for tools that report errors themselves
+        outcome = failure(name, RETURNED_ERROR, returned_error, policy)
+        outcome.content = truncate(full, max_chars)
     else:
-        outcome = ToolOutcome(name=name, content=text, category="ok")
-    outcome.truncated = len(full) > max_chars
+        outcome = ToolOutcome(name=name, content=truncate(full, max_chars), category="ok")
+    outcome.truncated = max_chars is not None and len(full) > max_chars
     return outcome
 
 
@@ -195,13 +183,3 @@ def _to_text(result: Any) -> str:
         return str(result)
     except Exception as e:  # noqa: BLE001 - a result whose __str__ fails is still reported
         return f"<unprintable {type(result).__name__}: {type(e).__name__}>"
-
-
-def _classified(name, content, error_type, error_text, infra_patterns, rollback_patterns) -> ToolOutcome:
-    category = classify(error_type, error_text, infra_patterns=infra_patterns, rollback_patterns=rollback_patterns)
-    return ToolOutcome(name=name, content=content, category=category, error_type=error_type, error_text=error_text)
-
-
-def _failure(name, error_type, message, max_chars, infra_patterns, rollback_patterns) -> ToolOutcome:
-    content = truncate(f"{error_type}: {message}", max_chars)
-    return _classified(name, content, error_type, message, infra_patterns, rollback_patterns)

@@ -64,6 +64,8 @@ class TrainerBackend:
         self.max_iterations = trainer.max_tool_calling_iterations
         self.multi_process = trainer.accelerator.num_processes > 1
         self.equal_counts = needs_equal_counts(trainer)
+        # A turn ending otherwise was cut by the budget (TRL's `mask_truncated_completions` uses the same test).
+        self.stop_token_ids = {*trainer.eos_token_ids, self.tokenizer.pad_token_id} - {None}
 
     def _tools_for(self, row: int):
         t = self.trainer
@@ -103,22 +105,57 @@ class TrainerBackend:
         )
         return list(ids[0]) if ids and isinstance(ids[0], list) else list(ids)
 
+    def _suffix_after(self, prefix_msgs: list[dict], new_msgs: list[dict]) -> list[int]:
+        """Tokens the chat template adds after `prefix_msgs` (cut after their last EOS) for `new_msgs` and the next
+        assistant header, as TRL's `_get_tool_suffix_ids` does for tool messages."""
+        prefix = self._render(prefix_msgs, add_generation_prompt=False)
+        full = self._render(prefix_msgs + new_msgs, add_generation_prompt=True)
+        eos = self.tokenizer.eos_token_id
+        cut = max((k for k, tok in enumerate(prefix) if tok == eos), default=len(prefix) - 1) + 1
+        if full[:cut] != prefix[:cut]:
+            raise ValueError("The chat template does not render a new user message as a prefix extension.")
+        return full[cut:]
+
     def hint_ids(self, hint):
         # Close the (empty) assistant turn with EOS, then a user message with the hint and a new assistant header:
         # rendered by the chat template itself, so it works for any template that supports a user turn here.
         prefix_msgs = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": ""}]
-        prefix = self._render(prefix_msgs, add_generation_prompt=False)
-        full = self._render(prefix_msgs + [{"role": "user", "content": hint}], add_generation_prompt=True)
-        eos = self.tokenizer.eos_token_id
-        cut = max((k for k, tok in enumerate(prefix) if tok == eos), default=len(prefix) - 1) + 1
-        if full[:cut] != prefix[:cut]:
-            raise ValueError("The chat template does not render a hint message as a prefix extension.")
-        return [eos, *full[cut:]]
+        return [self.tokenizer.eos_token_id, *self._suffix_after(prefix_msgs, [{"role": "user", "content": hint}])]
+
+    def user_turn_ids(self, content):
+        # After a complete assistant turn (it ends with EOS): the user message and the next assistant header.
+        prefix_msgs = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"}]
+        return self._suffix_after(prefix_msgs, [{"role": "user", "content": content}])
 
     def render_prompt(self, messages, row):
         return self._render(messages, add_generation_prompt=True, tools=self._tools_for(row))
 
-    def any_rank(self, flag):
-        accelerator = self.trainer.accelerator
-        value = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
-        return bool(accelerator.reduce(value, reduction="sum").item() > 0)
+    def new_environment(self, row, old):
+        """A fresh instance of rollout `row`'s environment, put in the trainer's pool (and batch) in place of `old`."""
+        t = self.trainer
+        name = t._batch_environments[row]
+        new = t.environment_factories[name]()
+        pool = t._environment_pool[name]
+        for k, env in enumerate(pool):
+            if env is old:
+                pool[k] = new
+        return new
+
+    def any_rank(self, flag, error=None):
+        return any_rank(self.trainer.accelerator, flag, error)
+
+
+def any_rank(accelerator, flag: bool, error: BaseException | None = None) -> bool:
+    """Whether `flag` is set on any process; when any process passes an `error`, every process raises (the failing
+    one its own error, the others a `RuntimeError` naming it), so no process is left waiting in a collective."""
+    from accelerate.utils import gather_object
+
+    value = torch.tensor([1.0 if flag else 0.0, 1.0 if error is not None else 0.0], device=accelerator.device)
+    total = accelerator.reduce(value, reduction="sum")
+    if total[1].item() > 0:
+        errors = gather_object([None if error is None else f"{type(error).__name__}: {error}"])
+        if error is not None:
+            raise error
+        failed = {rank: text for rank, text in enumerate(errors) if text is not None}
+        raise RuntimeError(f"Stopped because the rollout failed on another process: {failed}")
+    return bool(total[0].item() > 0)

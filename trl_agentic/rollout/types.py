@@ -37,6 +37,9 @@ class ExtraRow:
             `tool_position` is the assistant turn index (`turn_k`).
         tokens_freed: For a snapshot: context tokens removed by the deletion that closed it (the next turn's context
             before minus after).
+        messages: The row's completion as messages (a negative: the failed turn and its error results; a snapshot:
+            the segment's messages up to its `delete_context` call).
+        prompt_messages: The row's prompt as messages (the conversation before the failed turn or the segment).
     """
 
     kind: RowKind
@@ -52,6 +55,7 @@ class ExtraRow:
     tool_position: int = 0
     tokens_freed: int = 0
     messages: list[dict] = field(default_factory=list)
+    prompt_messages: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -78,6 +82,10 @@ class LoopStats:
     generate_seconds: float = 0.0  # ...spent in the generation backend
     tool_seconds: float = 0.0  # ...spent running tools (the rest is the loop's own overhead)
     failed_turn_tokens: int = 0  # tokens of the failed turns that were rolled back
+    truncated_turns: int = 0  # turns cut by the completion budget (never executed, rolled back or made negatives)
+    user_turns: int = 0  # user messages supplied by environments (`_next_user_turn`)
+    user_turns_dropped: int = 0  # ...that did not fit in the completion budget (the rollout ended there)
+    retired_environments: int = 0  # environments replaced after a call timed out (its thread may still run)
 
 
 @dataclass
@@ -89,3 +97,5 @@ class LoopResult:
     num_segments: list[int]
     stats: LoopStats
     rollback_log: list[list[dict]]  # per rollout: one entry per rollback (turn, error types) for reports
+    segment_starts: list[int] = field(default_factory=list)  # per rollout: index in its completion messages where
+    # its last segment (the regular row) starts (0 unless it deleted context)

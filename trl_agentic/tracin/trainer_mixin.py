@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..loss_weights import ROW_MEAN_LOSSES
 from ..rollout.types import RowKind
 from .hooks import LoraGhostHooks
 from .layers import validate_tracin_model
@@ -49,7 +50,7 @@ __all__ = ["TracInMixin", "TracInState"]
 # How the loss normaliser of each TRL loss type reacts to masking rows (see `_fused_scale`).
 _GLOBAL_TOKEN_LOSSES = ("dapo", "cispo", "vespo")  # sum / global token count (num_items_in_batch)
 _LOCAL_TOKEN_LOSSES = ("bnpo",)  # sum / token count of the micro-batch
-_ROW_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")  # per-row terms over a row count: masked rows count as zero rows
+_ROW_LOSSES = ROW_MEAN_LOSSES  # per-row terms over the global count of trained rows (`num_rows_in_batch`)
 SUPPORTED_LOSS_TYPES = _GLOBAL_TOKEN_LOSSES + _LOCAL_TOKEN_LOSSES + _ROW_LOSSES
 
 # Adaptive-entropy controller state that TRL's `_compute_loss` mutates in train mode; scoring and validation passes
@@ -408,6 +409,9 @@ class TracInMixin:
         direction = None
         with self._tracin_hooks() as hooks, self._tracin_quiet():
             for chunk in _row_slices(batch, self.args.per_device_train_batch_size):
+                # TRL's own loss on each chunk: the validation batch is not split into training micro-batches, so the
+                # row weighting of `loss_weights.py` (which assumes that split) does not apply.
+                chunk.pop("num_rows_in_batch", None)
                 with hooks.record():
                     loss = self._tracin_base_loss(model, chunk)
                 direction = hooks.accumulate_gradient(loss, into=direction)
@@ -482,14 +486,22 @@ class TracInMixin:
         """Global number of trained tokens after selection (the recomputed `num_items_in_batch`)."""
         return self.accelerator.gather(mask.sum().reshape(1)).sum()
 
+    def _tracin_selected_rows(self, selected: torch.Tensor) -> torch.Tensor:
+        """Global number of selected rows (the recomputed `num_rows_in_batch`; padding rows are never selected)."""
+        return self.accelerator.gather(selected.sum().reshape(1)).sum()
+
     @staticmethod
-    def _tracin_masked(batch: dict, selected: torch.Tensor, num_items: torch.Tensor) -> dict:
-        """`batch` with the loss mask of unselected rows zeroed (via `tool_mask`) and the new `num_items_in_batch`."""
+    def _tracin_masked(batch: dict, selected: torch.Tensor, num_items: torch.Tensor, num_rows: torch.Tensor) -> dict:
+        """`batch` with the loss mask of unselected rows zeroed (via `tool_mask`) and the trained token and row counts
+        (`num_items_in_batch`, `num_rows_in_batch`) of the selected rows, so that training on the masked batch equals
+        training on the selected rows alone, for every loss type."""
         masked = dict(batch)
         tool_mask = batch.get("tool_mask", torch.ones_like(batch["completion_mask"]))
         masked["tool_mask"] = tool_mask * selected.unsqueeze(1).to(tool_mask.dtype)
-        old = batch["num_items_in_batch"]
-        masked["num_items_in_batch"] = num_items.to(device=old.device, dtype=old.dtype).reshape(old.shape)
+        for key, value in (("num_items_in_batch", num_items), ("num_rows_in_batch", num_rows)):
+            old = batch.get(key)
+            if old is not None:
+                masked[key] = value.to(device=old.device, dtype=old.dtype).reshape(old.shape)
         return masked
 
     # ----------------------------------------------------------------------------------------------- two-pass
@@ -511,26 +523,34 @@ class TracInMixin:
         chunk_selected = [selected[offsets[i] : offsets[i + 1]] for i in range(len(chunks))]
         masks = [_loss_mask(c) * s.unsqueeze(1).to(c["completion_mask"].dtype) for c, s in zip(chunks, chunk_selected)]
         num_items = self.accelerator.gather(torch.stack([m.sum() for m in masks]).sum().reshape(1)).sum()
+        num_rows = self._tracin_selected_rows(selected)
         for i, (chunk, mine) in enumerate(zip(chunks, chunk_selected)):
-            masked = self._tracin_masked(chunk, mine, num_items)
-            chunk["tool_mask"] = masked["tool_mask"]
-            chunk["num_items_in_batch"] = masked["num_items_in_batch"]
+            masked = self._tracin_masked(chunk, mine, num_items, num_rows)
+            for key in ("tool_mask", "num_items_in_batch", "num_rows_in_batch"):
+                if key in masked:
+                    chunk[key] = masked[key]
             chunk["tracin_score"] = self._tracin.last["scores"][offsets[i] : offsets[i + 1]]
             chunk["tracin_selected"] = mine
 
     # ----------------------------------------------------------------------------------------------- fused
 
-    def _fused_scale(self, inputs: dict, mask: torch.Tensor, selected: torch.Tensor, num_items: torch.Tensor) -> float:
+    def _fused_scale(
+        self, inputs: dict, mask: torch.Tensor, selected: torch.Tensor, num_items: torch.Tensor, num_rows: torch.Tensor
+    ) -> float:
         """Factor c with `loss_masked = c * sum_{b selected} ell_b` as functions of the weights.
 
-        Masking leaves each selected row's term unchanged except for a normaliser that counts trained tokens: the
-        global count for dapo/cispo/vespo, the micro-batch count for bnpo. Row-mean losses keep their row count.
+        Masking leaves each selected row's term unchanged except for a normaliser that counts what is trained on: the
+        global token count for dapo/cispo/vespo, the micro-batch token count for bnpo, the global row count
+        (`num_rows_in_batch`, see `loss_weights.py`) for the row-mean losses.
         """
         if self.loss_type in _GLOBAL_TOKEN_LOSSES:
             return max(float(inputs["num_items_in_batch"]), 1.0) / max(float(num_items), 1.0)
         if self.loss_type in _LOCAL_TOKEN_LOSSES:
             kept = (mask * selected.unsqueeze(1).to(mask.dtype)).sum()
             return max(float(mask.sum()), 1.0) / max(float(kept), 1.0)
+        if "num_rows_in_batch" in inputs:
+            return max(float(inputs["num_rows_in_batch"]), 1.0) / max(float(num_rows), 1.0)
+        # A batch not built by trl-agentic: TRL's own per-row mean over the micro-batch, which masking does not change.
         return 1.0
 
     def _tracin_wrapper_anchor(self, model, inputs: dict) -> torch.Tensor:
@@ -567,7 +587,8 @@ class TracInMixin:
             selected = self._tracin_select(scores, [inputs])
             mask = _loss_mask(inputs)
             num_items = self._tracin_selected_items(mask * selected.unsqueeze(1).to(mask.dtype))
-            scale = self._fused_scale(inputs, mask, selected, num_items)
+            num_rows = self._tracin_selected_rows(selected)
+            scale = self._fused_scale(inputs, mask, selected, num_items, num_rows)
             weights = selected.to(scores.dtype) * scale
             gradients = hooks.selected_gradients(weights)
             hooks.release()
@@ -581,7 +602,7 @@ class TracInMixin:
             surrogate = hooks.gradient_surrogate(gradients)
         if model is not unwrapped:
             surrogate = surrogate + self._tracin_wrapper_anchor(model, inputs)
-        masked = self._tracin_masked(inputs, selected, num_items)
+        masked = self._tracin_masked(inputs, selected, num_items, num_rows)
         logps, entropies, aux = captured["out"]
         replay = (logps.detach(), None if entropies is None else entropies.detach(), aux)
         with torch.no_grad(), self._tracin_forward_override(replay=replay):

@@ -330,6 +330,7 @@ def parse_args(argv=None):
     p.add_argument("--exercise_model", action="store_true")
     p.add_argument("--record_grads", action="store_true")
     p.add_argument("--optim", default="adamw_torch")
+    p.add_argument("--loss_type", default="dapo")
     p.add_argument("--learning_rate", type=float, default=1e-2)
     p.add_argument("--rlvcr", action="store_true", help="RLVCR (CoPO) advantages with expansion rows")
     p.add_argument("--tracin", action="store_true", help="TracIn-filtered training (needs --lora)")
@@ -384,7 +385,7 @@ def build(args):
         num_generations=args.num_generations,
         max_completion_length=512,
         max_tool_calling_iterations=8,
-        loss_type="dapo",
+        loss_type=args.loss_type,
         beta=args.beta,
         logging_steps=1,
         save_strategy="no",

@@ -130,7 +130,10 @@ class BFCLEnv:
         # Recorded before running: a call that raises is replayed (and raises) in the checker as well.
         self._calls[self._turn].append(format_call(name, arguments))
         method = getattr(self._apis[self._owners[name]], name)
-        return method(**arguments)
+        # A copy, as the checker's own evaluation of the call string gets fresh values: the APIs keep argument objects
+        # in their state (e.g. a tweet's `mentions` list, extended by a later `mention` call), which must not alias the
+        # arguments of the conversation's messages.
+        return method(**copy.deepcopy(arguments))
 
     # -- several user turns ----------------------------------------------------------------------------------------
     def _next_user_turn(self, assistant_message: dict) -> str | UserTurn | None:

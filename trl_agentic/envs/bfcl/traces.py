@@ -47,20 +47,20 @@ def _closing_text(task: BFCLTask, turn: int) -> str:
     return NO_FUNCTION if task.category == "miss_func" else ASK_FOR_PARAMETER
 
 
-def play_ground_truth(task: BFCLTask, *, hide_excluded: bool = True, max_tool_output_chars: int = 4000):
+def play_ground_truth(task: BFCLTask, *, hide_excluded: bool = True, max_tool_output_chars: int | None = None):
     """
     Play a task's ground truth through its environment, as the rollout loop would run it.
 
     Args:
         task ([`BFCLTask`]): The task.
         hide_excluded (`bool`, *optional*, defaults to `True`): See `env.tool_group`.
-        max_tool_output_chars (`int`, *optional*, defaults to `4000`): Truncation of tool messages (the loop's
-            `max_tool_output_chars`).
+        max_tool_output_chars (`int`, *optional*): Truncation of tool messages (the loop's `max_tool_output_chars`;
+            None: no limit, TRL's default).
 
     Returns:
         [`GroundTruthEpisode`].
     """
-    from ...rollout.tools import run_tool_call
+    from ...rollout.tools import ErrorPolicy, run_tool_call
 
     env = environment_class(tool_group(task, hide_excluded=hide_excluded))()
     env.reset(bfcl_id=task.id)
@@ -83,13 +83,7 @@ def play_ground_truth(task: BFCLTask, *, hide_excluded: bool = True, max_tool_ou
             name, arguments = ground_truth_call(call, api_methods)
             request = {"type": "function", "function": {"name": name, "arguments": arguments}}
             outcome = run_tool_call(
-                request,
-                tools,
-                {},
-                timeout=0,
-                max_chars=max_tool_output_chars,
-                infra_patterns=[],
-                rollback_patterns=[],
+                request, tools, {}, timeout=0, max_chars=max_tool_output_chars, policy=ErrorPolicy([], [])
             )
             if outcome.failed:
                 errors.append(f"turn {turn}: {call} -> {outcome.content}")
@@ -103,14 +97,14 @@ def play_ground_truth(task: BFCLTask, *, hide_excluded: bool = True, max_tool_ou
     return GroundTruthEpisode(prompt=prompt, messages=messages, env=env, tool_errors=errors)
 
 
-def ground_truth_traces(rows: Sequence[dict], *, hide_excluded: bool = True, max_tool_output_chars: int = 4000):
+def ground_truth_traces(rows: Sequence[dict], *, hide_excluded: bool = True, max_tool_output_chars: int | None = None):
     """
     Warm-start traces (`trl_agentic.warmstart.tokenize_trace`) of the ground truth of dataset rows.
 
     Args:
         rows (`Sequence[dict]`): Rows of `dataset.make_rows` (their `prompt`, with its system message if any, is kept).
         hide_excluded (`bool`, *optional*, defaults to `True`): See `env.tool_group`.
-        max_tool_output_chars (`int`, *optional*, defaults to `4000`): As the rollout loop's.
+        max_tool_output_chars (`int`, *optional*): As the rollout loop's (None: no limit, TRL's default).
 
     Returns:
         `list[dict]`: `prompt`, `turns` (assistant, tool and later user messages), `tools` (the tools rendered into

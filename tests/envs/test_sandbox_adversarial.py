@@ -1,0 +1,411 @@
+"""Model-written code that attacks the machine, against both isolation policies (docs/reliability.md has the table).
+
+Every attack must be contained, reach the model as a model error (a `ToolCallError` subclass raised by the tool) or
+as an output that states the failure, leave the trainer untouched, and leave an environment that restores
+(`_checkpoint` / `_restore`) and keeps working. "required" is full isolation (bubblewrap + cgroups); "best_effort" is
+the fallback of a machine without bubblewrap (simulated), where some attacks are only partly contained: those tests
+assert exactly the documented gap, and that the start-up warning names it.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+
+import pytest
+from rollout_helpers import ScriptBackend, call, run_tools_loop
+from sandbox_helpers import POLICIES, EnvFactory, SandboxProcesses
+
+from trl_agentic.envs.errors import CodeError, SandboxError, SandboxMemoryError, SandboxTimeout
+from trl_agentic.errors import InfrastructureError, ToolCallError
+from trl_agentic.rollout.loop import LoopConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(params=list(POLICIES))
+def policy(request):
+    return request.param
+
+
+@pytest.fixture
+def make_env(policy):
+    factory = EnvFactory(**POLICIES[policy])
+    yield factory
+    factory.close()
+
+
+@pytest.fixture
+def make_required_env():
+    """For attacks that only full isolation contains: without bubblewrap they would really hit this machine (fill
+    its disk, write into the checkout, signal every process of the uid). The best-effort warning names these gaps
+    (`test_python_sandbox.py::test_best_effort_policy_warns_once_naming_the_absent_protection`)."""
+    factory = EnvFactory(**POLICIES["required"])
+    yield factory
+    factory.close()
+
+
+def attack(env, code: str) -> tuple[str, ToolCallError | None]:
+    """Runs a cell; returns (output, None) or (message, the model error). Anything else (an infrastructure error, a
+    crash of the trainer) fails the test."""
+    try:
+        return env.python(code), None
+    except ToolCallError as exc:
+        assert not isinstance(exc, InfrastructureError)
+        return str(exc), exc
+
+
+def assert_restores_and_works(env):
+    """The env keeps its episode state across the attack, and a checkpoint taken before restores."""
+    assert env.python("state") == "'before'"
+    checkpoint = env._checkpoint()
+    env.python("state = 'after'")
+    env._restore(checkpoint)
+    assert env.python("state") == "'before'"
+
+
+def start(env) -> SandboxProcesses:
+    env.python("import os, subprocess, sys, time\nstate = 'before'")
+    processes = SandboxProcesses(env)
+    assert len(processes.live()) == processes.own
+    return processes
+
+
+@pytest.fixture
+def listener():
+    """A TCP server on the host's loopback that must never see a connection from the sandbox."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.5)
+    yield server
+    server.close()
+
+
+def accepted(server) -> bool:
+    try:
+        connection, _ = server.accept()
+    except TimeoutError:
+        return False
+    connection.close()
+    return True
+
+
+# ------------------------------------------------------------------------------------------------------- processes
+
+
+def test_fork_bomb_hits_the_process_limit(make_env):
+    env = make_env(max_processes=16)
+    processes = start(env)
+    text, error = attack(env, "while True:\n    os.fork()")
+    assert isinstance(error, CodeError) and error.error_type == "BlockingIOError", text  # fork fails past pids.max
+    assert len(processes.settle(processes.own)) == processes.own  # every copy is gone with the cell
+    assert_restores_and_works(env)
+
+
+def test_persistent_fork_bomb_that_leaves_its_session_is_stopped(make_env):
+    # Children leave the session with setsid() and ignore fork failures: only the time limit stops this one.
+    env = make_env(timeout=1.0, max_processes=16)
+    processes = start(env)
+    peak = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak.append(len(processes.cgroup.pids()))
+            done.wait(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        code = "while True:\n    try:\n        if os.fork() == 0:\n            os.setsid()\n    except OSError:\n        pass"
+        text, error = attack(env, code)
+    finally:
+        done.set()
+        watcher.join()
+    assert isinstance(error, SandboxTimeout), text
+    assert 5 < max(peak) <= 16 + 3  # the bomb really ran, within the cgroup's budget
+    assert processes.settle(0) == set()
+    assert_restores_and_works(env)
+
+
+def test_background_processes_do_not_outlive_their_cell(make_env):
+    env = make_env()
+    processes = start(env)
+    code = (
+        "server = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+        "r, w = os.pipe()\n"
+        "if os.fork() == 0:\n"  # a classic daemon: double fork, new session
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        os.write(w, str(os.getpid()).encode())\n"
+        "        time.sleep(600)\n"
+        "    os._exit(0)\n"
+        "daemon = int(os.read(r, 32))\n"
+        "print('started')"
+    )
+    assert env.python(code) == "started"
+    assert len(processes.settle(processes.own)) == processes.own  # from the host: only the sandbox's own processes
+    for name in ("server.pid", "daemon"):
+        error = attack(env, f"os.kill({name}, 0)")[1]
+        assert isinstance(error, CodeError) and error.error_type == "ProcessLookupError"
+    assert_restores_and_works(env)
+
+
+def test_cpu_of_all_processes_is_capped(make_env):
+    env = make_env(max_cpus=0.2)
+    processes = start(env)
+    # Two busy processes for 0.5 s of wall time; they can get at most 0.2 core between them.
+    code = (
+        "start, cpu = time.monotonic(), os.times()\n"
+        "pids = [os.fork() for _ in range(2)]\n"
+        "if 0 in pids:\n"
+        "    while time.monotonic() - start < 0.5:\n"
+        "        pass\n"
+        "    os._exit(0)\n"
+        "for pid in pids:\n"
+        "    os.waitpid(pid, 0)\n"
+        "now = os.times()\n"
+        "used = now.children_user + now.children_system + now.user + now.system - cpu.user - cpu.system\n"
+        "print(round(used, 3), round(time.monotonic() - start, 3))"
+    )
+    used, wall = map(float, env.python(code).split())
+    # The quota is 20 ms per 100 ms period; one period of slack for the accounting granularity.
+    assert 0 < used <= 0.2 * wall + 0.1
+    path, _ = processes.cgroup.dirs["cpu"]
+    with open(os.path.join(path, "cpu.stat")) as f:
+        stats = dict(line.split() for line in f)
+    assert int(stats["nr_throttled"]) > 0
+    assert_restores_and_works(env)
+
+
+# ----------------------------------------------------------------------------------------------------------- memory
+
+
+def test_memory_bomb_across_many_processes_is_stopped(make_env):
+    # Each process stays under its own address-space limit; together they are far over the cell's limit.
+    env = make_env(memory_limit_mb=128, max_disk_mb=8, max_file_mb=4, timeout=30)
+    processes = start(env)
+    code = (
+        "pids = []\n"
+        "for _ in range(8):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        block = b'\\x01' * (60 << 20)\n"  # touched: really resident
+        "        time.sleep(3)\n"
+        "        os._exit(0)\n"
+        "    pids.append(pid)\n"
+        "print([os.waitpid(pid, 0)[1] for pid in pids])"
+    )
+    text, error = attack(env, code)
+    assert isinstance(error, SandboxMemoryError), text
+    assert "memory limit (128 MiB for all its processes together)" in text
+    assert len(processes.settle(processes.own)) == processes.own
+    assert_restores_and_works(env)
+
+
+# ------------------------------------------------------------------------------------------------------------- disk
+
+
+def test_disk_fill_stops_at_the_sandbox_size(make_required_env):
+    env = make_required_env(max_disk_mb=16, max_file_mb=4)
+    start(env)
+    code = (
+        "i = 0\nwhile True:\n    with open(f'fill{i // 4}', 'ab') as f:\n        f.write(b'x' * (1 << 20))\n    i += 1"
+    )
+    text, error = attack(env, code)
+    assert isinstance(error, CodeError) and error.error_type == "OSError" and "[Errno 28] No space left" in text
+    assert env.python("i") in ("15", "16")  # 16 MiB fit, minus what the filesystem keeps for itself
+    assert env.python("import shutil\nfor f in os.listdir('.'):\n    os.remove(f)\nshutil.disk_usage('.').used") == "0"
+    assert_restores_and_works(env)
+
+
+def test_inode_fill_is_bounded(make_required_env):
+    env = make_required_env(memory_limit_mb=64, max_disk_mb=8, max_file_mb=4, timeout=3)
+    processes = start(env)
+    text, error = attack(env, "n = 0\nwhile True:\n    open(f'f{n}', 'w').close()\n    n += 1")
+    # Each file is kernel memory charged to the sandbox's memory cgroup: the kernel stops it, or the time limit does.
+    assert isinstance(error, (SandboxMemoryError, SandboxTimeout, CodeError)), text
+    if isinstance(error, CodeError):
+        assert error.error_type == "OSError", text
+    expected = processes.own if env._process.alive else 0  # the sandbox is closed when its interpreter was killed
+    assert len(processes.settle(expected)) == expected
+    assert_restores_and_works(env)
+    assert env.python("len(os.listdir('.'))") == "0"  # the restored episode has a fresh directory
+
+
+# ---------------------------------------------------------------------------------------------------------- network
+
+
+def test_raw_socket_module_cannot_reach_the_host(make_env, policy, listener):
+    env = make_env()
+    start(env)
+    port = listener.getsockname()[1]
+    code = (
+        f"import _socket\ns = _socket.socket()\ns.settimeout(5)\ns.connect(('127.0.0.1', {port}))\nprint('connected')"
+    )
+    text, error = attack(env, code)
+    if policy == "required":
+        # Its own network namespace: a loopback of its own (nobody listens there) and no other interface.
+        assert isinstance(error, CodeError) and error.error_type == "ConnectionRefusedError", text
+        assert not accepted(listener)
+        assert env.python("import socket\n[name for _, name in socket.if_nameindex()]") == "['lo']"
+    else:  # documented gap: the socket block is Python-level only
+        assert text == "connected" and accepted(listener)
+    assert_restores_and_works(env)
+
+
+def test_subprocess_network_clients_cannot_reach_the_host(make_env, policy, listener):
+    env = make_env(timeout=60)
+    start(env)
+    port = listener.getsockname()[1]
+    client = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=5); print('connected')"
+    code = (
+        f"py = subprocess.run([sys.executable, '-c', {client!r}], capture_output=True, text=True)\n"
+        f"curl = subprocess.run(['curl', '-sS', '-m', '2', 'http://127.0.0.1:{port}/'], capture_output=True, text=True)\n"
+        "print(py.returncode, py.stdout.strip(), curl.returncode)"
+    )
+    text, error = attack(env, code)
+    assert error is None
+    if policy == "required":
+        assert text == "1  7" and not accepted(listener)  # Python: ConnectionRefusedError; curl: "couldn't connect"
+    else:  # documented gap: a subprocess has its own, unpatched socket module
+        assert text.startswith("0 connected") and accepted(listener)
+    assert_restores_and_works(env)
+
+
+# ---------------------------------------------------------------------------------------------------------- signals
+
+
+def test_killing_the_parent_does_not_reach_the_trainer(make_env, policy):
+    env = make_env()
+    start(env)
+    text, error = attack(env, "os.kill(os.getppid(), 9)\nos.getppid()")
+    if policy == "required":
+        # The parent is the sandbox's pid 1, which ignores signals from inside its namespace.
+        assert (text, error) == ("1", None)
+    else:
+        # The parent is the sandbox's supervisor; the interpreter dies with it. The trainer is not its parent.
+        assert isinstance(error, SandboxError), text
+    os.kill(os.getpid(), 0)  # we, the trainer, are alive
+    assert_restores_and_works(env)
+
+
+def test_signals_to_host_processes(make_env, policy):
+    victim = subprocess.Popen(["sleep", "600"])
+    try:
+        env = make_env()
+        start(env)
+        text, error = attack(env, f"os.kill({victim.pid}, {int(signal.SIGTERM)})\nos.kill({os.getpid()}, 0)")
+        if policy == "required":
+            # Host pids do not exist in the sandbox's pid namespace.
+            assert isinstance(error, CodeError) and error.error_type == "ProcessLookupError", text
+            assert victim.poll() is None
+        else:  # documented gap: without a pid namespace a same-uid process can be signalled
+            assert error is None and victim.wait(timeout=60) == -signal.SIGTERM
+        if policy == "required":  # (without a pid namespace this would signal every process of the uid)
+            code = "p = subprocess.Popen(['sleep', '60'])\nos.kill(-1, 9)\np.wait()"
+            assert attack(env, code) == ("-9", None)  # only its own processes: pid 1 and itself are spared
+        os.kill(os.getpid(), 0)
+        assert_restores_and_works(env)
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+# ------------------------------------------------------------------------------------------------------- filesystem
+
+
+def test_writes_into_the_checkout_and_home_fail(make_required_env):
+    env = make_required_env()
+    start(env)
+    home = os.path.expanduser("~")
+    targets = [os.path.join(REPO, "sandbox_probe.txt"), os.path.join(REPO, "trl_agentic", "__init__.py")]
+    targets += [os.path.join(home, "sandbox_probe.txt"), os.path.join(home, ".bashrc")]
+    before = {path: os.stat(path).st_mtime_ns for path in targets if os.path.exists(path)}
+    try:
+        for path in targets:
+            text, error = attack(env, f"open({path!r}, 'a').write('pwned')")
+            assert isinstance(error, CodeError), text
+            assert error.error_type in ("OSError", "FileNotFoundError", "PermissionError"), text
+        text, error = attack(
+            env, f"subprocess.run(['touch', {targets[0]!r}, {targets[2]!r}], capture_output=True).returncode"
+        )
+        assert error is None and text == "1"
+        # Nor can it read them: the checkout is not in the sandbox at all.
+        assert env.python(f"os.path.exists({REPO!r}), os.path.exists('/etc/shadow')") == "(False, False)"
+    finally:
+        created = [path for path in targets if os.path.exists(path) and path not in before]
+        for path in created:
+            os.remove(path)
+    assert created == []
+    assert {path: os.stat(path).st_mtime_ns for path in before} == before
+    assert_restores_and_works(env)
+
+
+def test_trainer_environment_variables_do_not_leak(make_env, monkeypatch):
+    monkeypatch.setenv("TRL_AGENTIC_TEST_SECRET", "hunter2-secret-value")
+    # A process whose /proc/<pid>/environ holds the secret (ours only shows the environment we were started with).
+    victim = subprocess.Popen(["sleep", "600"])
+    try:
+        env = make_env()
+        start(env)
+        assert env.python("print(os.environ.get('TRL_AGENTIC_TEST_SECRET'))") == "None"
+        assert env.python("sorted(set(os.environ) - {'PWD'})") == repr(
+            sorted(
+                ["HOME", "LANG", "LC_ALL", "MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PATH"]
+                + ["PYTHONDONTWRITEBYTECODE", "PYTHONHASHSEED", "PYTHONIOENCODING", "PYTHONUNBUFFERED", "TMPDIR"]
+            )
+        )
+        scan = (
+            "found = []\n"
+            "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+            "    try:\n"
+            "        found.append(b'hunter2-secret-value' in open(f'/proc/{pid}/environ', 'rb').read())\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "any(found)"
+        )
+        assert env.python(scan) == "False"
+        assert env.python("subprocess.run(['env'], capture_output=True).stdout.count(b'hunter2')") == "0"
+        with open(f"/proc/{victim.pid}/environ", "rb") as f:
+            assert b"hunter2-secret-value" in f.read()  # it was there to be found
+        assert_restores_and_works(env)
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+# ------------------------------------------------------------------------------------------------ training continues
+
+
+def test_rollout_loop_goes_on_after_attacks(tiny_tokenizer, policy):
+    """The env driven by the real rollout loop: each attack reaches the model as a tool message, the trajectory
+    continues, and the state of the episode is intact at the end."""
+    factory = EnvFactory(**POLICIES[policy], timeout=1.0, max_processes=16)
+    env = factory()
+    try:
+        turns = [
+            call("python", code="while True:\n    import os; os.fork()"),
+            call("python", code="while True:\n    pass"),
+            call("python", code="import os\nos._exit(3)"),
+            call("python", code="print(x + 1)"),
+        ]
+        backend = ScriptBackend(tiny_tokenizer, [[turn] for turn in turns[1:]] + [["done<|im_end|>"]])
+        # No infrastructure patterns: the sandbox's failures are model errors (the loop's config defaults are the
+        # lead's; see the report for what they must become).
+        config = LoopConfig(infra_error_patterns=[], rollback_on_errors=[], tool_timeout=0.0)
+        env.python("x = 41")
+        _, _, trl_tuple, result = run_tools_loop(backend, [turns[0]], [{"python": env.python}], config, envs=[env])
+        messages = trl_tuple[1][0]
+        tool_contents = [m["content"] for m in messages if m["role"] == "tool"]
+        assert len(tool_contents) == 4
+        assert "BlockingIOError" in tool_contents[0]
+        assert "exceeded its time limit (1 s)" in tool_contents[1]
+        assert "exited with code 3" in tool_contents[2]
+        assert tool_contents[3] == "42"  # the state survived all three
+        assert result.infra_failed == [False]
+        assert messages[-1]["role"] == "assistant" and messages[-1]["content"] == "done"
+    finally:
+        factory.close()
