@@ -253,3 +253,24 @@ def test_the_api_never_aliases_the_calls_arguments():
     env.mention(tweet_id=tweet["id"], mentioned_usernames=["@technewsworld"])
     assert arguments["mentions"] == ["@industryexperts"]
     assert env._apis["TwitterAPI"].tweets[tweet["id"]]["mentions"] == ["@industryexperts", "@technewsworld"]
+
+
+def test_a_fresh_instance_restored_from_a_checkpoint_continues_the_episode():
+    """What the loop does after a timed-out call: a new instance of the class, restored, its tools re-bound by name
+    (including a held-out function a user turn added)."""
+    task = get_task("multi_turn_miss_func_0")
+    old = environment_class(tool_group(task))()
+    old.reset(bfcl_id=task.id)
+    for _ in range(3):  # to turn 3, where `sort` is added
+        user = next_user_turn(old, {"role": "assistant", "content": "ok"})
+    assert [t.__name__ for t in user.add_tools] == ["sort"] and old.sort.__self__ is old
+    new = type(old)()
+    restore_env(new, checkpoint_env(old))
+    rebound = new.sort  # what the loop's getattr(new, name) gets
+    assert rebound.__self__ is new
+    new.cd(folder="document")
+    assert "sorted_content" in rebound(file_name="final_report.pdf")
+    assert new._turn_calls[-1] == ["cd(folder='document')", "sort(file_name='final_report.pdf')"]
+    assert old._turn_calls[-1] == []  # the retired instance is untouched
+    with pytest.raises(AttributeError):
+        _ = new.cp  # a hidden function no user turn added is not an attribute

@@ -145,17 +145,26 @@ class BFCLEnv:
         self._calls.append([])
         held_out = task.missed_functions.get(self._turn)
         if held_out:
-            tools = [types.MethodType(self._hidden_tools[name], self) for name in held_out]
             self._added.extend(held_out)
+            tools = [getattr(self, name) for name in held_out]
             return UserTurn(content=additional_function_message(tools), add_tools=tools)
         return "\n".join(message["content"] for message in task.turns[self._turn])
 
+    def __getattr__(self, name: str):
+        # A held-out function, once a user turn added it, is an attribute of the episode like the visible ones: the
+        # loop re-binds a rollout's tools by name when it moves the episode to a fresh instance (timed-out call).
+        if not name.startswith("_") and name in self.__dict__.get("_added", ()):
+            return types.MethodType(self._hidden_tools[name], self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # -- rollback --------------------------------------------------------------------------------------------------
     def _checkpoint(self) -> Any:
-        return copy.deepcopy((self._apis, self._calls, self._turn, self._added))
+        # The task is immutable (shared, not copied); a fresh instance restored from this state continues the episode.
+        return self._task, copy.deepcopy((self._apis, self._calls, self._turn, self._added))
 
     def _restore(self, state: Any) -> None:
-        self._apis, self._calls, self._turn, self._added = copy.deepcopy(state)
+        self._task = state[0]
+        self._apis, self._calls, self._turn, self._added = copy.deepcopy(state[1])
 
     # -- scoring ---------------------------------------------------------------------------------------------------
     @property
