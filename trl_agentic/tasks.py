@@ -214,6 +214,9 @@ class Task:
     # `make_traces(rows) -> traces` for the warm start instead of the arithmetic trace generator (e.g. BFCL's
     # ground-truth conversations, `trl_agentic.envs.bfcl.traces.ground_truth_traces`).
     make_traces: Callable | None = None
+    # Extra keyword arguments of `trl_agentic.warmstart.run_warmstart` (e.g. micro-batches and gradient checkpointing
+    # for long traces).
+    warmstart_trainer_options: dict | None = None
 
 
 def import_object(path: str):
@@ -315,4 +318,7 @@ def _bfcl(args: TaskArguments, extra: list[Callable]) -> Task:
         # Warm start: the ground-truth conversations of the training tasks (never the held-out scenarios).
         warmstart_dataset=Dataset.from_list(train),
         make_traces=partial(ground_truth_traces, hide_excluded=args.bfcl_hide_excluded),
+        # Traces of 3-6k tokens: one per micro-batch, activations recomputed (the attention of a 4k-token trace
+        # takes over 0.5 GB per layer otherwise).
+        warmstart_trainer_options={"micro_batch_size": 1, "gradient_checkpointing": True},
     )

@@ -227,6 +227,7 @@ def run_warmstart(
     trace_options: dict | None = None,
     compact_progress: bool = True,
     make_traces: Callable[[Sequence[dict]], list[dict]] | None = None,
+    gradient_checkpointing: bool = False,
 ) -> WarmStartResult:
     """
     Train a LoRA adapter with TRL's `SFTTrainer` on synthetic tool-use traces of the task.
@@ -270,6 +271,9 @@ def run_warmstart(
             `make_traces(rows) -> traces` instead of [`make_tool_traces`] (e.g. a task's ground-truth
             conversations); a trace may carry its own `tools` (the environment's tool methods), else those of
             `environment_factory()` are rendered.
+        gradient_checkpointing (`bool`, *optional*, defaults to `False`):
+            Recompute activations in the backward pass: needed for traces of several thousand tokens (e.g. BFCL's,
+            whose tool schemas alone are 2-5k tokens), whose attention activations otherwise exhaust the memory.
 
     Returns:
         [`WarmStartResult`].
@@ -308,7 +312,7 @@ def run_warmstart(
         bf16=False,
         seed=seed,
         max_length=None,
-        gradient_checkpointing=False,
+        gradient_checkpointing=gradient_checkpointing,
         # The traces are short and of similar length: padding wastes little, packing would mix problems.
         packing=False,
         dataloader_num_workers=0,
@@ -385,7 +389,7 @@ def run_task_warmstart(
         use_cpu=use_cpu,
         trace_options=task.warmstart_options,
         make_traces=getattr(task, "make_traces", None),
-        **kwargs,
+        **{**(getattr(task, "warmstart_trainer_options", None) or {}), **kwargs},
     )
 
 
