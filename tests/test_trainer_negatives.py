@@ -125,3 +125,188 @@ def test_negative_rows_reach_the_batch_and_are_trained_on(tiny_model_dir, tiny_t
     assert moved
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+class SecondTurnFailure:
+    """Every rollout: a good first call, then at the second turn a bad call for the first rollout only (rolled back
+    and regenerated), then an answer."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.seen = Counter()
+
+    def __call__(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        out = []
+        for ids in prompt_ids:
+            key = tuple(ids)
+            k = self.seen[key]
+            self.seen[key] += 1
+            rounds = self.tok.decode(ids).count("<tool_response>")
+            if rounds == 0:
+                out.append(f"[{k}] " + _call(k + 1))
+            elif rounds == 1:
+                out.append(_call("x") if (k == 0 and "[0]" in self.tok.decode(ids)) else _call(5))
+            else:
+                out.append("Done.<|im_end|>")
+        return [self.tok.encode(s, add_special_tokens=False) for s in out], None
+
+
+def _negative_trainer(tiny_model_dir, tiny_tokenizer, tmp_path, **overrides):
+    values = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        seed=0,
+        max_steps=1,
+        learning_rate=5e-2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=512,
+        logging_steps=1,
+        save_strategy="no",
+        enable_tool_rollback=True,
+        save_negative_samples=True,
+        negative_sample_reward=-1.0,
+        group_baseline="episodes",
+        log_completions=False,
+    )
+    values.update(overrides)
+    trainer = AgenticGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=total_reward,
+        args=AgenticGRPOConfig(**values),
+        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "Add something."}]] * 8}),
+        environment_factory=CounterEnv,
+    )
+    trainer._generate_single_turn = SecondTurnFailure(tiny_tokenizer)
+    return trainer
+
+
+def test_a_negative_row_pushes_down_only_its_failed_turn(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """The failure happens at the second turn. The good first turn is the negative row's prompt: the gradient of the
+    loss w.r.t. the negative row's per-token log-probs is zero everywhere but on the failed call, and the first turn's
+    tokens get the gradient they get without the negative row (their regular row's, unchanged with
+    `group_baseline="episodes"`, up to the loss normaliser: `dr_grpo` divides by the number of rows)."""
+    trainer = _negative_trainer(tiny_model_dir, tiny_tokenizer, tmp_path, loss_type="dr_grpo")
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    rows = [dict(r) for r in trainer.train_dataset.select(range(4))]
+    batch = trainer._generate_and_score_completions(rows)
+    kinds = batch["row_kind"]
+    (neg,) = torch.nonzero(kinds == RowKind.NEGATIVE).flatten().tolist()
+    parent = 0  # the rollout that failed (variant [0])
+    decode = tiny_tokenizer.decode
+    loss_mask = (batch["completion_mask"] * batch["tool_mask"]).bool()
+    assert decode(batch["completion_ids"][neg][loss_mask[neg]]) == _call("x")
+    neg_prompt = decode(batch["prompt_ids"][neg][batch["prompt_mask"][neg].bool()])
+    first_turn = "[0] " + _call(1)
+    assert (
+        neg_prompt.endswith("<|im_start|>assistant\n") and first_turn in neg_prompt and "<tool_response>" in neg_prompt
+    )
+    assert first_turn in decode(batch["completion_ids"][parent][loss_mask[parent]])
+
+    def logp_gradients(inputs):
+        """d loss / d per-token log-probs, through TRL's loss (the model's log-probs made a leaf)."""
+        captured = {}
+        original = trainer._get_per_token_logps_and_entropies
+
+        def leaf(*args, **kwargs):
+            logps, entropies, aux = original(*args, **kwargs)
+            captured["logps"] = logps.detach().requires_grad_(True)
+            return captured["logps"], entropies, aux
+
+        trainer._get_per_token_logps_and_entropies = leaf
+        try:
+            loss = trainer._compute_loss(trainer.model, inputs)
+        finally:
+            del trainer._get_per_token_logps_and_entropies
+        (grad,) = torch.autograd.grad(loss, captured["logps"])
+        return grad
+
+    grad = logp_gradients(batch)
+    assert grad[neg][~loss_mask[neg]].abs().max() == 0
+    assert grad[neg][loss_mask[neg]].abs().min() > 0  # pushed down (its advantage is negative)
+    assert batch["advantages"][neg] < 0
+    # The same batch without the negative row: the regular rows' gradients, the first turn's included, are unchanged.
+    keep = torch.tensor([k for k in range(kinds.numel()) if k != neg])
+    without = {k: v[keep] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
+    without["num_rows_in_batch"] = batch["num_rows_in_batch"] - 1
+    grad_without = logp_gradients(without)
+    regular = (kinds[keep] == RowKind.REGULAR).nonzero().flatten()
+    width = grad_without.size(1)
+    rows_with, rows_without = int(batch["num_rows_in_batch"]), int(without["num_rows_in_batch"])
+    assert grad_without[regular].abs().max() > 0
+    torch.testing.assert_close(
+        grad[keep][regular][:, :width] * rows_with, grad_without[regular] * rows_without, rtol=1e-6, atol=1e-9
+    )
+
+
+def test_logged_completions_show_what_is_trained(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """TRL logs the advantages it computed before our augmentation; the completion table must show the trained ones,
+    plus the extra rows (here the negative), with their kind."""
+    trainer = _negative_trainer(tiny_model_dir, tiny_tokenizer, tmp_path, group_baseline="all_rows")
+    trainer.model.train()
+    rows = [dict(r) for r in trainer.train_dataset.select(range(4))]
+    batch = trainer._generate_and_score_completions(rows)
+    logs = trainer._logs
+    kinds = batch["row_kind"]
+    trained = [
+        batch["advantages"][k].item()
+        for k in range(kinds.numel())
+        if int(kinds[k]) in (RowKind.REGULAR, RowKind.NEGATIVE)
+    ]
+    assert list(logs["advantages"]) == trained  # regular rows first, then the negative (its advantage is in them)
+    assert list(logs["extra"]["row_kind"]) == ["regular"] * 4 + ["negative"]
+    negative_completion = logs["completion"][-1]
+    assert negative_completion[0]["tool_calls"][0]["function"]["arguments"] == {"n": "x"}
+    assert negative_completion[-1]["role"] == "tool" and "integer" in negative_completion[-1]["content"]
+    assert len(logs["prompt"]) == len(logs["completion"]) == len(logs["rewards"]["total_reward"]) == 5
+    # With the negative in the baseline ("all_rows"), TRL's pre-augmentation advantages were different.
+    assert any(a != b for a, b in zip(trained[:4], [0.0] * 4))
+
+
+def test_every_process_saves_and_restores_its_own_rng(tiny_model_dir, tiny_tokenizer, tmp_path):
+    from unittest.mock import PropertyMock, patch
+
+    trainer = _negative_trainer(tiny_model_dir, tiny_tokenizer, tmp_path / "t")
+    folder = tmp_path / "checkpoint-1"
+    states = {}
+    cls = type(trainer.accelerator)
+    for rank in (0, 1):
+        trainer._rng.seed(100 + rank)
+        states[rank] = trainer._rng.getstate()
+        with (
+            patch.object(cls, "process_index", new_callable=PropertyMock, return_value=rank),
+            patch.object(cls, "num_processes", new_callable=PropertyMock, return_value=2),
+        ):
+            trainer._save_own_state(str(folder))
+    assert sorted(p.name for p in folder.iterdir()) == ["trl_agentic_state_0.json", "trl_agentic_state_1.json"]
+    for rank in (1, 0):
+        trainer._rng.seed(7)
+        with (
+            patch.object(cls, "process_index", new_callable=PropertyMock, return_value=rank),
+            patch.object(cls, "num_processes", new_callable=PropertyMock, return_value=2),
+        ):
+            trainer._load_own_state(str(folder))
+        assert trainer._rng.getstate() == states[rank]
+    # A checkpoint without this process's file (another world size) is reported, not silently shared.
+    with (
+        patch.object(cls, "process_index", new_callable=PropertyMock, return_value=2),
+        patch.object(cls, "num_processes", new_callable=PropertyMock, return_value=3),
+    ):
+        import pytest
+
+        with pytest.warns(UserWarning, match="trl_agentic_state_2.json"):
+            trainer._load_own_state(str(folder))
+
+
+def test_an_extra_row_with_a_none_sampling_logprob_batches(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """vLLM returns None for a NaN log-prob; TRL maps it to NaN for regular rows, and so must extra rows."""
+    from trl_agentic.batch import _stack
+
+    rows = [[-0.1, None, -0.3], [-0.5]]
+    out = _stack(
+        [[float("nan") if lp is None else lp for lp in r] for r in rows], 4, 0.0, "right", torch.float32, "cpu"
+    )
+    assert out.shape == (2, 4) and torch.isnan(out[0, 1]) and out[0, 0] == -0.1 and out[1, 1] == 0.0

@@ -169,7 +169,8 @@ def train(task_args, training_args, model_args):
     with clock("grpo"):
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
-    trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
+    if training_args.should_save:  # the process that wrote it (not the first process of every machine)
+        print(f"Model saved to {training_args.output_dir}.")
 
     after = "after GRPO" if task_args.warmstart_steps else "after training"
     if task_args.heldout_eval:

@@ -196,27 +196,46 @@ class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
                 with open(path, "a") as f:
                     f.write(card_section(self.args))
 
+    def _state_file(self) -> str:
+        """This process's file of trl-agentic's own RNG state (one per process, like transformers' `rng_state_{k}`)."""
+        rank = self.accelerator.process_index
+        return STATE_FILE if self.accelerator.num_processes == 1 else STATE_FILE.replace(".json", f"_{rank}.json")
+
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        # Our own state beside TRL's: the snapshot-downsampling RNG and the TracIn state (V and its refresh schedule);
-        # everything else is rebuilt deterministically.
-        if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            tracin_state = self._tracin_state_dict()
-            if tracin_state is not None:
-                # Written before STATE_FILE, whose presence marks our part of the checkpoint as complete.
-                torch.save(tracin_state, os.path.join(folder, TRACIN_STATE_FILE))
-            with open(os.path.join(folder, STATE_FILE), "w") as f:
-                json.dump({"rng": _jsonable(self._rng.getstate())}, f)
+        # Our own state beside TRL's: the snapshot-downsampling RNG (every process its own: each draws for its own
+        # rollouts) and the TracIn state (V and its refresh schedule, identical on every process); everything else is
+        # rebuilt deterministically.
+        self._save_own_state(os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}"))
+
+    def _save_own_state(self, folder: str) -> None:
+        tracin_state = self._tracin_state_dict()
+        if tracin_state is not None and self.args.should_save:
+            # Written before the state file, whose presence marks our part of the checkpoint as complete.
+            torch.save(tracin_state, os.path.join(folder, TRACIN_STATE_FILE))
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, self._state_file()), "w") as f:
+            json.dump({"rng": _jsonable(self._rng.getstate())}, f)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        path = os.path.join(checkpoint, STATE_FILE) if checkpoint is not None else None
-        if path is not None and os.path.exists(path):
+        if checkpoint is not None:
+            self._load_own_state(checkpoint)
+
+    def _load_own_state(self, checkpoint: str) -> None:
+        path = os.path.join(checkpoint, self._state_file())
+        if os.path.exists(path):
             with open(path) as f:
                 state = json.load(f)
             self._rng.setstate(_tupled(state["rng"]))
-        if checkpoint is not None and self._tracin is not None:
+        else:
+            warnings.warn(
+                f"{path} does not exist (a checkpoint saved with a different number of processes?): the "
+                "snapshot-downsampling RNG of this process starts afresh.",
+                UserWarning,
+                stacklevel=2,
+            )
+        if self._tracin is not None:
             tracin_path = os.path.join(checkpoint, TRACIN_STATE_FILE)
             if os.path.exists(tracin_path):
                 self._tracin_load_state_dict(torch.load(tracin_path, map_location="cpu", weights_only=True))

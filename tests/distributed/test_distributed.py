@@ -391,6 +391,24 @@ def test_all_features_under_deepspeed(tiny_model_dir, tmp_path, zero):
     assert start_b == 0.0 and moved > 1e-4
 
 
+@pytest.mark.parametrize("where", ["loop", "augment"])
+def test_an_error_on_one_rank_stops_every_rank(tiny_model_dir, tmp_path, where):
+    """An exception on rank 1 only — in the rollout loop (an environment hook) or in the batch augmentation (a
+    per-segment reward) — stops both ranks with an error naming it, under ZeRO-3, instead of leaving rank 0 waiting in
+    a collective until the launch times out."""
+    out = tmp_path / "run"
+    out.mkdir()
+    args = ["--model", tiny_model_dir, "--rows_per_rank", "4", "--num_generations", "2"]
+    args += ["--scenario", "all_features", "--snapshots", "--fail_on_rank", "1", "--fail_in", where]
+    returncode, log = _launch_once(cpu_config("zero3", tmp_path), out, SCRIPT, args, TIMEOUT)
+    assert returncode != 0
+    errors = {r: (out / f"error_rank{r}.txt").read_text() for r in (0, 1)}
+    failure = "environment hook failed on rank 1" if where == "loop" else "segment reward failed on rank 1"
+    assert failure in errors[1] and "RuntimeError" in errors[1]
+    assert "failed on another process" in errors[0] and failure in errors[0]
+    assert not (out / "DONE").exists()
+
+
 def _tracin_index(records: list[dict]) -> dict:
     """Scored rows keyed by content: (prompt, completion, kind) -> sorted [(score, selected)]."""
     index = defaultdict(list)

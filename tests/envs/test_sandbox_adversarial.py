@@ -333,8 +333,13 @@ def test_writes_into_the_checkout_and_home_fail(make_required_env):
             env, f"subprocess.run(['touch', {targets[0]!r}, {targets[2]!r}], capture_output=True).returncode"
         )
         assert error is None and text == "1"
-        # Nor can it read them: the checkout is not in the sandbox at all.
-        assert env.python(f"os.path.exists({REPO!r}), os.path.exists('/etc/shadow')") == "(False, False)"
+        # Nor can it read them: nothing of the checkout is in the sandbox (when the venv lives inside the checkout, as
+        # `make install` puts it, its read-only mount makes an otherwise empty directory of the checkout's path).
+        readme, source = os.path.join(REPO, "README.md"), os.path.join(REPO, "trl_agentic", "__init__.py")
+        probe = f"os.path.exists({readme!r}), os.path.exists({source!r}), os.path.exists('/etc/shadow')"
+        assert env.python(probe) == "(False, False, False)"
+        visible = env.python(f"sorted(os.listdir({REPO!r})) if os.path.isdir({REPO!r}) else []")
+        assert visible in ("[]", "['.venv']"), visible
     finally:
         created = [path for path in targets if os.path.exists(path) and path not in before]
         for path in created:
@@ -393,9 +398,8 @@ def test_rollout_loop_goes_on_after_attacks(tiny_tokenizer, policy):
             call("python", code="print(x + 1)"),
         ]
         backend = ScriptBackend(tiny_tokenizer, [[turn] for turn in turns[1:]] + [["done<|im_end|>"]])
-        # No infrastructure patterns: the sandbox's failures are model errors (the loop's config defaults are the
-        # lead's; see the report for what they must become).
-        config = LoopConfig(infra_error_patterns=[], rollback_on_errors=[], tool_timeout=0.0)
+        # The sandbox's failures are model errors (trl_agentic.errors): shown to the model, the rollout goes on.
+        config = LoopConfig(rollback_on_errors=[], tool_timeout=0.0)
         env.python("x = 41")
         _, _, trl_tuple, result = run_tools_loop(backend, [turns[0]], [{"python": env.python}], config, envs=[env])
         messages = trl_tuple[1][0]

@@ -50,6 +50,29 @@ class CounterEnv:
         return str(self.total)
 
 
+class FailingConversationEnv(CounterEnv):
+    """`--fail_on_rank k --fail_in loop`: its user-turn hook (called inside the rollout loop) raises on rank k only."""
+
+    def _next_user_turn(self, assistant_message):
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() == FAIL["rank"]:
+            raise RuntimeError(f"environment hook failed on rank {FAIL['rank']}")
+        return None
+
+
+FAIL = {"rank": -1}
+
+
+def failing_segment_reward(segment: dict) -> float:
+    """`--fail_in augment`: a per-segment reward term (called in the batch augmentation) that raises on one rank."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() == int(__import__("os").environ.get("FAIL_ON_RANK", "-1")):
+        raise RuntimeError(f"segment reward failed on rank {dist.get_rank()}")
+    return 0.0
+
+
 def total_reward(environments, **kwargs):
     return [float(env.total) for env in environments]
 
@@ -331,6 +354,8 @@ def parse_args(argv=None):
     p.add_argument("--record_grads", action="store_true")
     p.add_argument("--optim", default="adamw_torch")
     p.add_argument("--loss_type", default="dapo")
+    p.add_argument("--fail_on_rank", type=int, default=-1, help="inject an exception on this rank only")
+    p.add_argument("--fail_in", default="loop", choices=["loop", "augment"])
     p.add_argument("--learning_rate", type=float, default=1e-2)
     p.add_argument("--rlvcr", action="store_true", help="RLVCR (CoPO) advantages with expansion rows")
     p.add_argument("--tracin", action="store_true", help="TracIn-filtered training (needs --lora)")
@@ -360,6 +385,14 @@ def build(args):
     extra = {}
     if args.rlvcr:
         extra.update(advantage_estimator="rlvcr", rlvcr_mode="copo", rlvcr_action_tag="tool_call", rlvcr_expand=True)
+    environment = CounterEnv
+    if args.fail_on_rank >= 0:
+        FAIL["rank"] = args.fail_on_rank
+        if args.fail_in == "loop":
+            environment = FailingConversationEnv
+        else:  # the script's own module is importable: tests/distributed/scripts is on the path of `python script.py`
+            __import__("os").environ["FAIL_ON_RANK"] = str(args.fail_on_rank)
+            extra.update(snapshot_reward_func="train_scripted:failing_segment_reward")
     if args.tracin:
         extra.update(
             tracin_enabled=True,
@@ -404,7 +437,7 @@ def build(args):
         reward_funcs=total_reward,
         args=config,
         train_dataset=prompts(64),
-        environment_factory=CounterEnv,
+        environment_factory=environment,
         peft_config=peft_config,
         tracin_eval_dataset=prompts(4) if args.tracin else None,
     )
