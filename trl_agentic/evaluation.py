@@ -75,6 +75,7 @@ class HFGenerationBackend:
         temperature: 0 for greedy decoding, otherwise the sampling temperature.
         top_p: Nucleus sampling threshold when sampling.
         prefix_caching: Encode the prefix shared by all contexts of a call once (see `generate`).
+        max_turn_tokens: Tokens generated per assistant turn at most (default: `max_completion_length`).
     """
 
     multi_process = False
@@ -90,6 +91,7 @@ class HFGenerationBackend:
         temperature: float = 0.0,
         top_p: float = 1.0,
         prefix_caching: bool = True,
+        max_turn_tokens: int | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -103,6 +105,7 @@ class HFGenerationBackend:
         self.temperature = temperature
         self.top_p = top_p
         self.prefix_caching = prefix_caching
+        self.max_turn_tokens = min(max_turn_tokens or max_completion_length, max_completion_length)
         self.generated_tokens = 0
         self._prefix_key: tuple | None = None
         self._prefix_kv = None
@@ -148,7 +151,7 @@ class HFGenerationBackend:
         output = self.model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
-            max_new_tokens=self.max_completion_length,
+            max_new_tokens=self.max_turn_tokens,
             pad_token_id=pad,
             eos_token_id=eos,
             use_cache=True,
@@ -227,6 +230,8 @@ def evaluate_policy(
     desc: str = "eval",
     prefix_caching: bool = True,
     seed: int = 0,
+    max_turn_tokens: int | None = None,
+    batch_by: str | None = None,
 ) -> EvalResult:
     """
     Roll out a policy on held-out problems with the multi-turn tool loop and score it.
@@ -238,8 +243,10 @@ def evaluate_policy(
             Its tokenizer, with a tool-calling chat template.
         rows (`Sequence[dict]`):
             Dataset rows with a conversational `prompt` and the columns the reward functions and `env.reset` need.
-        environment_factory (`Callable`):
+        environment_factory (`Callable` or `dict[str, Callable]`):
             Builds one environment per problem (TRL's environment protocol: `reset(**row)` plus public tool methods).
+            A dict is TRL's multi-environment mode: each row's `environment` column names its factory, and is not
+            passed to `reset`.
         reward_funcs (`Sequence[Callable]`):
             TRL-style reward functions `f(completions=..., prompts=..., **columns) -> list[float]`; the first one
             defines `success_rate`. An environment with a `get_reward()` method adds its reward last, as in TRL.
@@ -263,6 +270,13 @@ def evaluate_policy(
         seed (`int`, *optional*, defaults to `0`):
             Seed of the sampling (the global RNG is forked, so training's random stream is untouched): with a fixed
             seed, the same model samples the same completions.
+        max_turn_tokens (`int`, *optional*):
+            Tokens generated per assistant turn at most (default: `max_completion_length`); bounds the cost of a
+            turn that never ends in long multi-turn conversations.
+        batch_by (`str`, *optional*):
+            A column: consecutive rows with the same value are batched together and a batch never mixes values
+            (e.g. `"environment"`: rows with the same tools share their prompt prefix, which `prefix_caching` then
+            encodes once). Sort the rows by it first.
 
     Returns:
         [`EvalResult`]: The metrics and one record per problem.
@@ -285,11 +299,11 @@ def evaluate_policy(
         stack.callback(model.train, was_training)
         stack.callback(bar.close)
         torch.manual_seed(seed)
-        for first in range(0, len(rows), batch_size):
-            chunk = [dict(r) for r in rows[first : first + batch_size]]
-            envs = [environment_factory() for _ in chunk]
+        for chunk in _chunks(rows, batch_size, batch_by):
+            chunk = [dict(r) for r in chunk]
+            envs = [_factory_for(environment_factory, row)() for row in chunk]
             for env, row in zip(envs, chunk):
-                env.reset(**row)
+                env.reset(**_reset_kwargs(environment_factory, row))
             tool_dicts = [tool_methods(env) for env in envs]
             # Prompts are rendered with the environment's bound methods, the schema GRPO shows the model.
             tools_per_row = [list(tool_methods(env).values()) for env in envs]
@@ -302,8 +316,10 @@ def evaluate_policy(
                 temperature=temperature,
                 top_p=top_p,
                 prefix_caching=prefix_caching,
+                max_turn_tokens=max_turn_tokens,
             )
-            backend.environment_factory = environment_factory
+            # A fresh environment after a timed-out call (multi-environment mode: the class of the old one).
+            backend.environment_factory = None if isinstance(environment_factory, dict) else environment_factory
             prompts = [list(row["prompt"]) for row in chunk]
             prompt_ids = [backend.render_prompt(p, k) for k, p in enumerate(prompts)]
             completion_ids, _ = backend.generate(prompt_ids)
@@ -361,6 +377,35 @@ def evaluate_policy(
                     close()
             bar.update(len(chunk))
     return EvalResult(summarize(records, time.perf_counter() - start), records)
+
+
+def _chunks(rows: Sequence[dict], batch_size: int, batch_by: str | None):
+    """Consecutive batches of at most `batch_size` rows, split where the `batch_by` column changes."""
+    chunk: list[dict] = []
+    for row in rows:
+        if chunk and (len(chunk) == batch_size or (batch_by and row.get(batch_by) != chunk[0].get(batch_by))):
+            yield chunk
+            chunk = []
+        chunk.append(row)
+    if chunk:
+        yield chunk
+
+
+def _factory_for(environment_factory, row: dict) -> Callable:
+    """The row's environment factory: TRL's multi-environment mode picks it by the row's `environment` column."""
+    if not isinstance(environment_factory, dict):
+        return environment_factory
+    name = row.get("environment")
+    if name not in environment_factory:
+        raise ValueError(f"Row has `environment={name!r}`, not among {list(environment_factory)}.")
+    return environment_factory[name]
+
+
+def _reset_kwargs(environment_factory, row: dict) -> dict:
+    """`reset` gets every column, except `environment` in multi-environment mode (as in TRL)."""
+    if isinstance(environment_factory, dict):
+        return {k: v for k, v in row.items() if k != "environment"}
+    return row
 
 
 def summarize(records: list[dict], seconds: float = 0.0) -> dict[str, float]:

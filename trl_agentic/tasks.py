@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from datasets import Dataset
 
-TASKS = ("calculator", "python", "textworld")
+TASKS = ("calculator", "python", "textworld", "bfcl")
 
 PYTHON_SYSTEM_PROMPT = (
     "Solve the math problem. Use the `python` tool to compute (print the result), then give the final answer on its "
@@ -26,12 +26,13 @@ class TaskArguments:
     Args:
         task (`str`, *optional*, defaults to `"calculator"`):
             `"calculator"` (arithmetic word problems with a calculator tool), `"python"` (the same problems with the
-            Python sandbox tool), `"textworld"` (multi-step text world) or an import path `"package.module:build"` of
-            a function `build(task_args) -> Task`.
+            Python sandbox tool), `"textworld"` (multi-step text world), `"bfcl"` (BFCL v4 multi-turn tasks,
+            docs/bfcl.md) or an import path `"package.module:build"` of a function `build(task_args) -> Task`.
         num_train_tasks (`int`, *optional*, defaults to `256`):
-            Number of generated training problems.
+            Number of generated training problems (`bfcl`: at most this many training tasks; 0 takes them all).
         num_eval_tasks (`int`, *optional*, defaults to `32`):
-            Number of held-out problems (a different seed) for evaluation.
+            Number of held-out problems (a different seed) for evaluation (`bfcl`: at most this many held-out tasks;
+            0 takes them all).
         task_difficulty (`str`, *optional*, defaults to `"medium"`):
             Difficulty of the generated arithmetic problems: `"easy"`, `"medium"` or `"hard"`.
         task_seed (`int`, *optional*, defaults to `0`):
@@ -45,14 +46,31 @@ class TaskArguments:
         extra_reward_funcs (`list[str]`, *optional*):
             Import paths `"package.module:function"` of extra reward functions.
 
-        > Warm start (SFT before GRPO; built-in arithmetic tasks)
+        > BFCL multi-turn (`task: bfcl`)
+
+        bfcl_categories (`list[str]`, *optional*, defaults to `["base"]`):
+            BFCL multi-turn categories of the tasks: `base`, `miss_func`, `miss_param`, `long_context`.
+        bfcl_classes (`list[str]`, *optional*):
+            Keep only tasks all of whose API classes are among these (default: every task).
+        bfcl_heldout_fraction (`float`, *optional*, defaults to `0.25`):
+            Share of the 200 scenarios held out for evaluation (the same scenarios in every category); training
+            tasks come from the others. The split's seed is `task_seed`.
+        bfcl_turn_credit (`bool`, *optional*, defaults to `False`):
+            Add our per-turn partial credit (fraction of leading turns that pass the official checks) as a second
+            reward function, beside the official verdict.
+        bfcl_hide_excluded (`bool`, *optional*, defaults to `True`):
+            Hide each task's `excluded_function`s from its tools (BFCL's own inference shows them).
+
+        > Warm start (SFT before GRPO; built-in arithmetic tasks and `bfcl`)
 
         warmstart_steps (`int`, *optional*, defaults to `0`):
             Optimizer steps of a short SFT stage (TRL's `SFTTrainer`, same LoRA config) on synthetic tool-use traces
-            of the task before GRPO; `0` skips it. GRPO then continues training the same adapter.
+            of the task before GRPO; `0` skips it. GRPO then continues training the same adapter. `bfcl`: the traces
+            are the ground-truth conversations of the training tasks.
         warmstart_batch_size (`int`, *optional*, defaults to `8`):
             Traces per SFT step; `warmstart_steps * warmstart_batch_size` traces are generated (each seen once), from
-            problems other than the training and held-out ones (seed `task_seed + 2`).
+            problems other than the training and held-out ones (seed `task_seed + 2`). `bfcl`: the training tasks'
+            traces, repeated as needed.
         warmstart_learning_rate (`float`, *optional*, defaults to `2e-4`):
             Peak learning rate of the SFT stage (linear decay).
         warmstart_error_fraction (`float`, *optional*, defaults to `0.0`):
@@ -92,6 +110,22 @@ class TaskArguments:
     )
     extra_reward_funcs: list[str] | None = field(
         default=None, metadata={"help": "Import paths 'pkg.module:function' of extra reward functions."}
+    )
+    bfcl_categories: list[str] = field(
+        default_factory=lambda: ["base"],
+        metadata={"help": "BFCL categories: base, miss_func, miss_param, long_context."},
+    )
+    bfcl_classes: list[str] | None = field(
+        default=None, metadata={"help": "Keep BFCL tasks whose API classes are all among these (default: all)."}
+    )
+    bfcl_heldout_fraction: float = field(
+        default=0.25, metadata={"help": "Share of BFCL scenarios held out for evaluation (seed: task_seed)."}
+    )
+    bfcl_turn_credit: bool = field(
+        default=False, metadata={"help": "Add our per-turn partial credit as a second reward function."}
+    )
+    bfcl_hide_excluded: bool = field(
+        default=True, metadata={"help": "Hide each BFCL task's excluded functions from its tools."}
     )
     warmstart_steps: int = field(
         default=0,
@@ -146,9 +180,19 @@ class TaskArguments:
             raise ValueError(f"`warmstart_error_fraction` must be in [0, 1], got {self.warmstart_error_fraction}.")
         if self.heldout_eval_temperature < 0:
             raise ValueError(f"`heldout_eval_temperature` must be >= 0, got {self.heldout_eval_temperature}.")
-        if self.warmstart_steps and self.task not in ("calculator", "python"):
+        if self.task == "bfcl":
+            from .envs.bfcl.data import API_CLASSES, CATEGORIES
+
+            if not self.bfcl_categories or not set(self.bfcl_categories) <= set(CATEGORIES):
+                raise ValueError(f"`bfcl_categories` must be among {list(CATEGORIES)}, got {self.bfcl_categories}.")
+            if self.bfcl_classes is not None and not set(self.bfcl_classes) <= set(API_CLASSES):
+                raise ValueError(f"`bfcl_classes` must be among {list(API_CLASSES)}, got {self.bfcl_classes}.")
+            if not 0.0 <= self.bfcl_heldout_fraction <= 1.0:
+                raise ValueError(f"`bfcl_heldout_fraction` must be in [0, 1], got {self.bfcl_heldout_fraction}.")
+        if self.warmstart_steps and self.task not in ("calculator", "python", "bfcl"):
             raise ValueError(
-                f"`warmstart_steps` needs a built-in arithmetic task ('calculator' or 'python'), got {self.task!r}."
+                f"`warmstart_steps` needs a built-in task with traces ('calculator', 'python' or 'bfcl'), got "
+                f"{self.task!r}."
             )
 
 
@@ -158,7 +202,8 @@ class Task:
 
     train_dataset: Dataset
     eval_dataset: Dataset | None
-    environment_factory: Callable | None
+    # A callable, or TRL's multi-environment mapping {name: factory} (rows then carry an `environment` column).
+    environment_factory: Callable | dict[str, Callable] | None
     reward_funcs: list[Callable]
     tools: list[Callable] = field(default_factory=list)
     # Keyword arguments of `trl_agentic.warmstart.make_tool_traces` (None: the task has no warm start).
@@ -166,6 +211,12 @@ class Task:
     # Rows the warm-start traces are made from (problems other than the training and held-out ones).
     warmstart_dataset: Dataset | None = None
     system_prompt: str | None = None
+    # `make_traces(rows) -> traces` for the warm start instead of the arithmetic trace generator (e.g. BFCL's
+    # ground-truth conversations, `trl_agentic.envs.bfcl.traces.ground_truth_traces`).
+    make_traces: Callable | None = None
+    # Extra keyword arguments of `trl_agentic.warmstart.run_warmstart` (e.g. micro-batches and gradient checkpointing
+    # for long traces).
+    warmstart_trainer_options: dict | None = None
 
 
 def import_object(path: str):
@@ -233,4 +284,41 @@ def build_task(args: TaskArguments) -> Task:
         train = Dataset.from_list(make_textworld_tasks(args.num_train_tasks, args.task_seed, tool_format=True))
         evaluation = Dataset.from_list(make_textworld_tasks(args.num_eval_tasks, args.task_seed + 1, tool_format=True))
         return Task(train, evaluation, TextWorldToolEnv, list(extra))
+    if args.task == "bfcl":
+        return _bfcl(args, extra)
     return import_object(args.task)(args)
+
+
+def _bfcl(args: TaskArguments, extra: list[Callable]) -> Task:
+    """BFCL multi-turn tasks: training and held-out scenarios, one environment class per tool group (TRL's
+    multi-environment mode), the official checker's verdict as the reward (docs/bfcl.md)."""
+    from functools import partial
+
+    from .envs.bfcl.dataset import environment_factories, make_rows, sample_rows, select_tasks, split_scenarios
+    from .envs.bfcl.reward import bfcl_reward, bfcl_turn_credit
+    from .envs.bfcl.traces import ground_truth_traces
+
+    train_ids, heldout_ids = split_scenarios(args.bfcl_heldout_fraction, args.task_seed)
+
+    def rows(scenarios, limit, seed):
+        tasks = select_tasks(args.bfcl_categories, classes=args.bfcl_classes, scenarios=scenarios)
+        return sample_rows(make_rows(tasks, hide_excluded=args.bfcl_hide_excluded), limit, seed)
+
+    train = rows(train_ids, args.num_train_tasks, args.task_seed)
+    evaluation = rows(heldout_ids, args.num_eval_tasks, args.task_seed + 1)
+    if not train:
+        raise ValueError("No BFCL training task matches `bfcl_categories` and `bfcl_classes`.")
+    factories = environment_factories(train + evaluation, hide_excluded=args.bfcl_hide_excluded)
+    rewards = [bfcl_reward, *([bfcl_turn_credit] if args.bfcl_turn_credit else []), *extra]
+    return Task(
+        Dataset.from_list(train),
+        Dataset.from_list(evaluation) if evaluation else None,
+        factories,
+        rewards,
+        # Warm start: the ground-truth conversations of the training tasks (never the held-out scenarios).
+        warmstart_dataset=Dataset.from_list(train),
+        make_traces=partial(ground_truth_traces, hide_excluded=args.bfcl_hide_excluded),
+        # Traces of 3-6k tokens: one per micro-batch, activations recomputed (the attention of a 4k-token trace
+        # takes over 0.5 GB per layer otherwise).
+        warmstart_trainer_options={"micro_batch_size": 1, "gradient_checkpointing": True},
+    )

@@ -143,7 +143,9 @@ def tokenize_trace(renderer: ChatRenderer, trace: dict, tools: Sequence[Callable
         renderer ([`ChatRenderer`]):
             Renders prompts and tool-result suffixes with the chat template GRPO uses.
         trace (`dict`):
-            A trace of [`make_tool_traces`].
+            A trace of [`make_tool_traces`] (or of a task's `make_traces`): `prompt` and `turns`, assistant and tool
+            messages, and, in conversations with several user turns, user messages after an assistant message
+            without tool calls (masked, like the loop's user-turn tokens).
         tools (`Sequence[Callable]`):
             The environment's tools (rendered into the system prompt).
 
@@ -157,6 +159,13 @@ def tokenize_trace(renderer: ChatRenderer, trace: dict, tools: Sequence[Callable
     k = 0
     while k < len(turns):
         message = turns[k]
+        if message["role"] == "user" and k > 0 and turns[k - 1]["role"] == "assistant":
+            # A later user turn of a multi-turn conversation: environment tokens, masked.
+            suffix = renderer.user_turn_ids(message["content"])
+            input_ids += suffix
+            labels += [-100] * len(suffix)
+            k += 1
+            continue
         if message["role"] != "assistant":
             raise ValueError(f"Expected an assistant turn at position {k}, got {message['role']!r}.")
         text = message.get("content") or ""
@@ -217,6 +226,8 @@ def run_warmstart(
     callbacks: list | None = None,
     trace_options: dict | None = None,
     compact_progress: bool = True,
+    make_traces: Callable[[Sequence[dict]], list[dict]] | None = None,
+    gradient_checkpointing: bool = False,
 ) -> WarmStartResult:
     """
     Train a LoRA adapter with TRL's `SFTTrainer` on synthetic tool-use traces of the task.
@@ -256,6 +267,13 @@ def run_warmstart(
             Extra keyword arguments of [`make_tool_traces`] (tool name, argument, templates).
         compact_progress (`bool`, *optional*, defaults to `True`):
             Show one compact line per step (loss, token accuracy, s/step) under the progress bar.
+        make_traces (`Callable`, *optional*):
+            `make_traces(rows) -> traces` instead of [`make_tool_traces`] (e.g. a task's ground-truth
+            conversations); a trace may carry its own `tools` (the environment's tool methods), else those of
+            `environment_factory()` are rendered.
+        gradient_checkpointing (`bool`, *optional*, defaults to `False`):
+            Recompute activations in the backward pass: needed for traces of several thousand tokens (e.g. BFCL's,
+            whose tool schemas alone are 2-5k tokens), whose attention activations otherwise exhaust the memory.
 
     Returns:
         [`WarmStartResult`].
@@ -267,12 +285,17 @@ def run_warmstart(
     if batch_size % micro_batch_size:
         raise ValueError(f"`batch_size` ({batch_size}) must be a multiple of `micro_batch_size` ({micro_batch_size}).")
     start = time.perf_counter()
-    traces = make_tool_traces(
-        rows, environment_factory, error_fraction=error_fraction, seed=seed, **(trace_options or {})
-    )
+    if make_traces is not None:
+        traces = make_traces(rows)
+    else:
+        traces = make_tool_traces(
+            rows, environment_factory, error_fraction=error_fraction, seed=seed, **(trace_options or {})
+        )
     renderer = ChatRenderer(tokenizer)
-    tools = list(tool_methods(environment_factory()).values())
-    examples = [tokenize_trace(renderer, trace, tools) for trace in traces]
+    default_tools = None
+    if any("tools" not in trace for trace in traces):
+        default_tools = list(tool_methods(environment_factory()).values())
+    examples = [tokenize_trace(renderer, trace, trace.get("tools", default_tools)) for trace in traces]
     dataset = Dataset.from_list(examples)
     args = SFTConfig(
         output_dir=output_dir,
@@ -289,7 +312,7 @@ def run_warmstart(
         bf16=False,
         seed=seed,
         max_length=None,
-        gradient_checkpointing=False,
+        gradient_checkpointing=gradient_checkpointing,
         # The traces are short and of similar length: padding wastes little, packing would mix problems.
         packing=False,
         dataloader_num_workers=0,
@@ -307,14 +330,15 @@ def run_warmstart(
 
         install_compact_progress(trainer)
     trainer.train()
-    sample = tokenizer.decode(examples[0]["input_ids"][len(renderer.prompt_ids(traces[0]["prompt"], tools)) :])
+    first_tools = traces[0].get("tools", default_tools)
+    sample = tokenizer.decode(examples[0]["input_ids"][len(renderer.prompt_ids(traces[0]["prompt"], first_tools)) :])
     trained = _leave_deepspeed(trainer, output_dir) if trainer.is_deepspeed_enabled else trainer.model
     return WarmStartResult(
         model=trained,
         log_history=list(trainer.state.log_history),
         seconds=time.perf_counter() - start,
         num_traces=len(traces),
-        faulty_traces=sum(t["faulty"] for t in traces),
+        faulty_traces=sum(t.get("faulty", False) for t in traces),
         sample_trace=sample,
     )
 
@@ -364,7 +388,8 @@ def run_task_warmstart(
         seed=seed,
         use_cpu=use_cpu,
         trace_options=task.warmstart_options,
-        **kwargs,
+        make_traces=getattr(task, "make_traces", None),
+        **{**(getattr(task, "warmstart_trainer_options", None) or {}), **kwargs},
     )
 
 
