@@ -30,6 +30,18 @@ def test_memory_report_compares_what_the_step_adds():
     assert "misses the goal" in text and "1.30×" in text
 
 
+def test_memory_report_splits_the_fused_step_from_the_v_refresh():
+    results = {
+        "plain": {"baseline_mb": 1000.0, "peak_mb": 1500.0, "seconds": 1.0, "parameters": 362e6},
+        "fused": {"baseline_mb": 1000.0, "peak_mb": 1650.0, "seconds": 1.0, "parameters": 362e6},
+        "fused_v_ready": {"baseline_mb": 1040.0, "peak_mb": 1590.0, "seconds": 1.0, "parameters": 362e6},
+        "v_refresh": {"baseline_mb": 1000.0, "peak_mb": 1600.0, "seconds": 1.0, "parameters": 362e6},
+    }
+    text = render(MemorySettings(modes=("plain", "fused", "fused_v_ready", "v_refresh")), results, "cmd")
+    assert "the fused step alone (V built before the window) adds 1.10×" in text
+    assert "the V refresh alone 1.20×" in text
+
+
 def test_staleness_report_separates_fresh_reused_and_stale_v():
     def record(since_v, since_rollouts, agree):
         return {
