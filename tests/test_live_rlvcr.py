@@ -13,6 +13,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "rlvcr_textworld.yaml
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # a warm start and a GRPO step on SmolLM2; generous for a loaded 2-core machine
 def test_rlvcr_fires_on_the_text_world_after_the_warm_start(tmp_path):
     from trl_agentic.cli import make_parser, train
 

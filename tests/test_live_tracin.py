@@ -13,6 +13,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tracin.yaml"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # a warm start and TracIn-filtered GRPO steps on SmolLM2; generous for a loaded machine
 def test_tracin_keeps_and_rejects_rows_of_tool_rollouts(tmp_path):
     from trl_agentic.cli import make_parser, train
     from trl_agentic.tasks import build_task
