@@ -15,9 +15,9 @@ Two rollout modes (`--rollout`):
 Usage:
 
 ```bash
-python examples/rlvcr_textworld.py --config configs/rlvcr_textworld.yaml
-python examples/rlvcr_textworld.py --config configs/rlvcr_textworld.yaml --max_steps 1
-python examples/rlvcr_textworld.py --config configs/rlvcr_textworld.yaml --rollout tool --max_completion_length 512
+python examples/rlvcr_textworld.py --config configs/rlvcr_textworld_step.yaml
+python examples/rlvcr_textworld.py --config configs/rlvcr_textworld_step.yaml --max_steps 1
+python examples/rlvcr_textworld.py --config configs/rlvcr_textworld_step.yaml --rollout tool --max_completion_length 512
 ```
 """
 

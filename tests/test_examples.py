@@ -26,7 +26,7 @@ CONFIGS = REPO / "configs"
 # Every Python example, its config, and what the config must switch on (checked on the parsed configs).
 PYTHON_EXAMPLES = {
     "quickstart.py": ("quickstart.yaml", {"enable_tool_rollback": True, "save_negative_samples": True}),
-    "rlvcr_textworld.py": ("rlvcr_textworld.yaml", {"advantage_estimator": "rlvcr"}),
+    "rlvcr_textworld.py": ("rlvcr_textworld_step.yaml", {"advantage_estimator": "rlvcr"}),
     "tracin_filtered.py": ("tracin.yaml", {"tracin_enabled": True, "use_peft": True}),
     "tool_rollback.py": (
         "tool_rollback.yaml",

@@ -137,6 +137,8 @@ def train(task_args, training_args, model_args):
         args=training_args,
         train_dataset=task.train_dataset,
         eval_dataset=task.eval_dataset if training_args.eval_strategy != "no" else None,
+        # TracIn's validation prompts: the held-out problems (task_seed + 1), never the training ones.
+        tracin_eval_dataset=task.eval_dataset if training_args.tracin_enabled else None,
         environment_factory=task.environment_factory,
         tools=task.tools or None,
         peft_config=peft_config,

@@ -26,7 +26,8 @@ class TaskArguments:
     Args:
         task (`str`, *optional*, defaults to `"calculator"`):
             `"calculator"` (arithmetic word problems with a calculator tool), `"python"` (the same problems with the
-            Python sandbox tool), `"textworld"` (multi-step text world), `"bfcl"` (BFCL v4 multi-turn tasks,
+            Python sandbox tool), `"textworld"` (multi-step text world, turns in the RLVCR level format with an `act`
+            tool call, docs/rlvcr.md), `"bfcl"` (BFCL v4 multi-turn tasks,
             docs/bfcl.md) or an import path `"package.module:build"` of a function `build(task_args) -> Task`.
         num_train_tasks (`int`, *optional*, defaults to `256`):
             Number of generated training problems (`bfcl`: at most this many training tasks; 0 takes them all).
@@ -61,12 +62,13 @@ class TaskArguments:
         bfcl_hide_excluded (`bool`, *optional*, defaults to `True`):
             Hide each task's `excluded_function`s from its tools (BFCL's own inference shows them).
 
-        > Warm start (SFT before GRPO; built-in arithmetic tasks and `bfcl`)
+        > Warm start (SFT before GRPO; built-in arithmetic tasks, `textworld` and `bfcl`)
 
         warmstart_steps (`int`, *optional*, defaults to `0`):
             Optimizer steps of a short SFT stage (TRL's `SFTTrainer`, same LoRA config) on synthetic tool-use traces
             of the task before GRPO; `0` skips it. GRPO then continues training the same adapter. `bfcl`: the traces
-            are the ground-truth conversations of the training tasks.
+            are the ground-truth conversations of the training tasks. `textworld`: solved episodes (shortest plans)
+            in the RLVCR step format.
         warmstart_batch_size (`int`, *optional*, defaults to `8`):
             Traces per SFT step; `warmstart_steps * warmstart_batch_size` traces are generated (each seen once), from
             problems other than the training and held-out ones (seed `task_seed + 2`). `bfcl`: the training tasks'
@@ -189,10 +191,10 @@ class TaskArguments:
                 raise ValueError(f"`bfcl_classes` must be among {list(API_CLASSES)}, got {self.bfcl_classes}.")
             if not 0.0 <= self.bfcl_heldout_fraction <= 1.0:
                 raise ValueError(f"`bfcl_heldout_fraction` must be in [0, 1], got {self.bfcl_heldout_fraction}.")
-        if self.warmstart_steps and self.task not in ("calculator", "python", "bfcl"):
+        if self.warmstart_steps and self.task not in ("calculator", "python", "textworld", "bfcl"):
             raise ValueError(
-                f"`warmstart_steps` needs a built-in task with traces ('calculator', 'python' or 'bfcl'), got "
-                f"{self.task!r}."
+                f"`warmstart_steps` needs a built-in task with traces ('calculator', 'python', 'textworld' or 'bfcl'), "
+                f"got {self.task!r}."
             )
 
 
@@ -278,12 +280,25 @@ def build_task(args: TaskArguments) -> Task:
             system_prompt=PYTHON_SYSTEM_PROMPT,
         )
     if args.task == "textworld":
-        from .envs.textworld import TextWorldToolEnv, make_textworld_tasks
+        from functools import partial
 
-        # The environment acts only on `act` tool calls, so the prompts must ask for them (not RLVCR `<action>` blocks).
-        train = Dataset.from_list(make_textworld_tasks(args.num_train_tasks, args.task_seed, tool_format=True))
-        evaluation = Dataset.from_list(make_textworld_tasks(args.num_eval_tasks, args.task_seed + 1, tool_format=True))
-        return Task(train, evaluation, TextWorldToolEnv, list(extra))
+        from .envs.textworld import TextWorldToolEnv
+        from .envs.textworld_traces import make_level_rows, textworld_level_traces
+
+        # The environment acts only on `act` tool calls, so the prompts ask for RLVCR steps whose action is that call
+        # (`rlvcr_action_tag: tool_call`), not for `<action>` blocks; the warm start shows solved episodes so written.
+        return Task(
+            Dataset.from_list(make_level_rows(args.num_train_tasks, args.task_seed)),
+            Dataset.from_list(make_level_rows(args.num_eval_tasks, args.task_seed + 1)),
+            TextWorldToolEnv,
+            list(extra),
+            warmstart_dataset=Dataset.from_list(
+                make_level_rows(args.warmstart_steps * args.warmstart_batch_size, args.task_seed + 2)
+            ),
+            make_traces=partial(textworld_level_traces, seed=args.task_seed),
+            # Traces of ~1-1.5k tokens: one per micro-batch, activations recomputed.
+            warmstart_trainer_options={"micro_batch_size": 1, "gradient_checkpointing": True},
+        )
     if args.task == "bfcl":
         return _bfcl(args, extra)
     return import_object(args.task)(args)
