@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from datasets import Dataset
 
-TASKS = ("calculator", "python", "textworld", "bfcl")
+TASKS = ("calculator", "python", "textworld", "logsearch", "bfcl")
 
 PYTHON_SYSTEM_PROMPT = (
     "Solve the math problem. Use the `python` tool to compute (print the result), then give the final answer on its "
@@ -27,7 +27,8 @@ class TaskArguments:
         task (`str`, *optional*, defaults to `"calculator"`):
             `"calculator"` (arithmetic word problems with a calculator tool), `"python"` (the same problems with the
             Python sandbox tool), `"textworld"` (multi-step text world, turns in the RLVCR level format with an `act`
-            tool call, docs/rlvcr.md), `"bfcl"` (BFCL v4 multi-turn tasks,
+            tool call, docs/rlvcr.md), `"logsearch"` (sum the counts of long log files read one at a time:
+            `delete_context` is needed to finish, docs/snapshots.md), `"bfcl"` (BFCL v4 multi-turn tasks,
             docs/bfcl.md) or an import path `"package.module:build"` of a function `build(task_args) -> Task`.
         num_train_tasks (`int`, *optional*, defaults to `256`):
             Number of generated training problems (`bfcl`: at most this many training tasks; 0 takes them all).
@@ -97,7 +98,7 @@ class TaskArguments:
             Training rows shown in `report.html`.
     """
 
-    task: str = field(default="calculator", metadata={"help": "calculator, python, textworld or 'pkg.module:build'."})
+    task: str = field(default="calculator", metadata={"help": "calculator, python, textworld, logsearch, bfcl or 'pkg.module:build'."})
     num_train_tasks: int = field(default=256, metadata={"help": "Number of generated training problems."})
     num_eval_tasks: int = field(default=32, metadata={"help": "Number of held-out problems for evaluation."})
     task_difficulty: str = field(default="medium", metadata={"help": "easy, medium or hard."})
@@ -191,9 +192,9 @@ class TaskArguments:
                 raise ValueError(f"`bfcl_classes` must be among {list(API_CLASSES)}, got {self.bfcl_classes}.")
             if not 0.0 <= self.bfcl_heldout_fraction <= 1.0:
                 raise ValueError(f"`bfcl_heldout_fraction` must be in [0, 1], got {self.bfcl_heldout_fraction}.")
-        if self.warmstart_steps and self.task not in ("calculator", "python", "textworld", "bfcl"):
+        if self.warmstart_steps and self.task not in TASKS:
             raise ValueError(
-                f"`warmstart_steps` needs a built-in task with traces ('calculator', 'python', 'textworld' or 'bfcl'), "
+                f"`warmstart_steps` needs a built-in task with traces ({', '.join(map(repr, TASKS))}), "
                 f"got {self.task!r}."
             )
 
@@ -298,6 +299,21 @@ def build_task(args: TaskArguments) -> Task:
             make_traces=partial(textworld_level_traces, seed=args.task_seed),
             # Traces of ~1-1.5k tokens: one per micro-batch, activations recomputed.
             warmstart_trainer_options={"micro_batch_size": 1, "gradient_checkpointing": True},
+        )
+    if args.task == "logsearch":
+        from .envs.calculator import answer_reward
+        from .envs.log_search import LogSearchEnv, log_search_traces, make_log_rows
+
+        return Task(
+            Dataset.from_list(make_log_rows(args.num_train_tasks, args.task_seed)),
+            Dataset.from_list(make_log_rows(args.num_eval_tasks, args.task_seed + 1)),
+            LogSearchEnv,
+            [answer_reward, *extra],
+            # Each row gives one SFT example per segment (3 for 2 files).
+            warmstart_dataset=Dataset.from_list(
+                make_log_rows(args.warmstart_steps * args.warmstart_batch_size, args.task_seed + 2)
+            ),
+            make_traces=log_search_traces,
         )
     if args.task == "bfcl":
         return _bfcl(args, extra)

@@ -1,0 +1,130 @@
+"""The `logsearch` task (issue 18, snapshots live): rows, environment, and warm-start traces laid out as the rollout.
+
+The replay test runs the real rollout loop with snapshots on, scripted to emit a trace's assistant turns, and checks
+that the loop's snapshot rows carry exactly the traces' segment prompts and turns (message level: the scripted
+backend's renderer is not the chat template). The budget test checks, with SmolLM2's real tokenizer and chat
+template, that one file fits the config's per-segment completion budget and two do not.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from rollout_helpers import ScriptBackend, run_tools_loop
+
+from trl_agentic.config import DEFAULT_INFRA_ERROR_TYPES, DEFAULT_ROLLBACK_ON_ERRORS
+from trl_agentic.envs.calculator import answer_reward
+from trl_agentic.envs.log_search import LogSearchEnv, log_search_traces, make_log_rows
+from trl_agentic.rollout.loop import LoopConfig
+from trl_agentic.rollout.types import RowKind
+from trl_agentic.tasks import TaskArguments, build_task
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "snapshots_logsearch.yaml"
+
+
+def test_rows_are_deterministic_and_answers_are_the_sums_of_the_files():
+    rows = make_log_rows(6, 0)
+    assert rows == make_log_rows(6, 0) and rows != make_log_rows(6, 1)
+    for row in rows:
+        env = LogSearchEnv()
+        env.reset(**row)
+        counts = []
+        for name in row["files"]:
+            found = re.findall(r"count=(\d+)", env.read_file(name))
+            assert len(found) == 1  # exactly one line reports the count
+            counts.append(int(found[0]))
+        assert row["answer"] == str(sum(counts))
+        with pytest.raises(FileNotFoundError, match="the files are"):
+            env.read_file("missing.log")
+
+
+def test_task_splits_do_not_share_episodes():
+    task = build_task(
+        TaskArguments(task="logsearch", num_train_tasks=32, num_eval_tasks=16, warmstart_steps=2, warmstart_batch_size=4)
+    )
+    seeds = [{r["task_seed"] for r in d} for d in (task.train_dataset, task.eval_dataset, task.warmstart_dataset)]
+    assert [len(s) for s in seeds] == [32, 16, 8]
+    assert not (seeds[0] & seeds[1]) and not (seeds[0] & seeds[2]) and not (seeds[1] & seeds[2])
+
+
+def _turn_text(message: dict) -> str:
+    blocks = "".join(
+        f"<tool_call>{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']})}</tool_call>"
+        for c in message.get("tool_calls") or []
+    )
+    return f"{message['content']}{blocks}<|im_end|>"
+
+
+def _strip(messages: list[dict]) -> list[dict]:
+    # The loop's assistant messages carry parsed calls and stripped content; compare what the template renders.
+    out = []
+    for m in messages:
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []]
+        out.append((m["role"], (m.get("content") or "").strip(), calls))
+    return out
+
+
+@pytest.mark.parametrize("num_files", [1, 2, 3])
+def test_the_rollout_loop_replaying_a_trace_closes_the_same_segments(tiny_tokenizer, num_files):
+    [row] = make_log_rows(1, 5, num_files=num_files)
+    traces = log_search_traces([row])
+    assert [t["segment"] for t in traces] == list(range(num_files + 1))
+    assistant_turns = [m for t in traces for m in t["turns"] if m["role"] == "assistant"]
+    script = [_turn_text(m) for m in assistant_turns]
+
+    backend = ScriptBackend(tiny_tokenizer, [[s] for s in script[1:]])
+    env = LogSearchEnv()
+    env.reset(**row)
+    config = LoopConfig(
+        enable_context_snapshots=True,
+        max_snapshots_per_episode=10,
+        rollback_on_errors=list(DEFAULT_ROLLBACK_ON_ERRORS),
+        infra_error_types=list(DEFAULT_INFRA_ERROR_TYPES),
+    )
+    prompts, _, trl_tuple, result = run_tools_loop(
+        backend, script[:1], [{"read_file": env.read_file}], config, envs=[env], prompts=[row["prompt"]]
+    )
+    _, completions, *_ = trl_tuple
+    snapshots = [x for x in result.extra_rows if x.kind == RowKind.SNAPSHOT]
+    assert result.stats.snapshots == num_files and len(snapshots) == num_files
+    for snapshot, trace in zip(snapshots, traces[:-1], strict=True):
+        assert _strip(snapshot.prompt_messages) == _strip(trace["prompt"])
+        assert _strip(snapshot.messages) == _strip(trace["turns"])
+    # The final segment: the loop's prompt is the stubbed conversation, the episode's messages end with the answer.
+    assert _strip(prompts[0]) == _strip(traces[-1]["prompt"])
+    assert _strip(completions[0][-1:]) == _strip(traces[-1]["turns"])
+    assert answer_reward([completions[0]], [row["answer"]]) == [1.0]
+    # Every deleted message is a file's content, replaced by the stub.
+    stubbed = [m for m in traces[-1]["prompt"] if m["content"] == "[deleted]"]
+    assert len(stubbed) == num_files and all(m["role"] == "tool" and m["name"] == "read_file" for m in stubbed)
+
+
+def test_one_file_fits_the_segment_budget_and_two_do_not():
+    """With SmolLM2's tokenizer and TRL's chat template: deleting is needed to finish under the live config."""
+    from transformers import AutoTokenizer
+
+    from trl_agentic.models import resolve_model_path
+    from trl_agentic.rollout.rendering import ChatRenderer
+    from trl_agentic.warmstart import tokenize_trace
+
+    budget = yaml.safe_load(CONFIG.read_text())["max_completion_length"]
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m")))
+    rows = make_log_rows(8, 3)
+    for row in rows:
+        traces = log_search_traces([row])
+        for trace in traces:
+            example = tokenize_trace(renderer, trace, trace["tools"])
+            completion = len(example["input_ids"]) - len(renderer.prompt_ids(trace["prompt"], tools=trace["tools"]))
+            assert completion <= budget, (trace["segment"], completion)
+        # Without the deletion: the first segment's turns, minus its delete call, then the second file read.
+        first, second = traces[0], traces[1]
+        no_delete = {
+            "prompt": first["prompt"],
+            "turns": [*first["turns"][:2], *second["turns"][:2]],
+            "tools": first["tools"],
+        }
+        example = tokenize_trace(renderer, no_delete, no_delete["tools"])
+        completion = len(example["input_ids"]) - len(renderer.prompt_ids(first["prompt"], tools=first["tools"]))
+        assert completion > budget

@@ -1,0 +1,387 @@
+"""`make ablation`: does each feature train a better agent than plain TRL GRPO for the same number of rollouts?
+
+For every feature, on its live task (the config in `configs/`), and every seed:
+
+1. **Warm start** once (SFT on the task's traces, `trl_agentic.warmstart`); the adapter is saved and every arm of the
+   seed starts from it.
+2. **Arms**, each from that adapter:
+   - `trl`: TRL's own `GRPOTrainer` and tool loop (the control), the feature's config with every agentic field off;
+   - `agentic`: `AgenticGRPOTrainer` with the feature on (same steps, same rollouts per step);
+   - `sft`: more SFT on fresh traces of the task for the wall time the `agentic` arm's training took (does RL beat
+     training longer on the traces?).
+3. **Held-out success** of each arm (and of the warm start itself) on the task's held-out problems, greedy, with the
+   task's first reward function (`trl_agentic.evaluation.evaluate_policy`).
+
+One JSON per (feature, seed, arm) under `--out`; an existing one is not recomputed, so an interrupted run resumes
+where it stopped. `render` writes the Markdown table (means with 95 % bootstrap intervals over problems and seeds,
+wall times) and a PNG of held-out success per arm. TracIn's validation prompts come from a seed disjoint from the
+evaluation problems, so the filter never sees them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+FEATURES: dict[str, str] = {
+    # feature: its live config (the `trl` arm parses it into TRL's GRPOConfig, which has no agentic field)
+    "rollback": "configs/quickstart.yaml",
+    "snapshots": "configs/snapshots_logsearch.yaml",
+    "rlvcr": "configs/rlvcr_textworld.yaml",
+    "tracin": "configs/tracin.yaml",
+}
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = ("warmstart", "trl", "agentic", "sft")
+ARM_LABELS = {
+    "warmstart": "warm start only",
+    "trl": "TRL GRPOTrainer (control)",
+    "agentic": "AgenticGRPOTrainer, feature on",
+    "sft": "more SFT, same wall time",
+}
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+
+
+def bootstrap_interval(
+    values_per_seed: Sequence[Sequence[float]], *, samples: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float, float]:
+    """Mean over seeds of the per-seed mean, and a percentile bootstrap interval resampling seeds, then problems.
+
+    Args:
+        values_per_seed: One list of per-problem values per seed.
+        samples: Bootstrap resamples.
+        level: Coverage of the interval.
+        seed: Seed of the resampling.
+
+    Returns:
+        `(mean, low, high)`.
+    """
+    groups = [list(v) for v in values_per_seed if len(v)]
+    if not groups:
+        raise ValueError("No values.")
+    mean = sum(sum(g) / len(g) for g in groups) / len(groups)
+    rng = random.Random(seed)
+    stats = []
+    for _ in range(samples):
+        chosen = [groups[rng.randrange(len(groups))] for _ in groups]
+        stats.append(sum(sum(rng.choices(g, k=len(g))) / len(g) for g in chosen) / len(chosen))
+    stats.sort()
+    tail = (1 - level) / 2
+    low = stats[max(0, math.floor(tail * samples))]
+    high = stats[min(samples - 1, math.ceil((1 - tail) * samples) - 1)]
+    return mean, low, high
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+
+def _settings(feature: str, seed: int, steps: int, num_eval: int, overrides: dict) -> dict:
+    import yaml
+
+    settings = yaml.safe_load((ROOT / FEATURES[feature]).read_text())
+    settings.update(seed=seed, max_steps=steps, num_eval_tasks=num_eval, disable_tqdm=True, **overrides)
+    return settings
+
+
+def _parse(settings: dict, trl: bool = False):
+    """`(TaskArguments, config, ModelConfig)` from a flat settings dict; `trl`: TRL's own `GRPOConfig`, whose
+    dataclass drops every agentic field."""
+    from transformers import HfArgumentParser
+    from trl import GRPOConfig, ModelConfig
+
+    from .config import AgenticGRPOConfig
+    from .tasks import TaskArguments
+
+    parser = HfArgumentParser((TaskArguments, GRPOConfig if trl else AgenticGRPOConfig, ModelConfig))
+    return parser.parse_dict(settings, allow_extra_keys=trl)
+
+
+def _load_adapter(model_path: str, adapter: str, dtype):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left", truncation_side="left")
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    return PeftModel.from_pretrained(base, adapter, is_trainable=True), tokenizer
+
+
+def _evaluate(model, tokenizer, task, training_args, rows) -> list[float]:
+    from .evaluation import evaluate_policy
+
+    result = evaluate_policy(
+        model,
+        tokenizer,
+        rows,
+        environment_factory=task.environment_factory,
+        reward_funcs=task.reward_funcs[:1],
+        max_completion_length=training_args.max_completion_length,
+        max_tool_calling_iterations=training_args.max_tool_calling_iterations or 3,
+        batch_size=16,
+        temperature=0.0,
+        progress=False,
+    )
+    return [float(r["rewards"][0]) for r in result.records]
+
+
+def run_cell(feature: str, seed: int, arm: str, out: Path, *, steps: int, num_eval: int, overrides=None) -> dict:
+    """Run one (feature, seed, arm) and write its JSON; returns it (read back when it exists)."""
+    path = out / feature / f"seed{seed}" / f"{arm}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    from .models import resolve_model_path
+    from .tasks import build_task
+    from .warmstart import run_task_warmstart
+
+    settings = _settings(feature, seed, steps, num_eval, dict(overrides or {}))
+    settings["output_dir"] = str(out / feature / f"seed{seed}" / f"{arm}-run")
+    task_args, args, model_args = _parse(settings, trl=arm == "trl")
+    task = build_task(task_args)
+    model_path = resolve_model_path(model_args.model_name_or_path)
+    dtype = getattr(__import__("torch"), model_args.dtype) if model_args.dtype not in (None, "auto") else None
+    adapter = out / feature / f"seed{seed}" / "warmstart-adapter"
+    rows = list(task.eval_dataset)
+    record: dict = {"feature": feature, "seed": seed, "arm": arm, "steps": steps, "num_eval": len(rows)}
+    started = time.perf_counter()
+
+    if arm == "warmstart":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from trl import get_peft_config
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left", truncation_side="left")
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        result = run_task_warmstart(
+            model,
+            tokenizer,
+            task,
+            task_args,
+            peft_config=get_peft_config(model_args),
+            output_dir=str(adapter) + "-run",
+            seed=seed,
+            use_cpu=args.use_cpu,
+            compact_progress=False,
+        )
+        result.model.save_pretrained(adapter)
+        record["train_seconds"] = result.seconds
+        model = result.model
+    else:
+        model, tokenizer = _load_adapter(model_path, str(adapter), dtype)
+        if arm == "sft":
+            budget = run_cell(feature, seed, "agentic", out, steps=steps, num_eval=num_eval, overrides=overrides)
+            record["train_seconds"], record["sft_steps"] = _sft_for(model, tokenizer, task, task_args, args, budget)
+        else:
+            trained = _train_grpo(arm, model, tokenizer, task, task_args, args)
+            model = trained.pop("model")
+            record.update(trained)
+    eval_started = time.perf_counter()
+    record["success"] = _evaluate(model, tokenizer, task, args, rows)
+    record["eval_seconds"] = time.perf_counter() - eval_started
+    record["seconds"] = time.perf_counter() - started
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record))
+    return record
+
+
+def _train_grpo(arm, model, tokenizer, task, task_args, args) -> dict:
+    from trl import GRPOTrainer
+
+    from .tasks import build_task
+    from .trainer import AgenticGRPOTrainer
+
+    kwargs = dict(
+        model=model,
+        reward_funcs=task.reward_funcs,
+        args=args,
+        train_dataset=task.train_dataset,
+        environment_factory=task.environment_factory,
+        tools=task.tools or None,
+        processing_class=tokenizer,
+    )
+    if arm == "trl":
+        trainer = GRPOTrainer(**kwargs)
+    else:
+        if getattr(args, "tracin_enabled", False):
+            # Validation prompts from a seed of their own: never the problems the arms are evaluated on.
+            validation = build_task(dataclasses.replace(task_args, task_seed=task_args.task_seed + 10)).eval_dataset
+            kwargs["tracin_eval_dataset"] = validation
+        trainer = AgenticGRPOTrainer(**kwargs)
+    started = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - started
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    fired = {
+        k: sum(h.get(k) or 0 for h in trainer.state.log_history)
+        for k in (
+            "rollback/attempts",
+            "negatives/rows",
+            "snapshots/rows",
+            "rlvcr/expanded_steps",
+            "tracin/num_selected",
+        )
+    }
+    return {
+        "trainer": type(trainer).__name__,
+        "model": trainer.accelerator.unwrap_model(trainer.model),
+        "train_seconds": seconds,
+        "rewards": rewards,
+        "fired": fired,
+    }
+
+
+def _sft_for(model, tokenizer, task, task_args, args, budget: dict) -> tuple[float, int]:
+    """Continue SFT on fresh traces until the agentic arm's training wall time is spent."""
+    from transformers import TrainerCallback
+
+    from .warmstart import run_task_warmstart
+
+    seconds = budget["train_seconds"]
+
+    class _StopAt(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, _args, state, control, **k):
+            control.should_training_stop = time.perf_counter() - self.start >= seconds
+
+    steps = 10 * max(task_args.warmstart_steps, 1)  # an upper bound; the callback stops earlier
+    fresh = dataclasses.replace(task_args, task_seed=task_args.task_seed + 20, warmstart_steps=steps)
+    from .tasks import build_task
+
+    result = run_task_warmstart(
+        model,
+        tokenizer,
+        build_task(fresh),
+        fresh,
+        peft_config=None,
+        output_dir=args.output_dir,
+        seed=args.seed,
+        use_cpu=args.use_cpu,
+        callbacks=[_StopAt()],
+        compact_progress=False,
+    )
+    done = sum(1 for h in result.log_history if "loss" in h)
+    return result.seconds, done
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def render(out: Path, features: Sequence[str], seeds: Sequence[int], command: str) -> tuple[str, dict]:
+    """The Markdown report and the summary `{feature: {arm: (mean, low, high, seconds)}}` of the cells on disk."""
+    summary: dict = {}
+    lines = [
+        "# Ablation: what each feature buys over plain TRL GRPO",
+        "",
+        f"Command: `{command}`. Written {time.strftime('%Y-%m-%d')} by `python -m trl_agentic.ablation render`.",
+        "",
+        "Held-out success (greedy, the task's first reward function) with 95 % bootstrap intervals (seeds, then "
+        "problems, resampled). *Train* is the wall time of the arm's training (warm start: the SFT stage), *eval* of "
+        "its evaluation, on this 2-core CPU machine.",
+        "",
+        "| feature | arm | seeds | problems | success | 95 % interval | train (s) | eval (s) | fired |",
+        "|---|---|---:|---:|---:|---|---:|---:|---|",
+    ]
+    for feature in features:
+        for arm in ARMS:
+            cells = []
+            for seed in seeds:
+                path = out / feature / f"seed{seed}" / f"{arm}.json"
+                if path.exists():
+                    cells.append(json.loads(path.read_text()))
+            if not cells:
+                continue
+            mean, low, high = bootstrap_interval([c["success"] for c in cells])
+            train = sum(c.get("train_seconds", 0.0) for c in cells) / len(cells)
+            evaluation = sum(c.get("eval_seconds", 0.0) for c in cells) / len(cells)
+            fired = {}
+            for c in cells:
+                for k, v in (c.get("fired") or {}).items():
+                    fired[k] = fired.get(k, 0) + v
+            fired_text = ", ".join(f"{k} {v:g}" for k, v in fired.items() if v) or "-"
+            summary.setdefault(feature, {})[arm] = (mean, low, high, train)
+            lines.append(
+                f"| {feature} | {ARM_LABELS[arm]} | {len(cells)} | {cells[0]['num_eval']} | {mean:.3f} | "
+                f"[{low:.3f}, {high:.3f}] | {train:.0f} | {evaluation:.0f} | {fired_text} |"
+            )
+    return "\n".join(lines) + "\n", summary
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    features = list(summary)
+    fig, axes = plt.subplots(1, max(len(features), 1), figsize=(4 * max(len(features), 1), 3.5), squeeze=False)
+    for ax, feature in zip(axes[0], features, strict=False):
+        arms = [a for a in ARMS if a in summary[feature]]
+        means = [summary[feature][a][0] for a in arms]
+        errors = [
+            [m - summary[feature][a][1] for a, m in zip(arms, means)],
+            [summary[feature][a][2] - m for a, m in zip(arms, means)],
+        ]
+        ax.bar(
+            range(len(arms)),
+            means,
+            yerr=errors,
+            capsize=4,
+            color=["#999", "#4c72b0", "#dd8452", "#55a868"][: len(arms)],
+        )
+        ax.set_xticks(range(len(arms)), arms)
+        ax.set_ylim(0, 1)
+        ax.set_title(feature)
+        ax.set_ylabel("held-out success")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trl_agentic.ablation", description=__doc__.split("\n")[0])
+    parser.add_argument("action", choices=("run", "render"), nargs="?", default="run")
+    parser.add_argument("--features", nargs="+", default=list(FEATURES), choices=list(FEATURES))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=8, help="GRPO steps per arm.")
+    parser.add_argument("--num_eval", type=int, default=128, help="Held-out problems per evaluation.")
+    parser.add_argument("--out", default="outputs/ablation", help="Cells (JSON) go here; existing ones are reused.")
+    parser.add_argument("--doc", default="docs/ablation.md")
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="Config overrides for every arm (YAML values)."
+    )
+    a = parser.parse_args(argv)
+    import yaml
+
+    overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in a.set)}
+    out = Path(a.out)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if a.action == "run":
+        for feature in a.features:
+            for seed in a.seeds:
+                for arm in ARMS:
+                    cell = run_cell(feature, seed, arm, out, steps=a.steps, num_eval=a.num_eval, overrides=overrides)
+                    print(
+                        f"{feature} seed {seed} {arm}: success {sum(cell['success']) / len(cell['success']):.3f}",
+                        flush=True,
+                    )
+    command = (
+        f"python -m trl_agentic.ablation --features {' '.join(a.features)} --seeds {' '.join(map(str, a.seeds))} "
+        f"--steps {a.steps} --num_eval {a.num_eval}"
+    )
+    text, summary = render(out, a.features, a.seeds, command)
+    doc = Path(a.doc)
+    plot(summary, doc.with_suffix(".png"))
+    doc.write_text(text + f"\n![held-out success per arm]({doc.with_suffix('.png').name})\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
