@@ -42,7 +42,9 @@ def test_rows_are_deterministic_and_answers_are_the_sums_of_the_files():
 
 def test_task_splits_do_not_share_episodes():
     task = build_task(
-        TaskArguments(task="logsearch", num_train_tasks=32, num_eval_tasks=16, warmstart_steps=2, warmstart_batch_size=4)
+        TaskArguments(
+            task="logsearch", num_train_tasks=32, num_eval_tasks=16, warmstart_steps=2, warmstart_batch_size=4
+        )
     )
     seeds = [{r["task_seed"] for r in d} for d in (task.train_dataset, task.eval_dataset, task.warmstart_dataset)]
     assert [len(s) for s in seeds] == [32, 16, 8]

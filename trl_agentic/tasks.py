@@ -98,7 +98,10 @@ class TaskArguments:
             Training rows shown in `report.html`.
     """
 
-    task: str = field(default="calculator", metadata={"help": "calculator, python, textworld, logsearch, bfcl or 'pkg.module:build'."})
+    task: str = field(
+        default="calculator",
+        metadata={"help": "calculator, python, textworld, logsearch, bfcl or 'pkg.module:build'."},
+    )
     num_train_tasks: int = field(default=256, metadata={"help": "Number of generated training problems."})
     num_eval_tasks: int = field(default=32, metadata={"help": "Number of held-out problems for evaluation."})
     task_difficulty: str = field(default="medium", metadata={"help": "easy, medium or hard."})

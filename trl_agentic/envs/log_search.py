@@ -33,7 +33,7 @@ LOG_SEARCH_SYSTEM_PROMPT = (
     "Each log file reports one value as `count=<number>`. Your context is too short to hold two files, so work on "
     "one file at a time: read it with `read_file`, write down its count, then delete the file's content from your "
     "context with `delete_context` (messages are numbered from 0, this system message; each tool call and each tool "
-    "result is a message). When you have every count, give their sum on its own line as \"Answer: <number>\"."
+    'result is a message). When you have every count, give their sum on its own line as "Answer: <number>".'
 )
 
 _EVENTS = (
@@ -142,46 +142,45 @@ def log_search_traces(rows: Sequence[dict], stub: str = DEFAULT_STUB) -> list[di
         `list[dict]`: Traces with `prompt`, `turns`, `tools` (`delete_context` first, then the environment's tools,
         the order of TRL's tool list when the trainer adds `delete_context`) and `segment` (its index).
     """
-    traces = []
-    for row in rows:
-        env = LogSearchEnv()
-        env.reset(**row)
-        tools = tool_methods(env)
-        _, counts = make_logs(row["task_seed"], row["files"])
-        conversation = copy.deepcopy(list(row["prompt"]))
-        segment_start, segment = len(conversation), 0
-        deleted: list[int] = []
+    return [trace for row in rows for trace in _episode_traces(row, stub)]
 
-        def close_segment(end: int) -> None:
-            nonlocal segment_start, segment
-            before = conversation[:segment_start]
-            prompt = apply_deletion(before, deleted, stub)[0] if deleted else copy.deepcopy(before)
-            turns = copy.deepcopy(conversation[segment_start:end])
-            traces.append({"prompt": prompt, "turns": turns, "tools": [delete_context, *tools.values()], "segment": segment})
-            segment += 1
 
-        for name in row["files"]:
-            request = _request("read_file", {"name": name})
-            outcome = run_tool_call(request, tools, {}, timeout=0, max_chars=None, policy=ErrorPolicy([], []))
-            conversation += [
-                {"role": "assistant", "content": "", "tool_calls": [request]},
-                {"role": "tool", "name": "read_file", "content": outcome.content},
-            ]
-            result_index = len(conversation) - 1
-            conversation.append(
-                {
-                    "role": "assistant",
-                    "content": f"{name}: count={counts[name]}.",
-                    "tool_calls": [_request("delete_context", {"message_ids": [result_index]})],
-                }
-            )
-            close_segment(len(conversation))
-            deleted.append(result_index)
-            conversation.append({"role": "tool", "name": "delete_context", "content": delete_context([result_index])})
-            segment_start = len(conversation)
-        total = " + ".join(str(counts[name]) for name in row["files"])
+def _episode_traces(row: dict, stub: str) -> list[dict]:
+    env = LogSearchEnv()
+    env.reset(**row)
+    tools = tool_methods(env)
+    schema = [delete_context, *tools.values()]
+    _, counts = make_logs(row["task_seed"], row["files"])
+    conversation = copy.deepcopy(list(row["prompt"]))
+    traces, start, deleted = [], len(conversation), []
+
+    def segment(end: int) -> dict:
+        before = conversation[:start]
+        prompt = apply_deletion(before, deleted, stub)[0] if deleted else copy.deepcopy(before)
+        turns = copy.deepcopy(conversation[start:end])
+        return {"prompt": prompt, "turns": turns, "tools": schema, "segment": len(traces)}
+
+    for name in row["files"]:
+        request = _request("read_file", {"name": name})
+        outcome = run_tool_call(request, tools, {}, timeout=0, max_chars=None, policy=ErrorPolicy([], []))
+        conversation += [
+            {"role": "assistant", "content": "", "tool_calls": [request]},
+            {"role": "tool", "name": "read_file", "content": outcome.content},
+        ]
+        result_index = len(conversation) - 1
         conversation.append(
-            {"role": "assistant", "content": f"{total} = {sum(counts.values())}\nAnswer: {sum(counts.values())}"}
+            {
+                "role": "assistant",
+                "content": f"{name}: count={counts[name]}.",
+                "tool_calls": [_request("delete_context", {"message_ids": [result_index]})],
+            }
         )
-        close_segment(len(conversation))
+        traces.append(segment(len(conversation)))
+        deleted.append(result_index)
+        conversation.append({"role": "tool", "name": "delete_context", "content": delete_context([result_index])})
+        start = len(conversation)
+    total = sum(counts.values())
+    terms = " + ".join(str(counts[name]) for name in row["files"])
+    conversation.append({"role": "assistant", "content": f"{terms} = {total}\nAnswer: {total}"})
+    traces.append(segment(len(conversation)))
     return traces
