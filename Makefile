@@ -54,7 +54,7 @@ install-browser:
 # vLLM tier in its own venv (about 2 min to install from nothing, 1.5-3 min of tests here).
 test: install install-browser install-vllm
 	$(BIN)/python -m pytest -q -m "not slow and not distributed and not vllm" -p no:cacheprovider
-	$(BIN)/python -m pytest -q -m "(slow or distributed) and not vllm" -p no:cacheprovider || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -q -m "(slow or distributed) and not vllm" -p no:cacheprovider --durations=15 || [ $$? -eq 5 ]
 	$(VLLM_BIN)/python -m pytest -q -m vllm -p no:cacheprovider
 
 test-fast: install
