@@ -18,6 +18,16 @@ if __name__ == "__main__":
     build_calculator_policy(model_dir)
     trainer = build_trainer(model_dir, agentic_config(output_dir, "colocate", max_steps=3), lora_sync=False)
     outcome = {"lora_sync": getattr(trainer.vllm_generation, "lora_sync", False)}
+
+    def linear_weight_sizes(model):  # runs inside the engine's worker
+        return [p.numel() for n, p in model.named_parameters() if n.endswith(("qkv_proj.weight", "down_proj.weight"))]
+
+    # vLLM's CPU backend may replace every linear layer's weight by an empty Parameter after loading (its GEMM
+    # dispatch packs the weight for oneDNN / sgl-kernel / zentorch: `dispatch_cpu_unquantized_gemm(remove_weight=True)`
+    # in vllm/model_executor/layers/utils.py). Recorded before training: what the engine holds decides the outcome.
+    sizes = [size for worker in trainer.vllm_generation.llm.apply_model(linear_weight_sizes) for size in worker]
+    outcome["linear_weights"] = len(sizes)
+    outcome["engine_dropped_linear_weights"] = any(size == 0 for size in sizes)
     try:
         result = trainer.train()
         outcome["error"] = None
