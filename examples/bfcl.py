@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> AgenticGRPOTrainer:
             output_dir=os.path.join(training_args.output_dir, "warmstart"),
             seed=training_args.seed,
             use_cpu=training_args.use_cpu,
+            bf16=training_args.bf16,
             compact_progress=not training_args.disable_tqdm,
         )
         losses = [h["loss"] for h in warm.log_history if "loss" in h]

@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> AgenticGRPOTrainer:
             output_dir=os.path.join(training_args.output_dir, "warmstart"),
             seed=training_args.seed,
             use_cpu=training_args.use_cpu,
+            bf16=training_args.bf16,
         )
         print(f"Warm start: {warm.num_traces} traces ({warm.faulty_traces} with a rejected call first).")
         model, peft_config = warm.model, None

@@ -8,6 +8,7 @@ the feature fires, not that it helps.
 from pathlib import Path
 
 import pytest
+from live_helpers import precision_overrides
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "rlvcr_textworld.yaml"
 
@@ -17,7 +18,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "rlvcr_textworld.yaml
 def test_rlvcr_fires_on_the_text_world_after_the_warm_start(tmp_path):
     from trl_agentic.cli import make_parser, train
 
-    overrides = ["--output_dir", str(tmp_path), "--max_steps", "1"]
+    overrides = ["--output_dir", str(tmp_path), *precision_overrides(), "--max_steps", "1"]
     trainer = train(*make_parser().parse_args_and_config(args=["--config", str(CONFIG), *overrides]))
 
     [step] = [h for h in trainer.state.log_history if "rlvcr/expanded_steps" in h]

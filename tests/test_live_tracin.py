@@ -8,6 +8,7 @@ fires, not that it helps.
 from pathlib import Path
 
 import pytest
+from live_helpers import precision_overrides
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tracin.yaml"
 
@@ -19,7 +20,7 @@ def test_tracin_keeps_and_rejects_rows_of_tool_rollouts(tmp_path):
     from trl_agentic.tasks import build_task
 
     task_args, training_args, model_args = make_parser().parse_args_and_config(
-        args=["--config", str(CONFIG), "--output_dir", str(tmp_path)]
+        args=["--config", str(CONFIG), "--output_dir", str(tmp_path), *precision_overrides()]
     )
     trainer = train(task_args, training_args, model_args)
 

@@ -176,3 +176,31 @@ def test_run_warmstart_trains_a_lora_adapter(tiny_model_dir, tiny_tokenizer, tmp
     lora_b = [p for n, p in result.model.named_parameters() if "lora_B" in n]
     assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # LoRA B starts at zero: it was trained
     assert result.sample_trace.startswith("<tool_call>\n") and result.sample_trace.endswith("<|im_end|>")
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_run_warmstart_trains_in_the_precision_it_is_given(tiny_model_dir, tiny_tokenizer, tmp_path, bf16):
+    # `trl-agentic train` passes the GRPO stage's `bf16` to the warm start (it used to be float32 whatever the config).
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    seen = []
+
+    class Spy(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append(args.bf16)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    run_warmstart(
+        model,
+        tiny_tokenizer,
+        make_arithmetic_tasks(2, 2, "medium"),
+        environment_factory=CalculatorEnv,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+        output_dir=str(tmp_path),
+        max_steps=1,
+        batch_size=2,
+        bf16=bf16,
+        callbacks=[Spy()],
+    )
+    assert seen == [bf16]

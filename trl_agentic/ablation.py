@@ -166,6 +166,7 @@ def run_cell(feature: str, seed: int, arm: str, out: Path, *, steps: int, num_ev
             output_dir=str(adapter) + "-run",
             seed=seed,
             use_cpu=args.use_cpu,
+            bf16=args.bf16,
             compact_progress=False,
         )
         result.model.save_pretrained(adapter)
@@ -263,6 +264,7 @@ def _sft_for(model, tokenizer, task, task_args, args, budget: dict) -> tuple[flo
         output_dir=args.output_dir,
         seed=args.seed,
         use_cpu=args.use_cpu,
+        bf16=args.bf16,
         callbacks=[_StopAt()],
         compact_progress=False,
     )

@@ -116,6 +116,7 @@ def train(task_args, training_args, model_args):
                 output_dir=os.path.join(training_args.output_dir, "warmstart"),
                 seed=training_args.seed,
                 use_cpu=training_args.use_cpu,
+                bf16=training_args.bf16,
                 compact_progress=not training_args.disable_tqdm,
             )
         model, peft_config = result.model, None  # GRPO continues training the warm-start adapter

@@ -223,6 +223,7 @@ def run_warmstart(
     error_fraction: float = 0.0,
     seed: int = 0,
     use_cpu: bool = True,
+    bf16: bool = False,
     callbacks: list | None = None,
     trace_options: dict | None = None,
     compact_progress: bool = True,
@@ -261,6 +262,9 @@ def run_warmstart(
             Seed of the traces and of the trainer.
         use_cpu (`bool`, *optional*, defaults to `True`):
             Train on CPU.
+        bf16 (`bool`, *optional*, defaults to `False`):
+            bfloat16 mixed precision (autocast), as `bf16` of the GRPO stage. On a CPU with AVX512-BF16 it halves the
+            step time of SmolLM2-135M (fp32 19.5 s vs bf16 9.5 s for 2 x 1400 tokens, measured here).
         callbacks (`list`, *optional*):
             Extra `TrainerCallback`s.
         trace_options (`dict`, *optional*):
@@ -309,7 +313,7 @@ def run_warmstart(
         save_strategy="no",
         report_to="none",
         use_cpu=use_cpu,
-        bf16=False,
+        bf16=bf16,
         seed=seed,
         max_length=None,
         gradient_checkpointing=gradient_checkpointing,
@@ -353,6 +357,7 @@ def run_task_warmstart(
     output_dir: str,
     seed: int = 0,
     use_cpu: bool = True,
+    bf16: bool = False,
     rows: Sequence[dict] | None = None,
     environment_factory: Callable | None = None,
     **kwargs,
@@ -366,7 +371,7 @@ def run_task_warmstart(
         task (`Task`): Gives `warmstart_dataset`, `environment_factory` and `warmstart_options`.
         task_args (`TaskArguments`): Gives `warmstart_steps`, `warmstart_batch_size`, `warmstart_learning_rate` and
             `warmstart_error_fraction`.
-        peft_config, output_dir, seed, use_cpu: As in [`run_warmstart`].
+        peft_config, output_dir, seed, use_cpu, bf16: As in [`run_warmstart`].
         rows (`Sequence[dict]`, *optional*): Rows to build the traces from instead of `task.warmstart_dataset`.
         environment_factory (`Callable`, *optional*): Instead of `task.environment_factory`.
         **kwargs: Other keyword arguments of [`run_warmstart`] (`callbacks`, `compact_progress`).
@@ -387,6 +392,7 @@ def run_task_warmstart(
         error_fraction=task_args.warmstart_error_fraction,
         seed=seed,
         use_cpu=use_cpu,
+        bf16=bf16,
         trace_options=task.warmstart_options,
         make_traces=getattr(task, "make_traces", None),
         **{**(getattr(task, "warmstart_trainer_options", None) or {}), **kwargs},
