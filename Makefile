@@ -117,8 +117,8 @@ bench: install install-vllm
 
 # Issue 18's ablation: every feature vs TRL's GRPOTrainer vs more SFT, 3 seeds, 128 held-out problems (hours on a
 # 2-core CPU; resumable: finished cells in outputs/ablation are reused). Writes docs/ablation.md and docs/ablation.png.
-ablation: install
-	$(BIN)/python -m trl_agentic.ablation run --out outputs/ablation --doc docs/ablation.md
+ablation: install install-tcmalloc
+	$(TCMALLOC_PRELOAD) $(BIN)/python -m trl_agentic.ablation run --out outputs/ablation --doc docs/ablation.md
 
 lint: install
 	$(BIN)/ruff check trl_agentic tests examples
