@@ -10,7 +10,9 @@ Runs the benchmarks and writes one markdown report, opening with the goals side 
 - `overhead`: trainer / rollout-engine overheads (`overhead.py`);
 - `tracin`: the step-level TracIn comparison (`tracin.py`; its options, e.g. `--lengths 64 --batch-sizes 4`, pass
   through);
-- `rlvcr`: the extra model calls per step of the RLVCR advantage estimator (`rlvcr.py`).
+- `rlvcr`: the extra model calls per step of the RLVCR advantage estimator (`rlvcr.py`);
+- `cpu`: bfloat16 autocast and tcmalloc on a SmolLM2 forward and backward (`cpu_settings.py`), the settings the
+  integration tiers of `make test` use.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 import tempfile
 import time
 
-SECTIONS = ("tracin-e2e", "tracin-memory", "vllm", "overhead", "tracin", "rlvcr")
+SECTIONS = ("tracin-e2e", "tracin-memory", "vllm", "overhead", "tracin", "rlvcr", "cpu")
 
 
 def _log(message: str) -> None:
@@ -127,6 +129,25 @@ def _vllm_section(python: str, quick: bool, summary: list) -> str:
     return "## vLLM weight sync and decode cost\n\n" + section.strip() + "\n"
 
 
+def _cpu_section(quick: bool, summary: list) -> str:
+    from .cpu_settings import render, run
+
+    data = run(length=128, repeats=1) if quick else run()
+    times = {r["name"]: r["seconds"] for r in data["results"]}
+    base = times.get("float32, glibc malloc")
+    for name in ("float32, tcmalloc", "bf16, tcmalloc"):
+        if base and name in times:
+            summary.append(
+                (
+                    f"LoRA forward+backward on CPU, {name} / float32, glibc malloc",
+                    f"{times[name] / base:.2f}",
+                    "measured",
+                    None,
+                )
+            )
+    return render(data, "python -m trl_agentic.bench --only cpu")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trl_agentic.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="Write the markdown report here (default: print it).")
@@ -158,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.quick:
                 micro = ["--lengths", "32", "--batch-sizes", "4", "--repeats", "1", "--no-memory"]
             sections.append(report(micro + rest, prog="python -m trl_agentic.bench --only tracin"))
+        elif name == "cpu":
+            sections.append(_cpu_section(args.quick, summary))
         else:
             from .rlvcr import report as rlvcr_report
 
