@@ -67,9 +67,7 @@ def _measure(model: str, batch: int, length: int, repeats: int, precision: str) 
     }
 
 
-def run(
-    model: str = "smollm2-135m", batch: int = 2, length: int = 1024, repeats: int = 2, settings=SETTINGS
-) -> dict:
+def run(model: str = "smollm2-135m", batch: int = 2, length: int = 1024, repeats: int = 2, settings=SETTINGS) -> dict:
     """Each of `settings` (`(precision, tcmalloc)` pairs) in its own subprocess; settings this machine cannot run are
     listed with the reason."""
     results, skipped = [], []
