@@ -59,3 +59,18 @@ def test_staleness_report_separates_fresh_reused_and_stale_v():
     assert "| V and rollouts of this step (1) | 1.00 |" in text
     assert "| V recomputed this step on reused rollouts (1) | 0.75 |" in text
     assert "| V from an earlier step (1) | 0.50 |" in text
+
+
+def test_memory_report_names_the_allocator_and_an_unknown_one_is_refused(tmp_path):
+    import pytest
+
+    from trl_agentic.bench.tracin_memory import measure
+
+    results = {
+        "plain": {"baseline_mb": 1000.0, "peak_mb": 1500.0, "seconds": 1.0, "parameters": 362e6},
+        "fused": {"baseline_mb": 1000.0, "peak_mb": 1550.0, "seconds": 1.0, "parameters": 362e6},
+    }
+    text = render(MemorySettings(modes=("plain", "fused"), allocator="tcmalloc"), results, "cmd")
+    assert "allocator tcmalloc (preloaded)" in text and "meets the goal" in text
+    with pytest.raises(ValueError, match="Unknown allocator 'jemalloc'"):
+        measure(MemorySettings(allocator="jemalloc"), "plain", str(tmp_path))

@@ -2,8 +2,8 @@
 
 The model is a randomly initialised SmolLM2-360M-shaped `LlamaForCausalLM` (32 layers, hidden 960, MLP 2560, 15/5
 heads, vocabulary 49152, tied embeddings; ~362M parameters), built locally once and saved with the embedded
-SmolLM2 tokenizer. Float32: this machine's CPU has AVX2 but neither AVX512-BF16 nor AMX, so bfloat16 matmuls are
-emulated and several times slower than float32 here. LoRA r=16 on all linear layers, gradient checkpointing on
+SmolLM2 tokenizer. Float32 (CPUs without AVX512-BF16/AMX, where earlier runs of this benchmark were made, emulate
+bfloat16 matmuls). LoRA r=16 on all linear layers, gradient checkpointing on
 (non-reentrant, the transformers 5 default), one synthetic batch (random tokens, half the rows with shorter
 completions).
 
@@ -17,6 +17,9 @@ recompute), `fused, inputs kept` (the same step with every lora_A input held fro
 before this benchmark: what checkpointing then could not free), `two-pass` (scoring pass, then the masked plain
 step), `plain, no checkpointing` for scale, and two that split the fused row: `fused, V ready` (V refreshed before
 the peak is reset: the window holds the step alone) and `V refresh alone` (the window holds only the refresh).
+
+Peak RSS counts live tensors and what the allocator keeps from freed ones, so `--allocator` picks glibc's malloc (the
+default) or tcmalloc (preloaded into each measuring process); `make bench` reports both.
 
 Run `python -m trl_agentic.bench.tracin_memory` (or `make bench`).
 """
@@ -43,6 +46,7 @@ LABELS = {
     "v_refresh": "V refresh alone (no training step)",
     "plain_no_gc": "plain, no checkpointing",
 }
+ALLOCATORS = {"glibc": "glibc malloc", "tcmalloc": "tcmalloc (preloaded)"}
 SMOLLM2_360M = dict(
     hidden_size=960,
     intermediate_size=2560,
@@ -67,6 +71,8 @@ class MemorySettings:
         completion_length: Completion tokens per row (half the rows stop at about half of it).
         lora_r: LoRA rank (alpha = 2r, all linear layers, no dropout).
         threads: torch intra-op threads.
+        allocator: `"glibc"` (the C library's malloc) or `"tcmalloc"` (preloaded into each measuring process). Peak
+            RSS counts what the allocator keeps as well as live tensors, so the two can differ.
         model_dir: Where the random model is built (once).
         modes: Which modes to measure (`MODES`).
     """
@@ -76,6 +82,7 @@ class MemorySettings:
     completion_length: int = 320
     lora_r: int = 16
     threads: int = 2
+    allocator: str = "glibc"
     model_dir: str = "/tmp/trl_agentic_bench/smollm2-360m-random"
     modes: tuple[str, ...] = DEFAULT_MODES
 
@@ -218,7 +225,16 @@ def measure(settings: MemorySettings, mode: str, output_dir: str) -> dict:
         "--output-dir",
         output_dir,
     ]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    from .cpu_settings import tcmalloc_path
+
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if settings.allocator == "tcmalloc":
+        if tcmalloc_path() is None:
+            raise RuntimeError("allocator 'tcmalloc' asked for, but it is not installed (`make install-tcmalloc`).")
+        env["LD_PRELOAD"] = tcmalloc_path()
+    elif settings.allocator != "glibc":
+        raise ValueError(f"Unknown allocator {settings.allocator!r}: use 'glibc' or 'tcmalloc'.")
+    result = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"memory subprocess failed for {mode}:\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -244,7 +260,7 @@ def render(settings: MemorySettings, results: dict[str, dict], command: str) -> 
         "",
         f"Command: `{command}`. Model: a randomly initialised SmolLM2-360M-shaped `LlamaForCausalLM` "
         f"({params:.0f}M parameters with LoRA, 32 layers, hidden 960) + LoRA r={settings.lora_r} on all linear "
-        f"layers, float32 (this CPU has AVX2 only, no AVX512-BF16/AMX: bfloat16 matmuls would be emulated), "
+        f"layers, float32, allocator {ALLOCATORS[settings.allocator]}, "
         f"gradient checkpointing on (non-reentrant), {settings.batch_size} rows × {seq} tokens. One subprocess per "
         "row; the peak RSS is reset after set-up (model loaded and touched, AdamW state, batch) and read after one "
         "step (loss, backward, AdamW step; for TracIn, one refresh of V first, itself checkpointed, and V kept). "
@@ -290,6 +306,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=MemorySettings.batch_size)
     parser.add_argument("--completion-length", type=int, default=MemorySettings.completion_length)
     parser.add_argument("--threads", type=int, default=MemorySettings.threads)
+    parser.add_argument("--allocator", choices=("glibc", "tcmalloc"), default=MemorySettings.allocator)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES))
     parser.add_argument("--output-dir", default="/tmp/trl_agentic_bench")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -302,6 +319,7 @@ def report(argv: list[str], prog: str = "python -m trl_agentic.bench.tracin_memo
         batch_size=args.batch_size,
         completion_length=args.completion_length,
         threads=args.threads,
+        allocator=args.allocator,
         modes=tuple(args.modes),
     )
     results = run(settings, args.output_dir, log=lambda msg: print(msg, file=sys.stderr, flush=True))
