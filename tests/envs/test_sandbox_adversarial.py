@@ -281,12 +281,17 @@ def test_subprocess_network_clients_cannot_reach_the_host(make_env, policy, list
 def test_killing_the_parent_does_not_reach_the_trainer(make_env, policy):
     env = make_env()
     start(env)
-    text, error = attack(env, "os.kill(os.getppid(), 9)\nos.getppid()")
     if policy == "required":
         # The parent is the sandbox's pid 1, which ignores signals from inside its namespace.
+        text, error = attack(env, "os.kill(os.getppid(), 9)\nos.getppid()")
         assert (text, error) == ("1", None)
     else:
-        # The parent is the sandbox's supervisor; the interpreter dies with it. The trainer is not its parent.
+        # The parent is the sandbox's supervisor; the interpreter dies with it (PR_SET_PDEATHSIG). The trainer is not
+        # its parent. kill() returns before its target is dead, so the cell waits for the supervisor to be gone:
+        # without the wait the cell's output can race out before the death (seen once in CI). If the interpreter
+        # survived its supervisor, the loop ends and the new parent's pid comes back as the text.
+        code = "parent = os.getppid()\nos.kill(parent, 9)\nwhile os.getppid() == parent:\n    time.sleep(0.01)\nos.getppid()"
+        text, error = attack(env, code)
         assert isinstance(error, SandboxError), text
     os.kill(os.getpid(), 0)  # we, the trainer, are alive
     assert_restores_and_works(env)

@@ -83,6 +83,7 @@ def _supervise(config: dict) -> None:
     capture_fd = config["capture_fd"]
     hangup_fd = os.dup(0)
     report_fd = os.dup(1)
+    config["supervisor"] = os.getpid()
     interpreter = os.fork()
     if interpreter == 0:
         os.close(hangup_fd)
@@ -287,6 +288,14 @@ def _reap_children() -> None:
                 obj.returncode = exit_codes[obj.pid]
 
 
+def _exit_if_orphaned(config: dict) -> None:
+    # PR_SET_PDEATHSIG kills us when the supervisor dies; this check covers a supervisor that died before the prctl and
+    # guards the cleanup: an orphan's new parent (a subreaper, or the host's init) must never become a root whose
+    # descendants we kill.
+    if os.getppid() != config["supervisor"]:
+        os._exit(1)
+
+
 def _end_cell_processes(config: dict, pid_namespace: bool) -> None:
     """Kills every process the cell started (background servers, daemons, `setsid()` escapees): none outlives it."""
     if pid_namespace:
@@ -301,7 +310,8 @@ def _end_cell_processes(config: dict, pid_namespace: bool) -> None:
             _reap_children()
             time.sleep(0.0005)
     else:
-        _kill_until_gone(config, {os.getpid(), os.getppid()}, _reap_children)
+        _exit_if_orphaned(config)
+        _kill_until_gone(config, {os.getpid(), config["supervisor"]}, _reap_children)
     _reap_children()
 
 
@@ -318,6 +328,7 @@ def _run_cell(code: str, namespace: dict) -> None:
 
 def _interpret(config: dict, pid_namespace: bool, capture_fd: int) -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    _exit_if_orphaned(config)
     commands = os.fdopen(os.dup(0), "rb")
     responses = os.dup(1)
     null = os.open(os.devnull, os.O_RDONLY)
