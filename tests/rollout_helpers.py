@@ -30,6 +30,7 @@ class ScriptBackend:
         self.calls: list[list[list[int]]] = []
         self.stop_token_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
         self.new_environments: list = []
+        self.parse_tools: list = []  # per parse call: the tool names the loop passed (None: the row's initial tools)
 
     def enc(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
@@ -45,7 +46,8 @@ class ScriptBackend:
         ids = [self.enc(s) for s in outputs]
         return ids, [self.lps(x) for x in ids]
 
-    def parse(self, ids, prefix, row):
+    def parse(self, ids, prefix, row, tools=None):
+        self.parse_tools.append(None if tools is None else [fn.__name__ for fn in tools])
         parsed = parse_tool_calls(self.tok.decode(ids, skip_special_tokens=True))
         message = {"role": "assistant", "content": parsed.content}
         if parsed.calls:
@@ -69,7 +71,7 @@ class ScriptBackend:
         self.new_environments.append((row, old, env))
         return env
 
-    def render_prompt(self, messages, row):
+    def render_prompt(self, messages, row, tools=None):
         return self.enc("|".join(f"{m['role']}:{m['content']}" for m in messages) + "<|im_start|>")
 
     def any_rank(self, flag, error=None):
@@ -155,8 +157,8 @@ class GiveUpParseBackend(ScriptBackend):
     """Parses like TRL's `parse_response` on a turn with a malformed block: it gives up and returns plain text, so
     the loop's own parser finds the valid calls next to the parse errors."""
 
-    def parse(self, ids, prefix, row):
-        message = super().parse(ids, prefix, row)
+    def parse(self, ids, prefix, row, tools=None):
+        message = super().parse(ids, prefix, row, tools)
         if parse_tool_calls(self.tok.decode(ids, skip_special_tokens=True)).errors:
             message.pop("tool_calls", None)
         return message

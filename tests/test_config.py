@@ -170,3 +170,57 @@ def test_trainer_rejects_snapshots_without_tools_before_loading(monkeypatch, tmp
         AgenticGRPOTrainer(
             "some/model", reward_funcs=[], args=args, train_dataset=Dataset.from_dict({"prompt": ["x"]})
         )
+
+
+class _ChatOnly:
+    """Several user turns, no tools."""
+
+    def reset(self, **kwargs):
+        return None
+
+    def _next_user_turn(self, assistant_message):
+        return "Tell me more."
+
+
+def test_trainer_rejects_user_turns_without_tools_before_loading(monkeypatch, tmp_path):
+    """TRL asks further user turns only inside its tool loop, which it runs only when there are tools."""
+    from datasets import Dataset
+
+    from trl_agentic import AgenticGRPOTrainer
+
+    _forbid_model_loading(monkeypatch)
+    args = AgenticGRPOConfig(**{**BASE, "output_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match="_ChatOnly defines `_next_user_turn` but exposes no tools"):
+        AgenticGRPOTrainer(
+            "some/model",
+            reward_funcs=[],
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["x"]}),
+            environment_factory=_ChatOnly,
+        )
+
+
+def test_trainer_rejects_a_user_tool_named_delete_context_before_loading(monkeypatch, tmp_path):
+    from datasets import Dataset
+
+    from trl_agentic import AgenticGRPOTrainer
+
+    def delete_context(message_ids: list) -> str:
+        """
+        The user's own tool.
+
+        Args:
+            message_ids: Ids.
+        """
+        return "ok"
+
+    _forbid_model_loading(monkeypatch)
+    args = AgenticGRPOConfig(**{**BASE, "output_dir": str(tmp_path)}, enable_context_snapshots=True)
+    with pytest.raises(ValueError, match="A tool is named `delete_context`"):
+        AgenticGRPOTrainer(
+            "some/model",
+            reward_funcs=[],
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["x"]}),
+            tools=[delete_context],
+        )

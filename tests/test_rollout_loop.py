@@ -422,7 +422,7 @@ def test_user_turns_continue_the_same_row_with_masked_tokens_and_new_tools(tiny_
     assert prompts[0][4]["content"] == "Now double it." and prompts[0][8]["content"] == "Thanks, that's all."
 
 
-def test_a_user_turn_that_does_not_fit_ends_the_rollout(tiny_tokenizer):
+def test_a_user_turn_that_does_not_fit_ends_the_rollout_and_leaves_the_environment_as_it_was(tiny_tokenizer):
     b = ScriptBackend(tiny_tokenizer, [])
     b.max_completion_length = len(b.enc("It is 2.<|im_end|>")) + 3
     env = ConversationEnv()
@@ -431,6 +431,52 @@ def test_a_user_turn_that_does_not_fit_ends_the_rollout(tiny_tokenizer):
         b, ["It is 2.<|im_end|>"], [{"add": env.add}], cfg(), envs=[env]
     )
     assert result.stats.user_turns == 0 and result.stats.user_turns_dropped == 1 and len(completions[0]) == 1
+    # The hook ran (it popped a request and recorded the answer), but the model never saw the turn: its effects on
+    # the environment, which the reward reads, are taken back.
+    assert env.requests == ["Now double it.", "Thanks, that's all."] and env.seen == []
+
+
+@pytest.mark.parametrize("room", [0, 1])
+def test_a_user_turn_is_asked_only_with_room_left_for_its_answer(tiny_tokenizer, room):
+    """A turn that fills the budget exactly would end the rollout on an unanswered question: it is dropped."""
+    b = ScriptBackend(tiny_tokenizer, [["Sure.<|im_end|>"]] if room else [])
+    first, turn = b.enc("It is 2.<|im_end|>"), b.enc("<U>Now double it.</U><|im_start|>")
+    b.max_completion_length = len(first) + len(turn) + room
+    env = ConversationEnv()
+    env.reset()
+    _, _, (tool_mask, completions, completion_ids, *_), result = run_tools_loop(
+        b, ["It is 2.<|im_end|>"], [{"add": env.add}], cfg(), envs=[env]
+    )
+    if room:
+        answer = b.enc("Sure.<|im_end|>")[:1]  # cut to the one token left
+        assert completion_ids[0] == first + turn + answer and tool_mask[0][-1] == 1
+        assert result.stats.user_turns == 1 and result.stats.truncated_turns == 1
+        assert env.requests == ["Thanks, that's all."]
+    else:
+        assert completion_ids[0] == first and result.stats.user_turns_dropped == 1 and len(b.calls) == 0
+        assert env.requests == ["Now double it.", "Thanks, that's all."]
+
+
+def test_turns_after_a_tool_change_are_parsed_with_the_new_tools(tiny_tokenizer):
+    """Argument typing follows the tools the rollout has now (a response template types `"7"` as 7 for an integer
+    parameter only if it knows the function): every parse after the change gets the new list."""
+    b = ScriptBackend(tiny_tokenizer, [[call("double")], ["It is 4.<|im_end|>"], ["Bye.<|im_end|>"]])
+    env = ConversationEnv()
+    env.reset()
+    run_tools_loop(b, ["It is 2.<|im_end|>"], [{"add": env.add}], cfg(), envs=[env])
+    assert b.parse_tools == [None, ["double"], ["double"], ["double"]]
+
+
+def test_a_retry_that_answers_without_tools_is_not_counted_as_recovered(tiny_tokenizer):
+    """The failed call's retry gives up (no call); a later, unrelated successful round is not its recovery."""
+    b = ScriptBackend(tiny_tokenizer, [["I cannot.<|im_end|>"], [call("add", n=1)], ["1.<|im_end|>"]])
+    env = ConversationEnv()
+    env.reset()
+    env.requests = ["Try adding one."]
+    *_, result = run_tools_loop(b, [call("add", n="x")], [{"add": env.add}], rollback_cfg(), envs=[env])
+    s = result.stats
+    assert (s.rollback_attempts, s.rollback_recovered, s.rollback_exhausted) == (1, 0, 0)
+    assert env.log == [1] and env.total == 1  # the failed call was rolled back
 
 
 class BrokenHookEnv(ConversationEnv):

@@ -3,6 +3,7 @@
 import json
 from collections import Counter
 
+import pytest
 import torch
 from datasets import Dataset
 
@@ -151,7 +152,7 @@ class SecondTurnFailure:
         return [self.tok.encode(s, add_special_tokens=False) for s in out], None
 
 
-def _negative_trainer(tiny_model_dir, tiny_tokenizer, tmp_path, **overrides):
+def _negative_trainer(tiny_model_dir, tiny_tokenizer, tmp_path, reward_funcs=total_reward, **overrides):
     values = dict(
         output_dir=str(tmp_path),
         use_cpu=True,
@@ -174,7 +175,7 @@ def _negative_trainer(tiny_model_dir, tiny_tokenizer, tmp_path, **overrides):
     values.update(overrides)
     trainer = AgenticGRPOTrainer(
         model=tiny_model_dir,
-        reward_funcs=total_reward,
+        reward_funcs=reward_funcs,
         args=AgenticGRPOConfig(**values),
         train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "Add something."}]] * 8}),
         environment_factory=CounterEnv,
@@ -310,3 +311,33 @@ def test_an_extra_row_with_a_none_sampling_logprob_batches(tiny_model_dir, tiny_
         [[float("nan") if lp is None else lp for lp in r] for r in rows], 4, 0.0, "right", torch.float32, "cpu"
     )
     assert out.shape == (2, 4) and torch.isnan(out[0, 1]) and out[0, 0] == -0.1 and out[1, 1] == 0.0
+
+
+def below_the_negative_reward(environments, **kwargs):
+    """A custom reward whose every regular row scores below the negative sample reward (-1)."""
+    return [-10.0 - env.total for env in environments]
+
+
+@pytest.mark.parametrize("baseline", ["episodes", "all_rows"])
+def test_a_negative_row_is_never_pushed_up(tiny_model_dir, tiny_tokenizer, tmp_path, baseline):
+    """Scored against a group whose rewards are all below its own, a negative row's advantage would be positive:
+    it is clamped to 0, and the regular rows keep theirs (the group statistics of the estimator)."""
+    from trl_agentic.advantages import group_advantages
+
+    trainer = _negative_trainer(
+        tiny_model_dir, tiny_tokenizer, tmp_path, reward_funcs=below_the_negative_reward, group_baseline=baseline
+    )
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions([dict(r) for r in trainer.train_dataset.select(range(4))])
+    kinds = batch["row_kind"]
+    (neg,) = torch.nonzero(kinds == RowKind.NEGATIVE).flatten().tolist()
+    assert batch["advantages"][neg] == 0
+    # Without the clamp it would have been positive: the same statistics, computed independently.
+    regular = (kinds == RowKind.REGULAR).nonzero().flatten()
+    totals = [env.total for env in trainer.environments]
+    assert totals == [6, 7, 8, 9]  # 1..4 at the first turn, then 5 each (the failed call rolled back)
+    rewards = torch.tensor([-10.0 - t for t in totals] + [-1.0])
+    in_baseline = torch.tensor([True] * 4 + [baseline == "all_rows"])
+    expected = group_advantages(rewards, torch.zeros(5, dtype=torch.long), baseline_mask=in_baseline)
+    assert expected[4] > 0
+    torch.testing.assert_close(batch["advantages"][regular], expected[:4])

@@ -141,7 +141,7 @@ def _std(values):
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
-def _train(tmp_path, model_dir, tokenizer, **overrides):
+def _train(tmp_path, model_dir, tokenizer, generation_cls=None, **overrides):
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Read the notes."}]] * 16})
     fields = dict(
         output_dir=str(tmp_path),
@@ -163,7 +163,7 @@ def _train(tmp_path, model_dir, tokenizer, **overrides):
     trainer = AgenticGRPOTrainer(
         model=model_dir, reward_funcs=reads_reward, args=args, train_dataset=dataset, environment_factory=NotesEnv
     )
-    generation = ScriptedGeneration(tokenizer)
+    generation = (generation_cls or ScriptedGeneration)(tokenizer)
     trainer._generate_single_turn = generation
     captured = []
     original = trainer._augmenter.__call__
@@ -305,3 +305,34 @@ def test_snapshot_rows_reach_the_batch_and_are_trained_on(tiny_model_dir, tiny_t
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 1 and all(math.isfinite(x) for x in losses)
     assert batch["num_items_in_batch"].item() == loss_mask.sum().item()
+
+
+class TruncatedA(ScriptedGeneration):
+    """Plan A's last turn is cut by the budget (no end-of-turn token)."""
+
+    def __call__(self, *args, **kwargs):
+        ids, logprobs = super().__call__(*args, **kwargs)
+        return [x[:-1] if self.tok.decode(x).startswith("Plan A\nDone.") else x for x in ids], logprobs
+
+
+def test_mask_truncated_completions_masks_the_earlier_segments_of_a_truncated_episode(
+    tiny_model_dir, tiny_tokenizer, tmp_path
+):
+    """TRL masks a truncated row (`mask_truncated_completions`); the snapshot rows of the same episode (its earlier
+    segments, rewarded with its reward) are not trained either, while other episodes' snapshot rows are."""
+    _, _, captured, _, _ = _train(
+        tmp_path, tiny_model_dir, tiny_tokenizer, generation_cls=TruncatedA, mask_truncated_completions=True
+    )
+    batch = captured[0][0]
+    loss_mask = batch["completion_mask"] * batch["tool_mask"]
+    plans = [re.search(r"Plan ([A-D])", tiny_tokenizer.decode(ids)) for ids in batch["prompt_ids"]]
+    plans = [
+        (m or re.search(r"Plan ([A-D])", tiny_tokenizer.decode(c))).group(1)
+        for m, c in zip(plans, batch["completion_ids"])
+    ]
+    trained = {}
+    for plan, kind, mask in zip(plans, batch["row_kind"].tolist(), loss_mask.sum(dim=1).tolist()):
+        trained.setdefault((plan, RowKind(kind).name), []).append(mask > 0)
+    assert trained[("A", "REGULAR")] == [False] and trained[("A", "SNAPSHOT")] == [False]
+    assert all(trained[("B", "SNAPSHOT")]) and len(trained[("B", "SNAPSHOT")]) == 6
+    assert all(trained[("D", "SNAPSHOT")]) and all(trained[("C", "REGULAR")])

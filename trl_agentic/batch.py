@@ -173,10 +173,16 @@ class BatchAugmenter:
 
         # 3. Tensors: regular rows, then this process's extra rows, then padding rows.
         batch = self._append_rows(output, local_extras, device)
-        if loop_result is not None and any(infra_local):
-            # A snapshot of a lost rollout is lost too (its reward is the rollout's NaN); a negative keeps its own.
-            lost_extras = [e.kind == RowKind.SNAPSHOT and infra_local[e.parent] for e in local_extras]
-            lost = torch.tensor(infra_local + lost_extras, dtype=torch.bool, device=device)
+        # The earlier segments (snapshot rows) of an episode whose last segment is not trained are not trained either:
+        # a lost rollout (its reward is NaN), or a truncated one TRL masked (`mask_truncated_completions` zeroes the
+        # completion mask of a row cut by the budget). A negative row is its own complete turn and keeps its loss.
+        untrained = list(infra_local)
+        if args.mask_truncated_completions:
+            masked = (output["completion_mask"].sum(dim=1) == 0).tolist()
+            untrained = [a or b for a, b in zip(untrained, masked)]
+        lost = list(infra_local) + [e.kind == RowKind.SNAPSHOT and untrained[e.parent] for e in local_extras]
+        if any(lost):
+            lost = torch.tensor(lost, dtype=torch.bool, device=device)
             batch["tool_mask"] = batch["tool_mask"].masked_fill(lost.unsqueeze(1), 0)
         loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
         estimator_batch = AdvantageBatch(
@@ -211,6 +217,12 @@ class BatchAugmenter:
                 f"The advantage estimator returned shape {tuple(advantages.shape)}; token-level advantages must have "
                 f"width {batch['completion_ids'].size(1)}."
             )
+        # A failed attempt is never reinforced: with custom rewards, regular rows can score below the negative reward,
+        # and the group statistics would then give the negative row a positive advantage.
+        negative = kind_t[local_index] == RowKind.NEGATIVE
+        if advantages.dim() == 2:
+            negative = negative.unsqueeze(1)
+        advantages = torch.where(negative.to(advantages.device), advantages.clamp(max=0), advantages)
         batch["advantages"] = advantages.to(device=device, dtype=torch.float32)
         batch["group_id"] = group_t[local_index]
         batch["row_kind"] = kind_t[local_index]

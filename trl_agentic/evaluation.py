@@ -166,10 +166,11 @@ class HFGenerationBackend:
         self.generated_tokens += sum(len(ids) for ids in new_ids)
         return new_ids, None
 
-    def parse(self, ids: list[int], prefix: list[int], row: int) -> dict:
+    def parse(self, ids: list[int], prefix: list[int], row: int, tools: list | None = None) -> dict:
         from trl.chat_template_utils import parse_response
 
-        return parse_response(self.tokenizer, ids, prefix=prefix, tools=list(self.tools_per_row[row]))
+        tools = list(self.tools_per_row[row]) if tools is None else tools
+        return parse_response(self.tokenizer, ids, prefix=prefix, tools=tools)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -183,8 +184,8 @@ class HFGenerationBackend:
     def user_turn_ids(self, content: str) -> list[int]:
         return self.renderer.user_turn_ids(content)
 
-    def render_prompt(self, messages: list[dict], row: int) -> list[int]:
-        return self.renderer.prompt_ids(messages, tools=list(self.tools_per_row[row]))
+    def render_prompt(self, messages: list[dict], row: int, tools: list | None = None) -> list[int]:
+        return self.renderer.prompt_ids(messages, tools=list(self.tools_per_row[row]) if tools is None else tools)
 
     def new_environment(self, row: int, old):
         return self.environment_factory() if self.environment_factory is not None else type(old)()

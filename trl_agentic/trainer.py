@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -34,6 +35,42 @@ def _jsonable(value):
 
 def _tupled(value):
     return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
+
+
+def _check_user_turns_have_tools(tools, conversations: list) -> None:
+    """TRL runs the tool loop (where user turns are asked) only when there are tools: refuse a conversation without."""
+    if tools or not conversations or any(_public_methods(env) for env in conversations):
+        return
+    names = ", ".join(sorted({(env if isinstance(env, type) else type(env)).__qualname__ for env in conversations}))
+    raise ValueError(
+        f"Environment {names} defines `_next_user_turn` but exposes no tools: TRL's GRPOTrainer runs its multi-turn "
+        "loop (where further user turns are asked) only when there are tools. Give the environment at least one public "
+        "method (its tools) or pass `tools=`."
+    )
+
+
+def _public_methods(env) -> list[str]:
+    """The names TRL exposes as an environment's tools: public functions of its class but `reset`/`get_reward`."""
+    cls = env if isinstance(env, type) else type(env)
+    return [
+        name
+        for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+        if name not in ("reset", "get_reward") and not name.startswith("_")
+    ]
+
+
+def _check_tool_names(tools, environment_factory, args) -> None:
+    """With snapshots on, `delete_context` is ours: a user tool of that name would be intercepted by the loop."""
+    if not args.enable_context_snapshots:
+        return
+    names = [getattr(tool, "__name__", None) for tool in tools or []]
+    if isinstance(environment_factory, type):
+        names += _public_methods(environment_factory)
+    if delete_context.__name__ in names:
+        raise ValueError(
+            f"A tool is named `{delete_context.__name__}`, the name of trl-agentic's context-deletion tool, which "
+            "`enable_context_snapshots=True` adds: rename yours."
+        )
 
 
 class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
@@ -102,6 +139,9 @@ class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
                 "`tracin_enabled=True` needs a PEFT LoRA policy: pass `peft_config` (a `peft.LoraConfig`) or a "
                 "`peft.PeftModel` with LoRA adapters."
             )
+        _check_tool_names(tools, environment_factory, args)
+        if isinstance(environment_factory, type) and has_user_turns(environment_factory):
+            _check_user_turns_have_tools(tools, [environment_factory])  # before the model loads when it can
         if isinstance(model, str):
             from .models import resolve_model_path
 
@@ -129,11 +169,16 @@ class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
                 **kwargs,
             )
         probes = [pool[0] for pool in self._environment_pool.values()] if self.environment_factories else []
-        if (args.enable_tool_rollback or args.tool_timeout) and probes:
-            # Rollback restores a checkpoint; a timed-out call's environment is replaced by a restored copy.
-            for env in probes:
+        conversations = [env for env in probes if has_user_turns(env)]
+        if args.enable_context_snapshots and [t.__name__ for t in self.tools].count(delete_context.__name__) > 1:
+            _check_tool_names([t for t in self.tools if t is not delete_context], None, args)  # a factory's method
+        _check_user_turns_have_tools(self.tools, conversations)
+        for env in probes:
+            # Rollback restores a checkpoint; a timed-out call's environment is replaced by a restored copy; a user
+            # turn that does not fit the budget is taken back (the hook may have advanced the environment).
+            if args.enable_tool_rollback or args.tool_timeout or has_user_turns(env):
                 check_checkpointable(env)
-        self._uses_agentic_loop = args.uses_agentic_loop or any(has_user_turns(env) for env in probes)
+        self._uses_agentic_loop = args.uses_agentic_loop or bool(conversations)
         self.advantage_estimator = resolve_estimator(advantage_estimator or args.advantage_estimator)
         self._loop_config = LoopConfig.from_args(args)
         self._rng = random.Random(args.seed)

@@ -45,7 +45,7 @@ class ReplayBackend(ScriptBackend):
         return ids, [self.lps(x) for x in ids]
 
 
-def replay(tokenizer, tasks, config=None, first_turns=None, scripts=None):
+def replay(tokenizer, tasks, config=None, first_turns=None, scripts=None, backend_cls=ReplayBackend):
     """Run the loop once over `tasks` (one rollout each) with their ground-truth turns; returns the envs and result."""
     envs, tools, prompts, all_turns = [], [], [], []
     for k, task in enumerate(tasks):
@@ -59,7 +59,7 @@ def replay(tokenizer, tasks, config=None, first_turns=None, scripts=None):
             turns = scripts[k]
         all_turns.append(turns)
         prompts.append([{"role": "user", "content": f"[{task.id}] {episode.prompt[0]['content']}"}])
-    backend = ReplayBackend(tokenizer, [], [])
+    backend = backend_cls(tokenizer, [], [])
     prompt_ids = [backend.render_prompt(p, i) for i, p in enumerate(prompts)]
     backend.queues = [(p, list(t[1:])) for p, t in zip(prompt_ids, all_turns)]
     completion_ids = [backend.enc(t[0]) for t in all_turns]
@@ -126,3 +126,32 @@ def test_rollback_through_the_loop_on_a_real_api(tiny_tokenizer):
             eval(f"reference['VehicleControlAPI'].{call}")  # noqa: S307 - the ground truth's own call strings
     assert state_checker(env._apis, reference)["valid"]
     assert env._turn_calls == episode.env._turn_calls  # the failed call left no trace in what the checker replays
+
+
+class LongLastTurnBackend(ReplayBackend):
+    """The 4th user turn renders longer than any budget, so the loop drops it."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.user_turns_rendered = 0
+
+    def user_turn_ids(self, content):
+        self.user_turns_rendered += 1
+        return (
+            [0] * (2 * self.max_completion_length) if self.user_turns_rendered == 4 else super().user_turn_ids(content)
+        )
+
+
+def test_a_dropped_user_turn_leaves_no_trace_in_the_checked_state(tiny_tokenizer):
+    """multi_turn_base_167's last turn expects no call. The model answered turns 0-3 correctly but never saw turn 4
+    (over budget): the episode is incomplete, so the official checker must not find it valid. Before the fix the
+    hook's empty call record for turn 4 stayed in the state and the checker counted the unseen turn as passed."""
+    task = get_task("multi_turn_base_167")
+    episode = play_ground_truth(task)
+    fourth_user = [k for k, m in enumerate(episode.messages) if m["role"] == "user"][3]
+    turns = [turn_text(m) for m in episode.messages[:fourth_user] if m["role"] == "assistant"]
+    [env], _, result = replay(tiny_tokenizer, [task], scripts=[turns], backend_cls=LongLastTurnBackend)
+    assert result.stats.user_turns == 3 and result.stats.user_turns_dropped == 1
+    assert env._turn_calls == episode.env._turn_calls[:4]
+    assert not env._official_verdict()["valid"]
+    assert episode.env._official_verdict()["valid"]  # the same calls with turn 4 reached are valid

@@ -55,7 +55,8 @@ class RolloutBackend(Protocol):
 
     def generate(self, contexts: list[list[int]]) -> tuple[list[list[int]], list[list[float]] | None]: ...
 
-    def parse(self, ids: list[int], prefix: list[int], row: int) -> dict: ...
+    # `tools`: the rollout's tools, passed only once a user turn changed them (absent: the row's initial tools).
+    def parse(self, ids: list[int], prefix: list[int], row: int, tools: list | None = None) -> dict: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -65,7 +66,7 @@ class RolloutBackend(Protocol):
 
     def user_turn_ids(self, content: str) -> list[int]: ...
 
-    def render_prompt(self, messages: list[dict], row: int) -> list[int]: ...
+    def render_prompt(self, messages: list[dict], row: int, tools: list | None = None) -> list[int]: ...
 
     def new_environment(self, row: int, old: Any) -> Any: ...
 
@@ -188,6 +189,7 @@ class AgenticRolloutLoop:
         self._negatives_per_group: dict[int, int] = {}
         self._environments = environments
         self._sync_tools, self._async_tools = sync_tool_dicts, async_tool_dicts
+        self._tool_lists: dict[int, list] = {}  # rows whose tools a user turn changed
 
         rollouts = []
         for i in range(n):
@@ -259,6 +261,10 @@ class AgenticRolloutLoop:
             raise error
         return flag
 
+    def _tools_kwarg(self, i: int) -> dict:
+        # Passed only when a user turn changed the tools, so a backend without the `tools` argument keeps working.
+        return {"tools": self._tool_lists[i]} if i in self._tool_lists else {}
+
     def _env(self, i: int):
         return self._environments[i] if self._environments else None
 
@@ -279,7 +285,11 @@ class AgenticRolloutLoop:
                 r.calls, r.parse_errors = parsed.calls, parsed.errors
         if r.calls or r.parse_errors:
             r.pending = _TOOLS
-        elif has_user_turns(self._env(i)):
+            return
+        # A regenerated turn that calls no tool did not recover from the failed call: it is not counted as recovered
+        # (nor is a later, unrelated tool round).
+        r.in_retry = False
+        if has_user_turns(self._env(i)):
             r.pending = _USER
         else:
             r.pending = None
@@ -346,9 +356,10 @@ class AgenticRolloutLoop:
         self._append_env_tokens(r, suffix)
         r.context = r.prompt_ids + r.completion_ids
 
-    def _fits(self, r: _Rollout, suffix: list[int]) -> bool:
+    def _fits(self, r: _Rollout, suffix: list[int], reply: int = 0) -> bool:
+        """Whether `suffix` fits the budgets, leaving `reply` completion tokens for the answer to it."""
         backend = self.backend
-        completion = len(r.completion_ids) + len(suffix)
+        completion = len(r.completion_ids) + len(suffix) + reply
         return completion <= backend.max_completion_length and len(r.prompt_ids) + completion < backend.max_model_len
 
     def _user_turn(self, i: int, r: _Rollout) -> None:
@@ -356,11 +367,15 @@ class AgenticRolloutLoop:
         r.pending = None
         env = self._env(i)
         message = r.completion_msgs[r.turn_msg_start] if r.turn_msg_start < len(r.completion_msgs) else {}
+        # The hook may advance the environment (BFCL opens the next turn's call record), so its state is kept until
+        # the turn is known to fit: a turn the model never sees must leave no trace in the state the reward reads.
+        before = checkpoint_env(env) if env is not None else None
         turn = next_user_turn(env, message or {"role": "assistant", "content": ""})
         if turn is None:
             return
         suffix = self.backend.user_turn_ids(turn.content)
-        if not self._fits(r, suffix):
+        if not self._fits(r, suffix, reply=1):  # a user turn with no room left for its answer is not asked
+            restore_env(env, before)
             self._stats.user_turns_dropped += 1
             return
         sync_tools, async_tools = self._sync_tools[i], self._async_tools[i]
@@ -370,6 +385,9 @@ class AgenticRolloutLoop:
         for fn in turn.add_tools:
             target = async_tools if asyncio.iscoroutinefunction(fn) else sync_tools
             target[fn.__name__] = fn
+        if turn.add_tools or turn.remove_tools:
+            # Parsing (argument types) and re-rendering (snapshots) use the tools the rollout has from now on.
+            self._tool_lists[i] = [*sync_tools.values(), *async_tools.values()]
         if message:
             r.prompt_msgs.append(message)  # the assistant's answer joins the conversation
         user = {"role": "user", "content": turn.content}
@@ -426,6 +444,8 @@ class AgenticRolloutLoop:
             for name, fn in list(tools.items()):
                 if getattr(fn, "__self__", None) is old:
                     tools[name] = getattr(new, name)
+        if i in self._tool_lists:
+            self._tool_lists[i] = [*self._sync_tools[i].values(), *self._async_tools[i].values()]
         self._stats.retired_environments += 1
 
     def _check_delete(self, r: _Rollout, call: dict) -> ToolOutcome:
@@ -503,7 +523,7 @@ class AgenticRolloutLoop:
         ids = sorted({m for call, _ in deletes for m in _as_list(_message_ids(call))})
         # The conversation now ends with this turn's tool results; the indices refer to the messages before them.
         new_msgs, _ = apply_deletion(r.prompt_msgs, ids, cfg.context_stub_text)
-        new_prompt = backend.render_prompt(new_msgs, i)
+        new_prompt = backend.render_prompt(new_msgs, i, **self._tools_kwarg(i))
         if len(new_prompt) >= backend.max_model_len - 1:
             # No room to generate even after the deletion: keep the segment, and do not tell the model otherwise.
             for _, message in deletes:
@@ -578,7 +598,7 @@ class AgenticRolloutLoop:
             r.tool_mask.extend([1] * len(post))
             if r.logprobs is not None:
                 r.logprobs.extend(post_lp if post_lp is not None else [0.0] * len(post))
-            message = backend.parse(post, context, i) if post else {}
+            message = backend.parse(post, context, i, **self._tools_kwarg(i)) if post else {}
             r.turn_msg_start = len(r.completion_msgs)
             if message:
                 r.completion_msgs.append(message)

@@ -79,9 +79,10 @@ class TrainerBackend:
         # One batched call for every queued rollout; num_generations=1 because each context is its own history.
         return generate_single_turn(self.trainer, contexts)
 
-    def parse(self, ids, prefix, row):
+    def parse(self, ids, prefix, row, tools=None):
         if _has_response_parser(self.tokenizer):
-            return parse_response(self.tokenizer, ids, prefix=prefix, tools=self._tools_for(row))
+            tools = self._tools_for(row) if tools is None else tools
+            return parse_response(self.tokenizer, ids, prefix=prefix, tools=tools)
         parsed = parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=True))
         message = {"role": "assistant", "content": parsed.content}
         if parsed.calls:
@@ -108,8 +109,8 @@ class TrainerBackend:
     def user_turn_ids(self, content):
         return self.renderer.user_turn_ids(content)
 
-    def render_prompt(self, messages, row):
-        return self.renderer.prompt_ids(messages, tools=self._tools_for(row))
+    def render_prompt(self, messages, row, tools=None):
+        return self.renderer.prompt_ids(messages, tools=self._tools_for(row) if tools is None else tools)
 
     def new_environment(self, row, old):
         """A fresh instance of rollout `row`'s environment, put in the trainer's pool (and batch) in place of `old`."""
