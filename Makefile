@@ -116,9 +116,11 @@ bench: install install-vllm
 	OMP_NUM_THREADS=1 $(BIN)/python -m trl_agentic.bench --out docs/benchmarks.md --vllm-python $(VLLM_BIN)/python
 
 # Issue 18's ablation: every feature vs TRL's GRPOTrainer vs more SFT, 3 seeds, 128 held-out problems (hours on a
-# 2-core CPU; resumable: finished cells in outputs/ablation are reused). Writes docs/ablation.md and docs/ablation.png.
+# 2-core CPU; resumable: finished cells are committed JSON in docs/ablation-cells and are reused, adapters are kept in
+# outputs/ablation). Writes docs/ablation.md and docs/ablation.png.
 ablation: install install-tcmalloc
-	$(TCMALLOC_PRELOAD) $(BIN)/python -m trl_agentic.ablation run --out outputs/ablation --doc docs/ablation.md
+	$(TCMALLOC_PRELOAD) $(BIN)/python -m trl_agentic.ablation run --out outputs/ablation --cells docs/ablation-cells \
+		--doc docs/ablation.md
 
 lint: install
 	$(BIN)/ruff check trl_agentic tests examples

@@ -34,10 +34,10 @@ def test_bootstrap_interval_widens_with_disagreeing_seeds():
 
 
 def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, monkeypatch):
-    out, doc = tmp_path / "cells", tmp_path / "ablation.md"
+    work, out, doc = tmp_path / "work", tmp_path / "cells", tmp_path / "ablation.md"
     argv = [
         "run", "--features", "rollback", "--seeds", "0", "--steps", "1", "--num_eval", "4",
-        "--out", str(out), "--doc", str(doc),
+        "--out", str(work), "--cells", str(out), "--doc", str(doc),
         "--set", f"model_name_or_path={tiny_model_dir}", "warmstart_steps=1", "warmstart_batch_size=2",
         "gradient_accumulation_steps=1", "per_device_train_batch_size=4", "max_completion_length=24",
     ]  # fmt: skip
@@ -49,6 +49,9 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     # The control is TRL's own trainer; the feature arm ours; the SFT arm trained at least one step.
     assert cells["trl"]["trainer"] == "GRPOTrainer" and cells["agentic"]["trainer"] == "AgenticGRPOTrainer"
     assert cells["sft"]["sft_steps"] >= 1
+    assert len(cells["warmstart"]["warmstart_losses"]) == 1
+    assert sorted(p.name for p in (out / "rollback" / "seed0").iterdir()) == sorted(f"{a}.json" for a in ablation.ARMS)
+    assert (work / "rollback" / "seed0" / "warmstart-adapter" / "adapter_config.json").exists()
     text = doc.read_text()
     for label in ablation.ARM_LABELS.values():
         assert f"| rollback | {label} | 1 | 4 |" in text
@@ -61,3 +64,38 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     monkeypatch.setattr(ablation, "_train_grpo", fail)
     monkeypatch.setattr(ablation, "_evaluate", fail)
     assert ablation.main(argv) == 0
+
+
+def test_a_new_machine_trains_the_warm_start_again_and_checks_it_is_the_recorded_one(tiny_model_dir, tmp_path):
+    """Cells are committed, adapters are not: a cell run where the adapter is missing recreates it first, and refuses to
+    go on when the recreated warm start is not the recorded one (the arms would not share a starting point)."""
+    work, cells = tmp_path / "work", tmp_path / "cells"
+    kwargs = dict(
+        steps=1,
+        num_eval=2,
+        cells=cells,
+        overrides={
+            "model_name_or_path": str(tiny_model_dir),
+            "warmstart_steps": 2,
+            "warmstart_batch_size": 2,
+            "gradient_accumulation_steps": 1,
+            "per_device_train_batch_size": 4,
+            "max_completion_length": 16,
+        },
+    )
+    warm = ablation.run_cell("rollback", 0, "warmstart", work, **kwargs)
+    adapter = work / "rollback" / "seed0" / "warmstart-adapter"
+    weights = (adapter / "adapter_model.safetensors").read_bytes()
+    import shutil
+
+    shutil.rmtree(work)  # a new machine: the committed cells only
+    trl = ablation.run_cell("rollback", 0, "trl", work, **kwargs)
+    assert trl["arm"] == "trl" and len(trl["success"]) == 2
+    assert (adapter / "adapter_model.safetensors").read_bytes() == weights
+
+    shutil.rmtree(work)
+    path = cells / "rollback" / "seed0" / "warmstart.json"
+    path.write_text(json.dumps({**warm, "warmstart_losses": [x + 0.5 for x in warm["warmstart_losses"]]}))
+    (cells / "rollback" / "seed0" / "trl.json").unlink()
+    with pytest.raises(RuntimeError, match="not the recorded"):
+        ablation.run_cell("rollback", 0, "trl", work, **kwargs)

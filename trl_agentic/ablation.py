@@ -12,8 +12,10 @@ For every feature, on its live task (the config in `configs/`), and every seed:
 3. **Held-out success** of each arm (and of the warm start itself) on the task's held-out problems, greedy, with the
    task's first reward function (`trl_agentic.evaluation.evaluate_policy`).
 
-One JSON per (feature, seed, arm) under `--out`; an existing one is not recomputed, so an interrupted run resumes
-where it stopped. `render` writes the Markdown table (means with 95 % bootstrap intervals over problems and seeds,
+One JSON per (feature, seed, arm) under `--cells` (committed: `docs/ablation-cells/`, so a run spread over several
+sessions on machines that do not keep `outputs/` resumes where it stopped); an existing one is not recomputed. Adapters
+and trainer output go under `--out`. A seed's warm-start adapter missing from `--out` (a new machine) is trained again
+and must reproduce the recorded warm-start losses, else the run stops: every arm of a seed starts from one adapter. `render` writes the Markdown table (means with 95 % bootstrap intervals over problems and seeds,
 wall times) and a PNG of held-out success per arm. TracIn's validation prompts come from a seed disjoint from the
 evaluation problems, so the filter never sees them.
 """
@@ -131,14 +133,44 @@ def _evaluate(model, tokenizer, task, training_args, rows) -> list[float]:
     return [float(r["rewards"][0]) for r in result.records]
 
 
-def run_cell(feature: str, seed: int, arm: str, out: Path, *, steps: int, num_eval: int, overrides=None) -> dict:
-    """Run one (feature, seed, arm) and write its JSON; returns it (read back when it exists)."""
-    path = out / feature / f"seed{seed}" / f"{arm}.json"
+def _cell_path(cells: Path, feature: str, seed: int, arm: str) -> Path:
+    return cells / feature / f"seed{seed}" / f"{arm}.json"
+
+
+def _warmstart_losses(log_history: list[dict]) -> list[float]:
+    return [round(float(h["loss"]), 4) for h in log_history if "loss" in h]
+
+
+def _commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def run_cell(
+    feature: str,
+    seed: int,
+    arm: str,
+    out: Path,
+    *,
+    steps: int,
+    num_eval: int,
+    overrides=None,
+    cells: Path | None = None,
+) -> dict:
+    """Run one (feature, seed, arm) and write its JSON under `cells` (default: `out`); returns it (read back when it
+    exists). Adapters and trainer output go under `out`."""
+    cells = out if cells is None else cells
+    path = _cell_path(cells, feature, seed, arm)
     if path.exists():
         return json.loads(path.read_text())
     from .models import resolve_model_path
     from .tasks import build_task
-    from .warmstart import run_task_warmstart
 
     settings = _settings(feature, seed, steps, num_eval, dict(overrides or {}))
     settings["output_dir"] = str(out / feature / f"seed{seed}" / f"{arm}-run")
@@ -148,34 +180,36 @@ def run_cell(feature: str, seed: int, arm: str, out: Path, *, steps: int, num_ev
     dtype = getattr(__import__("torch"), model_args.dtype) if model_args.dtype not in (None, "auto") else None
     adapter = out / feature / f"seed{seed}" / "warmstart-adapter"
     rows = list(task.eval_dataset)
-    record: dict = {"feature": feature, "seed": seed, "arm": arm, "steps": steps, "num_eval": len(rows)}
+    record: dict = {
+        "feature": feature,
+        "seed": seed,
+        "arm": arm,
+        "steps": steps,
+        "num_eval": len(rows),
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": _commit(),
+        "threads": __import__("torch").get_num_threads(),
+    }
+    if arm != "warmstart" and not (adapter / "adapter_config.json").exists():
+        # A new machine: train the seed's warm start again (deterministic on CPU) and check it is the recorded one.
+        recorded = run_cell(
+            feature, seed, "warmstart", out, steps=steps, num_eval=num_eval, overrides=overrides, cells=cells
+        )
+        if not (adapter / "adapter_config.json").exists():
+            _warm_start(model_path, dtype, task, task_args, model_args, args, seed, adapter, recorded)
     started = time.perf_counter()
 
     if arm == "warmstart":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        from trl import get_peft_config
-
-        tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left", truncation_side="left")
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-        result = run_task_warmstart(
-            model,
-            tokenizer,
-            task,
-            task_args,
-            peft_config=get_peft_config(model_args),
-            output_dir=str(adapter) + "-run",
-            seed=seed,
-            use_cpu=args.use_cpu,
-            bf16=args.bf16,
-            compact_progress=False,
-        )
-        result.model.save_pretrained(adapter)
+        result, tokenizer = _warm_start(model_path, dtype, task, task_args, model_args, args, seed, adapter, None)
         record["train_seconds"] = result.seconds
+        record["warmstart_losses"] = _warmstart_losses(result.log_history)
         model = result.model
     else:
         model, tokenizer = _load_adapter(model_path, str(adapter), dtype)
         if arm == "sft":
-            budget = run_cell(feature, seed, "agentic", out, steps=steps, num_eval=num_eval, overrides=overrides)
+            budget = run_cell(
+                feature, seed, "agentic", out, steps=steps, num_eval=num_eval, overrides=overrides, cells=cells
+            )
             record["train_seconds"], record["sft_steps"] = _sft_for(model, tokenizer, task, task_args, args, budget)
         else:
             trained = _train_grpo(arm, model, tokenizer, task, task_args, args)
@@ -188,6 +222,43 @@ def run_cell(feature: str, seed: int, arm: str, out: Path, *, steps: int, num_ev
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record))
     return record
+
+
+def _warm_start(model_path, dtype, task, task_args, model_args, args, seed, adapter: Path, recorded: dict | None):
+    """SFT warm start of a seed, saved to `adapter`; with `recorded` (the seed's warm-start cell), its losses must be
+    the recorded ones."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from trl import get_peft_config
+
+    from .warmstart import run_task_warmstart
+
+    set_seed(seed)  # the LoRA initialisation too: a new machine must get the same adapter
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left", truncation_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    result = run_task_warmstart(
+        model,
+        tokenizer,
+        task,
+        task_args,
+        peft_config=get_peft_config(model_args),
+        output_dir=str(adapter) + "-run",
+        seed=seed,
+        use_cpu=args.use_cpu,
+        bf16=args.bf16,
+        compact_progress=False,
+    )
+    if recorded is not None and "warmstart_losses" in recorded:
+        losses = _warmstart_losses(result.log_history)
+        if len(losses) != len(recorded["warmstart_losses"]) or any(
+            abs(a - b) > 1e-3 for a, b in zip(losses, recorded["warmstart_losses"], strict=False)
+        ):
+            raise RuntimeError(
+                f"The warm start of {adapter.parent} trained again gave losses {losses}, not the recorded "
+                f"{recorded['warmstart_losses']}: its arms would not start from the same adapter. Delete that seed's "
+                "cells to run it again from scratch."
+            )
+    result.model.save_pretrained(adapter)
+    return result, tokenizer
 
 
 def _train_grpo(arm, model, tokenizer, task, task_args, args) -> dict:
@@ -294,7 +365,7 @@ def render(out: Path, features: Sequence[str], seeds: Sequence[int], command: st
         for arm in ARMS:
             cells = []
             for seed in seeds:
-                path = out / feature / f"seed{seed}" / f"{arm}.json"
+                path = _cell_path(out, feature, seed, arm)
                 if path.exists():
                     cells.append(json.loads(path.read_text()))
             if not cells:
@@ -353,7 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=8, help="GRPO steps per arm.")
     parser.add_argument("--num_eval", type=int, default=128, help="Held-out problems per evaluation.")
-    parser.add_argument("--out", default="outputs/ablation", help="Cells (JSON) go here; existing ones are reused.")
+    parser.add_argument("--out", default="outputs/ablation", help="Adapters and trainer output go here.")
+    parser.add_argument(
+        "--cells", default=None, help="Cells (JSON) go here; existing ones are reused (default: `--out`)."
+    )
     parser.add_argument("--doc", default="docs/ablation.md")
     parser.add_argument(
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="Config overrides for every arm (YAML values)."
@@ -363,21 +437,24 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in a.set)}
     out = Path(a.out)
+    cells = Path(a.cells) if a.cells else out
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if a.action == "run":
         for feature in a.features:
             for seed in a.seeds:
                 for arm in ARMS:
-                    cell = run_cell(feature, seed, arm, out, steps=a.steps, num_eval=a.num_eval, overrides=overrides)
+                    cell = run_cell(
+                        feature, seed, arm, out, steps=a.steps, num_eval=a.num_eval, overrides=overrides, cells=cells
+                    )
                     print(
                         f"{feature} seed {seed} {arm}: success {sum(cell['success']) / len(cell['success']):.3f}",
                         flush=True,
                     )
     command = (
         f"python -m trl_agentic.ablation --features {' '.join(a.features)} --seeds {' '.join(map(str, a.seeds))} "
-        f"--steps {a.steps} --num_eval {a.num_eval}"
+        f"--steps {a.steps} --num_eval {a.num_eval} --out {a.out} --cells {cells}"
     )
-    text, summary = render(out, a.features, a.seeds, command)
+    text, summary = render(cells, a.features, a.seeds, command)
     doc = Path(a.doc)
     plot(summary, doc.with_suffix(".png"))
     doc.write_text(text + f"\n![held-out success per arm]({doc.with_suffix('.png').name})\n")
