@@ -200,6 +200,23 @@ def test_trainer_rejects_user_turns_without_tools_before_loading(monkeypatch, tm
         )
 
 
+def test_user_turns_whose_only_tool_is_delete_context_are_accepted(monkeypatch, tmp_path, tiny_model_dir):
+    """With snapshots on, TRL gets `tools=[delete_context]` and runs its tool loop: the set-up is valid."""
+    from datasets import Dataset
+
+    from trl_agentic import AgenticGRPOTrainer
+
+    args = AgenticGRPOConfig(**{**BASE, "output_dir": str(tmp_path)}, enable_context_snapshots=True)
+    trainer = AgenticGRPOTrainer(
+        tiny_model_dir,
+        reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "x"}]]}),
+        environment_factory=_ChatOnly,
+    )
+    assert [t.__name__ for t in trainer.tools] == ["delete_context"]
+
+
 def test_trainer_rejects_a_user_tool_named_delete_context_before_loading(monkeypatch, tmp_path):
     from datasets import Dataset
 

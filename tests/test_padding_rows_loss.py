@@ -43,7 +43,7 @@ def test_padding_row_does_not_change_the_loss(tiny_model_dir, tmp_path, loss_typ
         trainer._compute_loss(trainer.model, inputs).backward()
         grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]))
     assert grads[0].abs().sum() > 0
-    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5 * grads[0].abs().max().item())
 
 
 def _rows(batch: dict, index) -> dict:
@@ -109,7 +109,9 @@ def test_every_real_row_weighs_the_same_across_micro_batches(tiny_model_dir, tmp
             bonus_only = {**mb, "advantages": torch.zeros_like(mb["advantages"])}
             expected = expected + _grad(trainer, GRPOTrainer._compute_loss(trainer, trainer.model, bonus_only))
     assert policy.abs().max() > 1e-6
-    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-7)
+    # Float32 sums in another order: an absolute floor relative to the gradient's scale (an element near zero after
+    # cancellation has no meaningful relative error); TRL's weighting differs by >= 1e-3 of that scale (below).
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
     # TRL's own per-micro-batch mean differs (the comparison can fail).
     trainer.current_gradient_accumulation_steps = 2
     trl = sum(_grad(trainer, GRPOTrainer._compute_loss(trainer, trainer.model, mb)) for mb in micro_batches)

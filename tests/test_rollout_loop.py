@@ -437,17 +437,25 @@ def test_a_user_turn_that_does_not_fit_ends_the_rollout_and_leaves_the_environme
 
 
 @pytest.mark.parametrize("room", [0, 1])
-def test_a_user_turn_is_asked_only_with_room_left_for_its_answer(tiny_tokenizer, room):
-    """A turn that fills the budget exactly would end the rollout on an unanswered question: it is dropped."""
+@pytest.mark.parametrize("budget", ["max_completion_length", "max_model_len"])
+def test_a_user_turn_is_asked_only_with_room_left_for_its_answer(tiny_tokenizer, room, budget):
+    """A turn that fills the budget exactly would end the rollout on an unanswered question: it is dropped. One token
+    of room is enough under either budget (as for a tool result)."""
     b = ScriptBackend(tiny_tokenizer, [["Sure.<|im_end|>"]] if room else [])
     first, turn = b.enc("It is 2.<|im_end|>"), b.enc("<U>Now double it.</U><|im_start|>")
-    b.max_completion_length = len(first) + len(turn) + room
+    if budget == "max_completion_length":
+        b.max_completion_length = len(first) + len(turn) + room
+    else:  # `prompt + completion < max_model_len`: one position is the answer's
+        b.max_model_len = len(b.enc("user: go<|im_start|>")) + len(first) + len(turn) + room
     env = ConversationEnv()
     env.reset()
     _, _, (tool_mask, completions, completion_ids, *_), result = run_tools_loop(
         b, ["It is 2.<|im_end|>"], [{"add": env.add}], cfg(), envs=[env]
     )
-    if room:
+    if room and budget == "max_model_len":  # the backend's generation cuts the answer (not scripted here)
+        assert completion_ids[0][: len(first + turn)] == first + turn and result.stats.user_turns == 1
+        assert env.requests == ["Thanks, that's all."]  # the next turn, after the scripted answer, did not fit
+    elif room:
         answer = b.enc("Sure.<|im_end|>")[:1]  # cut to the one token left
         assert completion_ids[0] == first + turn + answer and tool_mask[0][-1] == 1
         assert result.stats.user_turns == 1 and result.stats.truncated_turns == 1
@@ -530,3 +538,114 @@ def test_a_deletion_after_a_user_turn_rerenders_the_whole_conversation(tiny_toke
         e("Bye.<|im_end|>")
     )
     assert result.stats.user_turns == 2 and result.num_segments == [2]
+
+
+def test_a_retry_whose_call_fails_with_an_error_outside_the_rollback_list_is_not_counted_as_recovered(tiny_tokenizer):
+    """The regenerated turn calls an unknown tool (not in `rollback_on_errors`: no second rollback): no recovery."""
+    b = ScriptBackend(tiny_tokenizer, [[call("nope")], ["Done.<|im_end|>"]])
+    env = LedgerEnv()
+    *_, result = run_tools_loop(b, [call("add", n="x")], [{"add": env.add}], rollback_cfg(), envs=[env])
+    s = result.stats
+    assert s.rollback_attempts == 1 and s.tool_failures == 2
+    assert s.rollback_recovered == 0
+
+
+class _AsyncAddEnv(LedgerEnv):
+    """A user turn replaces the sync `add` by an async one that adds ten times as much."""
+
+    def reset(self, **kwargs):
+        super().reset()
+        self.asked = False
+
+    def _next_user_turn(self, message):
+        if self.asked:
+            return None
+        self.asked = True
+        env = self
+
+        async def add(n: int) -> str:
+            """
+            Add ten times n.
+
+            Args:
+                n: The number.
+            """
+            env.total += 10 * n
+            return str(env.total)
+
+        return UserTurn("Now add counts tenfold.", add_tools=[add])
+
+
+def test_a_tool_added_by_a_user_turn_replaces_a_tool_of_the_same_name_of_the_other_kind(tiny_tokenizer):
+    """An async `add` added over a sync `add` is the one called afterwards, and the parser sees one `add`."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    try:
+        b = ScriptBackend(tiny_tokenizer, [[call("add", n=1)], ["Done.<|im_end|>"]])
+        env = _AsyncAddEnv()
+        env.reset()
+        p, prompt_ids, completion_ids, completions, lps = start(b, ["Hi.<|im_end|>"])
+        AgenticRolloutLoop(b, cfg(), async_loop=loop).run(
+            p, prompt_ids, completion_ids, completions, lps, [{"add": env.add}], [{}], [env]
+        )
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+    assert env.total == 10  # the new tool ran, not the old one (which would give 1)
+    assert [t.count("add") if t else None for t in b.parse_tools] == [None, 1, 1]
+
+
+class _WithdrawDeletionEnv(LedgerEnv):
+    def reset(self, **kwargs):
+        super().reset()
+        self.asked = False
+
+    def _next_user_turn(self, message):
+        if self.asked:
+            return None
+        self.asked = True
+        return UserTurn("No more deleting.", remove_tools=["delete_context"])
+
+
+def test_a_user_turn_can_withdraw_delete_context(tiny_tokenizer):
+    """After `remove_tools=["delete_context"]` a call to it is an unknown tool: nothing is deleted."""
+    from rollout_helpers import calls
+
+    from trl_agentic.rollout.context import delete_context
+
+    b = ScriptBackend(tiny_tokenizer, [[calls(("delete_context", {"message_ids": [0]}))], ["Ok.<|im_end|>"]])
+    env = _WithdrawDeletionEnv()
+    env.reset()
+    *_, result = run_tools_loop(
+        b,
+        ["Hi.<|im_end|>"],
+        [{"add": env.add, "delete_context": delete_context}],
+        cfg(enable_context_snapshots=True),
+        envs=[env],
+    )
+    assert result.stats.snapshots == 0 and result.stats.tool_failures == 1
+
+
+def test_a_user_turn_adding_its_own_delete_context_is_refused(tiny_tokenizer):
+    """With snapshots on, `delete_context` is trl-agentic's: an environment's tool of that name is an error, not
+    silently replaced."""
+
+    class Env(LedgerEnv):
+        def _next_user_turn(self, message):
+            def delete_context(message_ids: list[int]) -> str:
+                """
+                Forget things.
+
+                Args:
+                    message_ids: Which.
+                """
+                return "gone"
+
+            return UserTurn("Here is a tool.", add_tools=[delete_context])
+
+    b = ScriptBackend(tiny_tokenizer, [])
+    env = Env()
+    env.reset()
+    with pytest.raises(ValueError, match="adds a tool named `delete_context`"):
+        run_tools_loop(b, ["Hi.<|im_end|>"], [{"add": env.add}], cfg(enable_context_snapshots=True), envs=[env])

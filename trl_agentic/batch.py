@@ -22,12 +22,15 @@ from dataclasses import dataclass
 
 import torch
 from accelerate.utils import gather, gather_object
+from transformers.utils import logging
 from trl.trainer.utils import use_adapter
 
 from .advantages import negative_sample_rewards
 from .estimators import AdvantageBatch, EstimatorResult
 from .rollout.trl_backend import any_rank
 from .rollout.types import ExtraRow, RowKind
+
+logger = logging.get_logger(__name__)
 
 # Keys of TRL's output dict that are (B, T) per-token tensors, with their padding value.
 _TOKEN_KEYS = {
@@ -95,6 +98,26 @@ class BatchAugmenter:
         self.trainer = trainer
         args = trainer.args
         self.segment_reward = _import(args.snapshot_reward_func) if args.snapshot_reward_func else None
+        self._warned_negative_reward = False
+
+    def _warn_negative_reward_not_lowest(self, rewards, group_ids, kinds) -> None:
+        """Warn once when a negative row's reward is not below every episode of its group: its advantage is clamped
+        to 0, but in the baseline (`group_baseline="all_rows"`) it still lowers every episode's advantage."""
+        negative = kinds == RowKind.NEGATIVE
+        if self._warned_negative_reward or not bool(negative.any()):
+            return
+        for g in group_ids[negative].unique().tolist():
+            episodes = rewards[(group_ids == g) & (kinds == RowKind.REGULAR)]
+            penalties = rewards[(group_ids == g) & negative]
+            if episodes.numel() and bool((penalties >= episodes.min()).any()):
+                self._warned_negative_reward = True
+                logger.warning(
+                    f"A negative sample's reward ({penalties.max().item():g}) is not below the rewards of its group's "
+                    f"episodes (lowest {episodes.min().item():g}): it is not a penalty. Its advantage "
+                    "is clamped to 0, but with `group_baseline='all_rows'` it still moves the group's baseline. Set "
+                    "`negative_sample_reward` below the task's reward range (or `group_baseline='episodes'`)."
+                )
+                return
 
     def __call__(self, output: dict, inputs: list[dict], rewards_per_func: torch.Tensor, loop_result) -> dict:
         t, args = self.trainer, self.trainer.args
@@ -219,6 +242,7 @@ class BatchAugmenter:
             )
         # A failed attempt is never reinforced: with custom rewards, regular rows can score below the negative reward,
         # and the group statistics would then give the negative row a positive advantage.
+        self._warn_negative_reward_not_lowest(all_rewards, group_t, kind_t)
         negative = kind_t[local_index] == RowKind.NEGATIVE
         if advantages.dim() == 2:
             negative = negative.unsqueeze(1)
@@ -524,10 +548,11 @@ class BatchAugmenter:
                         stats.truncated_outputs,
                         stats.truncated_turns,
                         stats.user_turns,
+                        stats.user_turns_dropped,
                         stats.retired_environments,
                     ]
                     if stats is not None
-                    else [0] * 16
+                    else [0] * 17
                 ),
             ],
             dtype=torch.float64,
@@ -553,6 +578,7 @@ class BatchAugmenter:
             truncated,
             truncated_turns,
             user_turns,
+            user_turns_dropped,
             retired,
         ) = total
         sizes = torch.bincount(group_t - group_t.min()) if group_t.numel() else torch.zeros(1)
@@ -577,6 +603,7 @@ class BatchAugmenter:
             metrics["tools/truncated_turns"].append(truncated_turns)
             metrics["tools/retired_environments"].append(retired)
             metrics["conversation/user_turns"].append(user_turns)
+            metrics["conversation/user_turns_dropped"].append(user_turns_dropped)
         if args.enable_context_snapshots:
             metrics["snapshots/rows"].append(snap_rows)
             metrics["snapshots/per_episode_mean"].append(snapshots / episodes if episodes else 0.0)

@@ -140,12 +140,6 @@ class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
                 "`peft.PeftModel` with LoRA adapters."
             )
         _check_tool_names(tools, environment_factory, args)
-        if isinstance(environment_factory, type) and has_user_turns(environment_factory):
-            _check_user_turns_have_tools(tools, [environment_factory])  # before the model loads when it can
-        if isinstance(model, str):
-            from .models import resolve_model_path
-
-            model = resolve_model_path(model)
         if args.enable_context_snapshots:
             if environment_factory is None and not tools:
                 raise ValueError(
@@ -153,6 +147,13 @@ class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
                     "`environment_factory` (the `delete_context` tool is added to them)."
                 )
             tools = [*(tools or []), delete_context]
+        if isinstance(environment_factory, type) and has_user_turns(environment_factory):
+            # Before the model loads when it can; after `delete_context` joined the tools (TRL's loop runs with it).
+            _check_user_turns_have_tools(tools, [environment_factory])
+        if isinstance(model, str):
+            from .models import resolve_model_path
+
+            model = resolve_model_path(model)
         if args.agentic_features_enabled and args.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "`multi_objective_aggregation` must be 'sum_then_normalize' when rollback or snapshots are on: "

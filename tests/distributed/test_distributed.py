@@ -413,6 +413,9 @@ def test_different_numbers_of_user_turns_per_rank_under_zero3(tiny_model_dir, tm
     _assert_trained(records)
     rank0, rank1 = records
     assert _stat(rank0, "user_turns") == 2 * 2 and _stat(rank1, "user_turns") == 0
+    logged = [h for h in rank0["log_history"] if "conversation/user_turns" in h]
+    assert logged and sum(h["conversation/user_turns"] for h in logged) == 2 * 2  # summed over the ranks
+    assert sum(h["conversation/user_turns_dropped"] for h in logged) == 0
     assert _stat(rank0, "rollback_attempts") > 0
     assert _all_generation_calls(rank0) == _all_generation_calls(rank1)
     assert _stat(rank1, "dummy_generation_calls") > 0

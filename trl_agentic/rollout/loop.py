@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..envs.protocol import checkpoint_env, has_user_turns, next_user_turn, restore_env
-from .context import DELETE_CONTEXT_TOOL, apply_deletion
+from .context import DELETE_CONTEXT_TOOL, apply_deletion, delete_context
 from .parsing import parse_tool_calls
 from .tools import PARSE_ERROR, ErrorPolicy, ToolOutcome, failure, run_tool_call
 from .types import ExtraRow, LoopResult, LoopStats, RowKind
@@ -190,6 +190,7 @@ class AgenticRolloutLoop:
         self._environments = environments
         self._sync_tools, self._async_tools = sync_tool_dicts, async_tool_dicts
         self._tool_lists: dict[int, list] = {}  # rows whose tools a user turn changed
+        self._deletion_withdrawn: set[int] = set()  # rows whose user turn removed `delete_context`
 
         rollouts = []
         for i in range(n):
@@ -330,8 +331,10 @@ class AgenticRolloutLoop:
                 self._rollback(i, r, checkpoint, calls, tool_messages, model_errors, prompt_msg_start)
                 return
             stats.rollback_exhausted += 1
-        elif r.in_retry and not model_errors:
-            stats.rollback_recovered += 1
+        elif r.in_retry and not any(o.failed for o in outcomes):
+            stats.rollback_recovered += (
+                1  # the regenerated turn's calls all ran (an error outside the list is no recovery)
+            )
         r.in_retry = False
         r.turns_done += 1
 
@@ -359,8 +362,12 @@ class AgenticRolloutLoop:
     def _fits(self, r: _Rollout, suffix: list[int], reply: int = 0) -> bool:
         """Whether `suffix` fits the budgets, leaving `reply` completion tokens for the answer to it."""
         backend = self.backend
-        completion = len(r.completion_ids) + len(suffix) + reply
-        return completion <= backend.max_completion_length and len(r.prompt_ids) + completion < backend.max_model_len
+        completion = len(r.completion_ids) + len(suffix)
+        # `<` under max_model_len already keeps one position free for generation (a tool result's answer too).
+        return (
+            completion + reply <= backend.max_completion_length
+            and len(r.prompt_ids) + completion < backend.max_model_len
+        )
 
     def _user_turn(self, i: int, r: _Rollout) -> None:
         """Ask the environment for the next user message; append it (masked) and queue the next assistant turn."""
@@ -382,7 +389,19 @@ class AgenticRolloutLoop:
         for name in turn.remove_tools:
             sync_tools.pop(name, None)
             async_tools.pop(name, None)
+            if name == DELETE_CONTEXT_TOOL:
+                self._deletion_withdrawn.add(i)
         for fn in turn.add_tools:
+            if fn.__name__ == DELETE_CONTEXT_TOOL and self.config.enable_context_snapshots:
+                if fn is not delete_context:
+                    raise ValueError(
+                        f"A user turn of {type(env).__name__} adds a tool named `{DELETE_CONTEXT_TOOL}`: with "
+                        "`enable_context_snapshots=True` that name is trl-agentic's context deletion; rename the tool."
+                    )
+                self._deletion_withdrawn.discard(i)
+            # A name is one tool: the sync and async dicts never both hold it (the sync one would shadow the new one).
+            sync_tools.pop(fn.__name__, None)
+            async_tools.pop(fn.__name__, None)
             target = async_tools if asyncio.iscoroutinefunction(fn) else sync_tools
             target[fn.__name__] = fn
         if turn.add_tools or turn.remove_tools:
@@ -404,7 +423,7 @@ class AgenticRolloutLoop:
         outcomes = [failure("tool_call_parser", PARSE_ERROR, error, self.policy) for error in r.parse_errors]
         for call in r.calls:
             name = call.get("function", {}).get("name") if isinstance(call, dict) else None
-            if cfg.enable_context_snapshots and name == DELETE_CONTEXT_TOOL:
+            if cfg.enable_context_snapshots and name == DELETE_CONTEXT_TOOL and i not in self._deletion_withdrawn:
                 outcomes.append(self._check_delete(r, call))
                 continue
             env = self._env(i)
