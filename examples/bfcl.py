@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> AgenticGRPOTrainer:
             f"Warm start: {warm.num_traces} traces, loss {losses[0]:.3f} -> {losses[-1]:.3f} in {warm.seconds:.0f} s."
         )
         model, peft_config = warm.model, None
+        # Kept, so that a run cut off later (GRPO on CPU is slow) can be evaluated or continued from the warm start.
+        model.save_pretrained(os.path.join(training_args.output_dir, "warmstart-adapter"))
     trainer = AgenticGRPOTrainer(
         model=model,
         processing_class=tokenizer,
@@ -110,19 +112,25 @@ def main(argv: list[str] | None = None) -> AgenticGRPOTrainer:
     install_compact_progress(trainer)
     policy = trainer.accelerator.unwrap_model(trainer.model)
     results = {}
+    path = os.path.join(training_args.output_dir, "bfcl_eval.json")
+
+    def save_results():  # after each evaluation: a run cut off during GRPO keeps the numbers before it
+        if results and trainer.accelerator.is_main_process:
+            os.makedirs(training_args.output_dir, exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(results, f, indent=2)
+            print(f"wrote {path}")
+
     if task_args.heldout_eval and task.eval_dataset is not None:
         results["before"] = held_out(policy, trainer.processing_class, task, task_args, training_args, "before GRPO")
+        save_results()
     trainer.train()
     trainer.save_model(training_args.output_dir)
     if task_args.heldout_eval and task.eval_dataset is not None:
         results["after"] = held_out(policy, trainer.processing_class, task, task_args, training_args, "after GRPO")
+        save_results()
     if trainer.accelerator.is_main_process:
         print("\n" + format_metric_table(trainer.state.log_history, METRICS))
-        if results:
-            path = os.path.join(training_args.output_dir, "bfcl_eval.json")
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump(results, f, indent=2)
-            print(f"wrote {path}")
     return trainer
 
 
