@@ -550,8 +550,8 @@ def test_a_retry_whose_call_fails_with_an_error_outside_the_rollback_list_is_not
     assert s.rollback_recovered == 0
 
 
-class _AsyncAddEnv(LedgerEnv):
-    """A user turn replaces the sync `add` by an async one that adds ten times as much."""
+class _OneUserTurnEnv(LedgerEnv):
+    """Asks one further user turn (`turn()`), then ends the conversation."""
 
     def reset(self, **kwargs):
         super().reset()
@@ -561,6 +561,13 @@ class _AsyncAddEnv(LedgerEnv):
         if self.asked:
             return None
         self.asked = True
+        return self.turn()
+
+
+class _AsyncAddEnv(_OneUserTurnEnv):
+    """A user turn replaces the sync `add` by an async one that adds ten times as much."""
+
+    def turn(self):
         env = self
 
         async def add(n: int) -> str:
@@ -596,15 +603,8 @@ def test_a_tool_added_by_a_user_turn_replaces_a_tool_of_the_same_name_of_the_oth
     assert [t.count("add") if t else None for t in b.parse_tools] == [None, 1, 1]
 
 
-class _WithdrawDeletionEnv(LedgerEnv):
-    def reset(self, **kwargs):
-        super().reset()
-        self.asked = False
-
-    def _next_user_turn(self, message):
-        if self.asked:
-            return None
-        self.asked = True
+class _WithdrawDeletionEnv(_OneUserTurnEnv):
+    def turn(self):
         return UserTurn("No more deleting.", remove_tools=["delete_context"])
 
 
