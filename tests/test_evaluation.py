@@ -157,3 +157,68 @@ def test_environment_reward_is_added_like_trl(tiny_tokenizer):
     )
     assert [r["rewards"] for r in result.records] == [[1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 1.0]]
     assert result.metrics["success_rate"] == 0.5 and result.metrics["reward"] == 1.25
+
+
+class _SecretEnv:
+    """`reset` returns an observation (like the text world's first room): the only place the secret is written."""
+
+    def reset(self, secret: int, **row):
+        return f" The secret is {secret}."
+
+    def noop(self) -> str:
+        """
+        Do nothing.
+        """
+        return "ok"
+
+
+class _ReadsTheSecret(ScriptedModel):
+    """Answers the secret when its context shows it, 0 otherwise."""
+
+    def _turn(self, text):
+        found = text.split("The secret is ", 1)
+        return f"Answer: {found[1].split('.', 1)[0]}" if len(found) == 2 else "Answer: 0"
+
+
+def test_the_observation_reset_returns_joins_the_prompt_as_in_trl(tiny_tokenizer):
+    """TRL appends what `env.reset` returns to the last prompt message before generating: the evaluated model sees it
+    too (the text world's first observation), and reward functions get that prompt."""
+    rows = [
+        {"prompt": [{"role": "user", "content": f"Problem {k}: what is the secret?"}], "secret": 10 + k}
+        for k in range(3)
+    ]
+    seen = []
+
+    def secret_reward(completions, prompts, secret, **kwargs):
+        seen.extend(p[-1]["content"] for p in prompts)
+        return [float(c[-1]["content"] == f"Answer: {s}") for c, s in zip(completions, secret)]
+
+    result = evaluate_policy(
+        _ReadsTheSecret(tiny_tokenizer, [], PLAN),
+        tiny_tokenizer,
+        rows,
+        environment_factory=_SecretEnv,
+        reward_funcs=[secret_reward],
+        max_completion_length=256,
+        prefix_caching=False,
+        progress=False,
+    )
+    assert result.metrics["success_rate"] == 1.0
+    assert seen == [f"Problem {k}: what is the secret? The secret is {10 + k}." for k in range(3)]
+    assert rows[0]["prompt"][-1]["content"] == "Problem 0: what is the secret?"  # the row is left as it was
+
+
+def test_with_observation_follows_trl_for_text_and_multimodal_content():
+    from trl_agentic.envs.protocol import with_observation
+
+    user = [{"role": "system", "content": "s"}, {"role": "user", "content": "Look."}]
+    assert with_observation(user, None) == user
+    assert with_observation(user, " A room.")[-1] == {"role": "user", "content": "Look. A room."}
+    image = [{"type": "image", "image": "x.png"}]
+    assert with_observation(user, image)[-1]["content"] == [{"type": "text", "text": "Look."}, *image]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Look."}]}]
+    assert with_observation(parts, " A room.")[-1]["content"] == [
+        {"type": "text", "text": "Look."},
+        {"type": "text", "text": " A room."},
+    ]
+    assert user[-1]["content"] == "Look." and parts[0]["content"] == [{"type": "text", "text": "Look."}]

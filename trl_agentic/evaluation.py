@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .envs.protocol import tool_methods
+from .envs.protocol import tool_methods, with_observation
 from .errors import tool_error_message
 from .rollout.loop import AgenticRolloutLoop, LoopConfig
 from .rollout.rendering import ChatRenderer, grpo_chat_template  # noqa: F401 - grpo_chat_template re-exported
@@ -303,8 +303,12 @@ def evaluate_policy(
         for chunk in _chunks(rows, batch_size, batch_by):
             chunk = [dict(r) for r in chunk]
             envs = [_factory_for(environment_factory, row)() for row in chunk]
-            for env, row in zip(envs, chunk):
-                env.reset(**_reset_kwargs(environment_factory, row))
+            # What `reset` returns joins the last prompt message, as in TRL's rollouts (the text world's first
+            # observation): the evaluated model sees the prompt GRPO trained it on.
+            prompts = [
+                with_observation(row["prompt"], env.reset(**_reset_kwargs(environment_factory, row)))
+                for env, row in zip(envs, chunk)
+            ]
             tool_dicts = [tool_methods(env) for env in envs]
             # Prompts are rendered with the environment's bound methods, the schema GRPO shows the model.
             tools_per_row = [list(tool_methods(env).values()) for env in envs]
@@ -321,7 +325,6 @@ def evaluate_policy(
             )
             # A fresh environment after a timed-out call (multi-environment mode: the class of the old one).
             backend.environment_factory = None if isinstance(environment_factory, dict) else environment_factory
-            prompts = [list(row["prompt"]) for row in chunk]
             prompt_ids = [backend.render_prompt(p, k) for k, p in enumerate(prompts)]
             completion_ids, _ = backend.generate(prompt_ids)
             completions = []

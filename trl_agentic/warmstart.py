@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .envs.protocol import tool_methods
+from .envs.protocol import tool_methods, with_observation
 from .rollout.rendering import ChatRenderer
 from .rollout.tools import ErrorPolicy, run_tool_call
 
@@ -96,7 +96,7 @@ def make_tool_traces(
     traces = []
     for index, row in enumerate(rows):
         env = environment_factory()
-        env.reset(**row)
+        prompt = with_observation(copy.deepcopy(list(row["prompt"])), env.reset(**row))  # as TRL's rollouts see it
         tools = tool_methods(env)
         if tool_name not in tools:
             raise ValueError(f"The environment has no tool {tool_name!r} (tools: {sorted(tools)}).")
@@ -128,7 +128,7 @@ def make_tool_traces(
             tool,
             {"role": "assistant", "content": answer_template.format(result=tool["content"].strip())},
         ]
-        traces.append({"prompt": copy.deepcopy(list(row["prompt"])), "turns": turns, "faulty": faulty})
+        traces.append({"prompt": prompt, "turns": turns, "faulty": faulty})
         close = getattr(env, "_close", None)  # e.g. the Python sandbox's interpreter process
         if callable(close):
             close()

@@ -195,3 +195,17 @@ def next_user_turn(env: Any, assistant_message: dict) -> UserTurn | None:
 def has_user_turns(env: Any) -> bool:
     """Whether an environment (instance or class) supplies further user turns (defines `_next_user_turn`)."""
     return callable(getattr(env, NEXT_USER_TURN, None))
+
+
+def with_observation(prompt: list[dict], observation) -> list[dict]:
+    """The prompt with `observation` (what `env.reset` returned) appended to its last message, as TRL's
+    `GRPOTrainer` does before generation; `None` leaves it as it is. A new list: the row is not changed."""
+    prompt = list(prompt)
+    if observation is None:
+        return prompt
+    content = prompt[-1]["content"]
+    if isinstance(observation, list) and isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if isinstance(observation, str) and isinstance(content, list):
+        observation = [{"type": "text", "text": observation}]
+    return prompt[:-1] + [{**prompt[-1], "content": content + observation}]

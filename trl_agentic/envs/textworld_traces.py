@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from ..rlvcr.parsing import LEVEL1_THINK, StepTags, render_prefix
 from ..rollout.tools import ErrorPolicy, run_tool_call
-from .protocol import tool_methods
+from .protocol import tool_methods, with_observation
 from .textworld import TEXTWORLD_RULES, TextWorldToolEnv, make_textworld_tasks
 
 __all__ = [
@@ -111,9 +111,7 @@ def textworld_level_traces(rows: Sequence[dict], seed: int = 0) -> list[dict]:
     traces = []
     for row in rows:
         env = TextWorldToolEnv()
-        observation = env.reset(**row)
-        prompt = copy.deepcopy(list(row["prompt"]))
-        prompt[-1] = {**prompt[-1], "content": prompt[-1]["content"] + observation}
+        prompt = with_observation(copy.deepcopy(list(row["prompt"])), env.reset(**row))
         tools = tool_methods(env)
         turns, levels, previous = [], [], None
         for action in env.world._oracle_actions():
