@@ -10,8 +10,36 @@ from trl_agentic import ablation
 
 
 def test_bootstrap_interval_of_constant_values_is_the_value():
-    assert ablation.bootstrap_interval([[1.0, 1.0], [1.0]]) == (1.0, 1.0, 1.0)
+    assert ablation.bootstrap_interval([[1.0, 1.0], [1.0, 1.0]]) == (1.0, 1.0, 1.0)
     assert ablation.bootstrap_interval([[0.0] * 5]) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="same problems"):
+        ablation.bootstrap_interval([[1.0, 1.0], [1.0]])
+
+
+def test_seeds_that_agree_on_every_problem_add_no_information():
+    """Problems are shared by the seeds: three identical seeds are one seed's evidence, not three times as much (a
+    per-seed problem resample would shrink the interval by about sqrt(3))."""
+    rng = random.Random(2)
+    values = [float(rng.random() < 0.4) for _ in range(128)]
+    _, low_1, high_1 = ablation.bootstrap_interval([values], samples=4000)
+    _, low_3, high_3 = ablation.bootstrap_interval([values] * 3, samples=4000)
+    assert high_3 - low_3 == pytest.approx(high_1 - low_1, rel=0.1)
+
+
+def test_a_paired_difference_finds_what_separate_intervals_cannot():
+    """Arm A solves what arm B solves plus 8 more of 128 problems, in every seed: the separate intervals overlap, the
+    paired interval of A - B is all above 0 (and is exactly 8/128 wide of nothing else)."""
+    rng = random.Random(3)
+    b = [[float(rng.random() < 0.5) for _ in range(128)] for _ in range(3)]
+    flipped = [k for k in range(128) if b[0][k] == 0.0 and b[1][k] == 0.0 and b[2][k] == 0.0][:8]
+    a = [[1.0 if k in flipped else v for k, v in enumerate(seed)] for seed in b]
+    _, low_a, _ = ablation.bootstrap_interval(a)
+    _, _, high_b = ablation.bootstrap_interval(b)
+    assert low_a < high_b  # separately: no difference visible
+    mean, low, high = ablation.paired_difference(a, b)
+    assert mean == pytest.approx(8 / 128) and 0 < low <= mean <= high
+    with pytest.raises(ValueError):
+        ablation.paired_difference(a, b[:2])
 
 
 def test_bootstrap_interval_matches_the_normal_approximation_for_one_large_seed():
@@ -51,10 +79,14 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     assert cells["sft"]["sft_steps"] >= 1
     assert len(cells["warmstart"]["warmstart_losses"]) == 1
     assert sorted(p.name for p in (out / "rollback" / "seed0").iterdir()) == sorted(f"{a}.json" for a in ablation.ARMS)
-    assert (work / "rollback" / "seed0" / "warmstart-adapter" / "adapter_config.json").exists()
+    [adapter] = (work / "rollback" / "seed0").glob("warmstart-adapter-*/adapter_config.json")
+    assert adapter.parent.name == f"warmstart-adapter-{cells['warmstart']['settings_hash']}"
+    assert len({c["settings_hash"] for c in cells.values()}) == 1 and cells["sft"]["sft_budget"]["train_seconds"] > 0
     text = doc.read_text()
     for label in ablation.ARM_LABELS.values():
         assert f"| rollback | {label} | 1 | 4 |" in text
+    for a, b in ablation.PAIRS:
+        assert f"| rollback | {a} − {b} | 1 |" in text
     assert doc.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Resume: finished cells are read back, nothing is trained again.
@@ -64,6 +96,9 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     monkeypatch.setattr(ablation, "_train_grpo", fail)
     monkeypatch.setattr(ablation, "_evaluate", fail)
     assert ablation.main(argv) == 0
+    # Cells of other settings are never mixed in: a run with 2 steps refuses the 1-step cells.
+    with pytest.raises(RuntimeError, match="other settings"):
+        ablation.main([("2" if a == "1" and argv[k - 1] == "--steps" else a) for k, a in enumerate(argv)])
 
 
 def test_a_new_machine_trains_the_warm_start_again_and_checks_it_is_the_recorded_one(tiny_model_dir, tmp_path):
@@ -84,7 +119,7 @@ def test_a_new_machine_trains_the_warm_start_again_and_checks_it_is_the_recorded
         },
     )
     warm = ablation.run_cell("rollback", 0, "warmstart", work, **kwargs)
-    adapter = work / "rollback" / "seed0" / "warmstart-adapter"
+    adapter = work / "rollback" / "seed0" / f"warmstart-adapter-{warm['settings_hash']}"
     weights = (adapter / "adapter_model.safetensors").read_bytes()
     import shutil
 

@@ -41,6 +41,7 @@ FEATURES: dict[str, str] = {
 }
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("warmstart", "trl", "agentic", "sft")
+PAIRS = (("agentic", "trl"), ("agentic", "sft"), ("trl", "warmstart"), ("agentic", "warmstart"))
 ARM_LABELS = {
     "warmstart": "warm start only",
     "trl": "TRL GRPOTrainer (control)",
@@ -55,10 +56,15 @@ ARM_LABELS = {
 def bootstrap_interval(
     values_per_seed: Sequence[Sequence[float]], *, samples: int = 2000, level: float = 0.95, seed: int = 0
 ) -> tuple[float, float, float]:
-    """Mean over seeds of the per-seed mean, and a percentile bootstrap interval resampling seeds, then problems.
+    """Mean over seeds of the per-seed mean, and a percentile bootstrap interval for it.
+
+    Seeds and problems are crossed (every seed is evaluated on the same problems, in the same order), so one resample
+    draws seeds with replacement and **one** set of problems with replacement, shared by every drawn seed. Resampling
+    problems independently per seed would treat a hard problem as hard for one seed only and give too narrow an
+    interval.
 
     Args:
-        values_per_seed: One list of per-problem values per seed.
+        values_per_seed: One list of per-problem values per seed, the same problems in the same order.
         samples: Bootstrap resamples.
         level: Coverage of the interval.
         seed: Seed of the resampling.
@@ -69,17 +75,37 @@ def bootstrap_interval(
     groups = [list(v) for v in values_per_seed if len(v)]
     if not groups:
         raise ValueError("No values.")
-    mean = sum(sum(g) / len(g) for g in groups) / len(groups)
+    if len({len(g) for g in groups}) > 1:
+        raise ValueError(f"Every seed must be evaluated on the same problems, got {[len(g) for g in groups]}.")
+    n = len(groups[0])
+    mean = sum(sum(g) / n for g in groups) / len(groups)
     rng = random.Random(seed)
     stats = []
     for _ in range(samples):
         chosen = [groups[rng.randrange(len(groups))] for _ in groups]
-        stats.append(sum(sum(rng.choices(g, k=len(g))) / len(g) for g in chosen) / len(chosen))
+        problems = [rng.randrange(n) for _ in range(n)]
+        stats.append(sum(sum(g[p] for p in problems) for g in chosen) / (n * len(chosen)))
     stats.sort()
     tail = (1 - level) / 2
     low = stats[max(0, math.floor(tail * samples))]
     high = stats[min(samples - 1, math.ceil((1 - tail) * samples) - 1)]
     return mean, low, high
+
+
+def paired_difference(
+    a_per_seed: Sequence[Sequence[float]], b_per_seed: Sequence[Sequence[float]], **kwargs
+) -> tuple[float, float, float]:
+    """Mean and bootstrap interval of arm A minus arm B, paired by seed and problem (both arms of a seed start from
+    the same adapter and are evaluated on the same problems): far tighter than comparing two separate intervals.
+    `kwargs` go to [`bootstrap_interval`]."""
+    if len(a_per_seed) != len(b_per_seed):
+        raise ValueError("Both arms need the same seeds.")
+    diffs = []
+    for a, b in zip(a_per_seed, b_per_seed, strict=True):
+        if len(a) != len(b):
+            raise ValueError("Both arms must be evaluated on the same problems.")
+        diffs.append([x - y for x, y in zip(a, b, strict=True)])
+    return bootstrap_interval(diffs, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -141,6 +167,40 @@ def _warmstart_losses(log_history: list[dict]) -> list[float]:
     return [round(float(h["loss"]), 4) for h in log_history if "loss" in h]
 
 
+def _fingerprint(settings: dict) -> str:
+    """A short hash of everything that defines a cell but its arm (the feature's config, seed, steps, overrides)."""
+    import hashlib
+
+    text = json.dumps({k: v for k, v in settings.items() if k != "output_dir"}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _machine() -> dict:
+    """Where and when a cell ran: wall times (and the SFT arm's budget) compare only on like machines and loads."""
+    import platform
+
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "commit": _commit(),
+        "host": platform.node(),
+        "cpu": cpu,
+        "threads": __import__("torch").get_num_threads(),
+        "load_average_before": os.getloadavg()[0],
+    }
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
+
+
 def _commit() -> str | None:
     import subprocess
 
@@ -167,18 +227,27 @@ def run_cell(
     exists). Adapters and trainer output go under `out`."""
     cells = out if cells is None else cells
     path = _cell_path(cells, feature, seed, arm)
+    settings = _settings(feature, seed, steps, num_eval, dict(overrides or {}))
+    fingerprint = _fingerprint(settings)
     if path.exists():
-        return json.loads(path.read_text())
+        cell = json.loads(path.read_text())
+        if cell.get("settings_hash") != fingerprint:
+            raise RuntimeError(
+                f"{path} was computed with other settings ({cell.get('settings')}) than this run's ({settings}): "
+                "mixing them would compare different experiments. Delete it, or write this run's cells elsewhere "
+                "(`--cells`)."
+            )
+        return cell
     from .models import resolve_model_path
     from .tasks import build_task
 
-    settings = _settings(feature, seed, steps, num_eval, dict(overrides or {}))
     settings["output_dir"] = str(out / feature / f"seed{seed}" / f"{arm}-run")
     task_args, args, model_args = _parse(settings, trl=arm == "trl")
     task = build_task(task_args)
     model_path = resolve_model_path(model_args.model_name_or_path)
     dtype = getattr(__import__("torch"), model_args.dtype) if model_args.dtype not in (None, "auto") else None
-    adapter = out / feature / f"seed{seed}" / "warmstart-adapter"
+    # Named by the settings: an adapter of another configuration (a test run, other overrides) is never reused.
+    adapter = out / feature / f"seed{seed}" / f"warmstart-adapter-{fingerprint}"
     rows = list(task.eval_dataset)
     record: dict = {
         "feature": feature,
@@ -186,9 +255,9 @@ def run_cell(
         "arm": arm,
         "steps": steps,
         "num_eval": len(rows),
-        "date": time.strftime("%Y-%m-%d"),
-        "commit": _commit(),
-        "threads": __import__("torch").get_num_threads(),
+        "settings": {k: v for k, v in settings.items() if k != "output_dir"},
+        "settings_hash": fingerprint,
+        **_machine(),
     }
     if arm != "warmstart" and not (adapter / "adapter_config.json").exists():
         # A new machine: train the seed's warm start again (deterministic on CPU) and check it is the recorded one.
@@ -211,6 +280,8 @@ def run_cell(
                 feature, seed, "agentic", out, steps=steps, num_eval=num_eval, overrides=overrides, cells=cells
             )
             record["train_seconds"], record["sft_steps"] = _sft_for(model, tokenizer, task, task_args, args, budget)
+            # The budget is a wall time: it compares only when both arms ran on a like machine and load.
+            record["sft_budget"] = {k: budget.get(k) for k in ("train_seconds", "host", "cpu", "load_average_before")}
         else:
             trained = _train_grpo(arm, model, tokenizer, task, task_args, args)
             model = trained.pop("model")
@@ -219,8 +290,11 @@ def run_cell(
     record["success"] = _evaluate(model, tokenizer, task, args, rows)
     record["eval_seconds"] = time.perf_counter() - eval_started
     record["seconds"] = time.perf_counter() - started
+    record["load_average_after"] = os.getloadavg()[0]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record))
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(record))
+    os.replace(partial, path)  # atomic: an interrupted write never leaves a cell that breaks the resume
     return record
 
 
@@ -340,6 +414,8 @@ def _sft_for(model, tokenizer, task, task_args, args, budget: dict) -> tuple[flo
         compact_progress=False,
     )
     done = sum(1 for h in result.log_history if "loss" in h)
+    if done >= steps:
+        print(f"warning: the SFT arm stopped at its step cap ({steps}) before the time budget ({seconds:.0f} s)")
     return result.seconds, done
 
 
@@ -354,20 +430,23 @@ def render(out: Path, features: Sequence[str], seeds: Sequence[int], command: st
         "",
         f"Command: `{command}`. Written {time.strftime('%Y-%m-%d')} by `python -m trl_agentic.ablation render`.",
         "",
-        "Held-out success (greedy, the task's first reward function) with 95 % bootstrap intervals (seeds, then "
-        "problems, resampled). *Train* is the wall time of the arm's training (warm start: the SFT stage), *eval* of "
-        "its evaluation, on this 2-core CPU machine.",
+        "Held-out success (greedy, the task's first reward function) with 95 % bootstrap intervals (seeds and the "
+        "problems every seed shares resampled). *Train* is the wall time of the arm's training (warm start: the SFT "
+        "stage), *eval* of its evaluation, on this 2-core CPU machine.",
         "",
         "| feature | arm | seeds | problems | success | 95 % interval | train (s) | eval (s) | fired |",
         "|---|---|---:|---:|---:|---|---:|---:|---|",
     ]
+    found: dict = {}  # (feature, arm) -> {seed: cell}
     for feature in features:
         for arm in ARMS:
-            cells = []
+            by_seed = {}
             for seed in seeds:
                 path = _cell_path(out, feature, seed, arm)
                 if path.exists():
-                    cells.append(json.loads(path.read_text()))
+                    by_seed[seed] = json.loads(path.read_text())
+            found[feature, arm] = by_seed
+            cells = list(by_seed.values())
             if not cells:
                 continue
             mean, low, high = bootstrap_interval([c["success"] for c in cells])
@@ -383,6 +462,23 @@ def render(out: Path, features: Sequence[str], seeds: Sequence[int], command: st
                 f"| {feature} | {ARM_LABELS[arm]} | {len(cells)} | {cells[0]['num_eval']} | {mean:.3f} | "
                 f"[{low:.3f}, {high:.3f}] | {train:.0f} | {evaluation:.0f} | {fired_text} |"
             )
+    lines += [
+        "",
+        "Paired differences: both arms of a seed start from the same adapter and are evaluated on the same problems, "
+        "so the difference is resampled per seed and problem (seeds both arms have).",
+        "",
+        "| feature | difference | seeds | mean | 95 % interval |",
+        "|---|---|---:|---:|---|",
+    ]
+    for feature in features:
+        for a, b in PAIRS:
+            shared = sorted(set(found[feature, a]) & set(found[feature, b]))
+            if not shared:
+                continue
+            mean, low, high = paired_difference(
+                [found[feature, a][k]["success"] for k in shared], [found[feature, b][k]["success"] for k in shared]
+            )
+            lines.append(f"| {feature} | {a} − {b} | {len(shared)} | {mean:+.3f} | [{low:+.3f}, {high:+.3f}] |")
     return "\n".join(lines) + "\n", summary
 
 
