@@ -222,3 +222,41 @@ def test_with_observation_follows_trl_for_text_and_multimodal_content():
         {"type": "text", "text": " A room."},
     ]
     assert user[-1]["content"] == "Look." and parts[0]["content"] == [{"type": "text", "text": "Look."}]
+
+
+class _DeletesThenAnswers(ScriptedModel):
+    """Deletes the user message, then answers; records the tool names its prompt lists."""
+
+    def _turn(self, text):
+        if "<tool_response>" not in text:  # the first turn: the prompt alone
+            listed = [name for name in ("calculate", "delete_context") if f'"name": "{name}"' in text]
+            self.seen_tools = sorted(listed, key=lambda name: text.index(f'"name": "{name}"'))  # in the prompt's order
+            return '<tool_call>\n{"name": "delete_context", "arguments": {"message_ids": [1]}}\n</tool_call>'
+        return "Answer: 0"
+
+
+@pytest.mark.parametrize("snapshots", [False, True])
+def test_evaluation_offers_delete_context_as_training_does(tiny_tokenizer, snapshots):
+    """With `context_snapshots` the prompt lists `delete_context` first (TRL's order: the trainer adds it to `tools`)
+    and a call deletes the message; without it the call is an unknown tool."""
+    rows = make_arithmetic_tasks(2, 11, "medium")
+    model = _DeletesThenAnswers(tiny_tokenizer, rows, PLAN)
+    result = evaluate_policy(
+        model,
+        tiny_tokenizer,
+        rows,
+        environment_factory=CalculatorEnv,
+        reward_funcs=[answer_reward],
+        max_completion_length=1024,
+        prefix_caching=False,
+        progress=False,
+        context_snapshots=snapshots,
+        context_stub_text="[gone]",
+    )
+    for record in result.records:
+        [tool] = [m for m in record["messages"] if m["role"] == "tool"]
+        if snapshots:
+            assert tool["content"] == "Deleted messages [1]." and record["tool_failures"] == 0
+        else:
+            assert "delete_context" in tool["content"] and record["tool_failures"] == 1
+    assert model.seen_tools == (["delete_context", "calculate"] if snapshots else ["calculate"])

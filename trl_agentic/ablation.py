@@ -142,6 +142,8 @@ def _load_adapter(model_path: str, adapter: str, dtype):
 
 
 def _evaluate(model, tokenizer, task, training_args, rows) -> list[float]:
+    """Every arm alike, with the feature config's settings (`training_args` is always the `AgenticGRPOConfig`): the
+    log search is solvable only with `delete_context`, which every arm learned in the warm start."""
     from .evaluation import evaluate_policy
 
     result = evaluate_policy(
@@ -155,6 +157,8 @@ def _evaluate(model, tokenizer, task, training_args, rows) -> list[float]:
         batch_size=16,
         temperature=0.0,
         progress=False,
+        context_snapshots=training_args.enable_context_snapshots,
+        context_stub_text=training_args.context_stub_text,
     )
     return [float(r["rewards"][0]) for r in result.records]
 
@@ -287,7 +291,8 @@ def run_cell(
             model = trained.pop("model")
             record.update(trained)
     eval_started = time.perf_counter()
-    record["success"] = _evaluate(model, tokenizer, task, args, rows)
+    eval_args = args if arm != "trl" else _parse(settings)[1]  # TRL's config has no agentic field
+    record["success"] = _evaluate(model, tokenizer, task, eval_args, rows)
     record["eval_seconds"] = time.perf_counter() - eval_started
     record["seconds"] = time.perf_counter() - started
     record["load_average_after"] = os.getloadavg()[0]

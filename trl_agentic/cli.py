@@ -230,6 +230,8 @@ def _evaluate_into(stage, model, tokenizer, task, task_args, training_args, resu
             seed=training_args.seed,
             progress=not training_args.disable_tqdm,
             desc=f"eval {stage}",
+            context_snapshots=training_args.enable_context_snapshots,
+            context_stub_text=training_args.context_stub_text,
         )
         results[stage], records[stage] = result.metrics, result.records
         m = result.metrics

@@ -35,6 +35,7 @@ import torch
 
 from .envs.protocol import tool_methods, with_observation
 from .errors import tool_error_message
+from .rollout.context import DELETE_CONTEXT_TOOL, delete_context
 from .rollout.loop import AgenticRolloutLoop, LoopConfig
 from .rollout.rendering import ChatRenderer, grpo_chat_template  # noqa: F401 - grpo_chat_template re-exported
 
@@ -233,6 +234,8 @@ def evaluate_policy(
     seed: int = 0,
     max_turn_tokens: int | None = None,
     batch_by: str | None = None,
+    context_snapshots: bool = False,
+    context_stub_text: str = "[deleted]",
 ) -> EvalResult:
     """
     Roll out a policy on held-out problems with the multi-turn tool loop and score it.
@@ -278,6 +281,12 @@ def evaluate_policy(
             A column: consecutive rows with the same value are batched together and a batch never mixes values
             (e.g. `"environment"`: rows with the same tools share their prompt prefix, which `prefix_caching` then
             encodes once). Sort the rows by it first.
+        context_snapshots (`bool`, *optional*, defaults to `False`):
+            Offer trl-agentic's `delete_context` tool and apply it, as `enable_context_snapshots=True` does in
+            training: a task whose tool outputs outgrow `max_completion_length` (the log search) is solvable only
+            with it.
+        context_stub_text (`str`, *optional*, defaults to `"[deleted]"`):
+            What replaces a deleted message (`context_stub_text` of the training config).
 
     Returns:
         [`EvalResult`]: The metrics and one record per problem.
@@ -292,7 +301,13 @@ def evaluate_policy(
     start = time.perf_counter()
     records: list[dict] = []
     # Malformed calls are shown to the model and counted as failed calls, as during training with rollback.
-    config = LoopConfig(rollback_on_errors=[], tool_timeout=10.0, malformed_tool_call_feedback=True)
+    config = LoopConfig(
+        rollback_on_errors=[],
+        tool_timeout=10.0,
+        malformed_tool_call_feedback=True,
+        enable_context_snapshots=context_snapshots,
+        context_stub_text=context_stub_text,
+    )
     bar = tqdm(total=len(rows), desc=desc, disable=not progress, unit="problem")
     # A forked RNG: the sampled completions depend only on `seed`, and training's random stream is left as it was.
     with contextlib.ExitStack() as stack:
@@ -309,9 +324,11 @@ def evaluate_policy(
                 with_observation(row["prompt"], env.reset(**_reset_kwargs(environment_factory, row)))
                 for env, row in zip(envs, chunk)
             ]
-            tool_dicts = [tool_methods(env) for env in envs]
-            # Prompts are rendered with the environment's bound methods, the schema GRPO shows the model.
-            tools_per_row = [list(tool_methods(env).values()) for env in envs]
+            # Prompts are rendered with the environment's bound methods (and `delete_context`, which the trainer adds
+            # to `tools` with snapshots on), the schema GRPO shows the model.
+            extra = {DELETE_CONTEXT_TOOL: delete_context} if context_snapshots else {}
+            tool_dicts = [{**extra, **tool_methods(env)} for env in envs]  # TRL's order: standalone tools first
+            tools_per_row = [list(tools.values()) for tools in tool_dicts]
             backend = HFGenerationBackend(
                 model,
                 tokenizer,
