@@ -273,3 +273,23 @@ def test_world_is_connected_and_consistent():
         for other in exits:
             assert room in EXITS[other]  # doors work both ways
     assert {room for room, _ in CONTAINERS.values()} <= set(EXITS)
+
+
+def test_max_plan_steps_keeps_only_tasks_with_a_plan_that_short():
+    """Rollouts of k tool rounds can solve plans of up to k steps: the filter keeps exactly those, and without it the
+    draw is the historical one (datasets of recorded runs stay what they were)."""
+    from trl_agentic.envs.textworld import TextWorldEnv, make_textworld_tasks
+
+    def plan_length(row):
+        env = TextWorldEnv()
+        env.reset(task_seed=row["task_seed"], max_steps=row["max_steps"])
+        return len(env._oracle_actions())
+
+    short = make_textworld_tasks(16, seed=5, max_plan_steps=3)
+    assert len(short) == 16 and len({r["task_seed"] for r in short}) == 16
+    assert max(plan_length(r) for r in short) <= 3
+    unfiltered = make_textworld_tasks(64, seed=5)
+    assert max(plan_length(r) for r in unfiltered) > 3  # the filter has something to remove
+    import random
+
+    assert [r["task_seed"] for r in unfiltered] == random.Random(5).sample(range(2**31), 64)

@@ -39,6 +39,12 @@ FEATURES: dict[str, str] = {
     "rlvcr": "configs/rlvcr_textworld.yaml",
     "tracin": "configs/tracin.yaml",
 }
+# What the ablation changes in a live config: the live configs show a feature firing in one short step; a comparison
+# needs a task the arms can solve. The text world's live config has 3 tool rounds and 256 tokens, which solve ~1 in
+# 128 held-out worlds (shortest plans are 2-8 steps): here, worlds of plans up to 3 steps, 4 rounds, 640 tokens.
+ABLATION_SETTINGS: dict[str, dict] = {
+    "rlvcr": {"textworld_max_plan_steps": 3, "max_tool_calling_iterations": 4, "max_completion_length": 640},
+}
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("warmstart", "trl", "agentic", "sft")
 PAIRS = (("agentic", "trl"), ("agentic", "sft"), ("trl", "warmstart"), ("agentic", "warmstart"))
@@ -115,6 +121,7 @@ def _settings(feature: str, seed: int, steps: int, num_eval: int, overrides: dic
     import yaml
 
     settings = yaml.safe_load((ROOT / FEATURES[feature]).read_text())
+    settings.update(ABLATION_SETTINGS.get(feature, {}))
     settings.update(seed=seed, max_steps=steps, num_eval_tasks=num_eval, disable_tqdm=True, **overrides)
     return settings
 

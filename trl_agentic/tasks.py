@@ -47,6 +47,9 @@ class TaskArguments:
             missing (see docs/reliability.md).
         extra_reward_funcs (`list[str]`, *optional*):
             Import paths `"package.module:function"` of extra reward functions.
+        textworld_max_plan_steps (`int`, *optional*, defaults to `0`):
+            `task: textworld`: only tasks whose shortest plan has at most this many steps (0: any). Rollouts of k
+            tool rounds (`max_tool_calling_iterations`) can solve only plans of up to k steps.
 
         > BFCL multi-turn (`task: bfcl`)
 
@@ -117,6 +120,10 @@ class TaskArguments:
     extra_reward_funcs: list[str] | None = field(
         default=None, metadata={"help": "Import paths 'pkg.module:function' of extra reward functions."}
     )
+    textworld_max_plan_steps: int = field(
+        default=0,
+        metadata={"help": "Text world: only tasks whose shortest plan has at most this many steps (0: any)."},
+    )
     bfcl_categories: list[str] = field(
         default_factory=lambda: ["base"],
         metadata={"help": "BFCL categories: base, miss_func, miss_param, long_context."},
@@ -174,7 +181,7 @@ class TaskArguments:
             raise ValueError(
                 f"`sandbox_isolation` must be 'required' or 'best_effort', got {self.sandbox_isolation!r}."
             )
-        for name in ("warmstart_steps", "report_max_trajectories"):
+        for name in ("warmstart_steps", "report_max_trajectories", "textworld_max_plan_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"`{name}` must be non-negative, got {getattr(self, name)}.")
         for name in ("warmstart_batch_size", "heldout_eval_batch_size"):
@@ -292,12 +299,14 @@ def build_task(args: TaskArguments) -> Task:
         # The environment acts only on `act` tool calls, so the prompts ask for RLVCR steps whose action is that call
         # (`rlvcr_action_tag: tool_call`), not for `<action>` blocks; the warm start shows solved episodes so written.
         return Task(
-            Dataset.from_list(make_level_rows(args.num_train_tasks, args.task_seed)),
-            Dataset.from_list(make_level_rows(args.num_eval_tasks, args.task_seed + 1)),
+            Dataset.from_list(make_level_rows(args.num_train_tasks, args.task_seed, args.textworld_max_plan_steps)),
+            Dataset.from_list(make_level_rows(args.num_eval_tasks, args.task_seed + 1, args.textworld_max_plan_steps)),
             TextWorldToolEnv,
             list(extra),
             warmstart_dataset=Dataset.from_list(
-                make_level_rows(args.warmstart_steps * args.warmstart_batch_size, args.task_seed + 2)
+                make_level_rows(
+                    args.warmstart_steps * args.warmstart_batch_size, args.task_seed + 2, args.textworld_max_plan_steps
+                )
             ),
             make_traces=partial(textworld_level_traces, seed=args.task_seed),
             # Traces of ~1-1.5k tokens: one per micro-batch. Their activations (~2-3 GB in float32) fit without

@@ -501,6 +501,25 @@ class TextWorldToolEnv:
         self._world._restore(state)
 
 
+def _task_seeds(rng: random.Random, n: int, env: TextWorldEnv, max_steps: int, max_plan_steps: int) -> list[int]:
+    """`n` distinct task seeds; with `max_plan_steps`, of tasks whose shortest plan is that short at most."""
+    if not max_plan_steps:
+        return rng.sample(range(2**31), n)  # the historical draw: datasets stay what they were
+    seeds: list[int] = []
+    seen: set[int] = set()
+    for _ in range(1000 * n):
+        task_seed = rng.randrange(2**31)
+        if task_seed in seen:
+            continue
+        seen.add(task_seed)
+        env.reset(task_seed=task_seed, max_steps=max_steps)
+        if len(env._oracle_actions()) <= max_plan_steps:
+            seeds.append(task_seed)
+            if len(seeds) == n:
+                return seeds
+    raise ValueError(f"Fewer than {n} text-world tasks have a plan of at most {max_plan_steps} steps.")
+
+
 def make_textworld_tasks(
     n: int,
     seed: int = 0,
@@ -509,6 +528,7 @@ def make_textworld_tasks(
     step_cost: float = 0.0,
     show_actions: bool = True,
     tool_format: bool = False,
+    max_plan_steps: int = 0,
 ) -> list[dict]:
     """Dataset rows for the text world.
 
@@ -530,15 +550,17 @@ def make_textworld_tasks(
         tool_format (`bool`, *optional*, defaults to `False`):
             `False`: the system prompt is `LEVEL_SYSTEM_PROMPT` (answer with `<level>`, `<think>`, `<action>`
             blocks). `True`: the system prompt asks for calls of the `act` tool (for `TextWorldToolEnv`).
+        max_plan_steps (`int`, *optional*, defaults to `0`):
+            Keep only tasks whose shortest plan has at most this many steps (0: any). A rollout budget of k tool
+            rounds can solve only tasks of plans up to k steps.
 
     Returns:
         `list[dict]`: the rows.
     """
     rng = random.Random(seed)
-    task_seeds = rng.sample(range(2**31), n)
     env = TextWorldEnv()
-    rows = []
-    for task_seed in task_seeds:
+    rows: list[dict] = []
+    for task_seed in _task_seeds(rng, n, env, max_steps, max_plan_steps):
         env.reset(task_seed=task_seed, max_steps=max_steps)
         rules = TEXTWORLD_RULES.format(max_steps=max_steps)
         if tool_format:
