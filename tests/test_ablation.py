@@ -134,3 +134,20 @@ def test_a_new_machine_trains_the_warm_start_again_and_checks_it_is_the_recorded
     (cells / "rollback" / "seed0" / "trl.json").unlink()
     with pytest.raises(RuntimeError, match="not the recorded"):
         ablation.run_cell("rollback", 0, "trl", work, **kwargs)
+
+
+def test_held_out_problems_are_removed_from_every_training_set():
+    """Generators of different seeds can draw the same expression: the ablation trains on none of the held-out ones
+    (warm start, GRPO, the SFT arm's fresh traces), counted independently here."""
+    from trl_agentic.tasks import TaskArguments, build_task
+
+    args = TaskArguments(task="calculator", task_difficulty="easy", num_train_tasks=256, num_eval_tasks=128)
+    task = build_task(args)
+    held_out = {row["expression"] for row in task.eval_dataset}
+    shared = [row for row in task.train_dataset if row["expression"] in held_out]
+    assert shared  # the easy generator does repeat itself across seeds
+    kept = ablation._without_problems(task, {ablation._problem_key(r) for r in task.eval_dataset})
+    assert len(kept.train_dataset) == len(task.train_dataset) - len(shared)
+    assert not {row["expression"] for row in kept.train_dataset} & held_out
+    assert not {row["expression"] for row in kept.warmstart_dataset} & held_out
+    assert ablation._problem_key({"task_seed": 7, "prompt": [{"content": "x"}]}) == "task_seed=7"

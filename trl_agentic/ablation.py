@@ -255,6 +255,8 @@ def run_cell(
     settings["output_dir"] = str(out / feature / f"seed{seed}" / f"{arm}-run")
     task_args, args, model_args = _parse(settings, trl=arm == "trl")
     task = build_task(task_args)
+    eval_keys = {_problem_key(r) for r in task.eval_dataset}
+    task = _without_problems(task, eval_keys)  # generators of other seeds can still draw a held-out problem
     model_path = resolve_model_path(model_args.model_name_or_path)
     dtype = getattr(__import__("torch"), model_args.dtype) if model_args.dtype not in (None, "auto") else None
     # Named by the settings: an adapter of another configuration (a test run, other overrides) is never reused.
@@ -290,11 +292,13 @@ def run_cell(
             budget = run_cell(
                 feature, seed, "agentic", out, steps=steps, num_eval=num_eval, overrides=overrides, cells=cells
             )
-            record["train_seconds"], record["sft_steps"] = _sft_for(model, tokenizer, task, task_args, args, budget)
+            record["train_seconds"], record["sft_steps"] = _sft_for(
+                model, tokenizer, task, task_args, args, budget, eval_keys
+            )
             # The budget is a wall time: it compares only when both arms ran on a like machine and load.
             record["sft_budget"] = {k: budget.get(k) for k in ("train_seconds", "host", "cpu", "load_average_before")}
         else:
-            trained = _train_grpo(arm, model, tokenizer, task, task_args, args)
+            trained = _train_grpo(arm, model, tokenizer, task, task_args, args, eval_keys)
             model = trained.pop("model")
             record.update(trained)
     eval_started = time.perf_counter()
@@ -308,6 +312,26 @@ def run_cell(
     partial.write_text(json.dumps(record))
     os.replace(partial, path)  # atomic: an interrupted write never leaves a cell that breaks the resume
     return record
+
+
+def _problem_key(row: dict) -> str:
+    """What makes two problems the same: the calculator's expression (word problems around one expression are one
+    problem), else the environment's seed (text world, log search), else the question."""
+    for column in ("expression", "task_seed"):
+        if row.get(column) is not None:
+            return f"{column}={row[column]}"
+    return json.dumps(row["prompt"][-1]["content"], default=str)
+
+
+def _without_problems(task, keys: set[str]):
+    """The task with the problems of `keys` (the held-out ones) removed from its training and warm-start sets."""
+
+    def keep(dataset):
+        return None if dataset is None else dataset.filter(lambda row: _problem_key(row) not in keys)
+
+    return dataclasses.replace(
+        task, train_dataset=keep(task.train_dataset), warmstart_dataset=keep(task.warmstart_dataset)
+    )
 
 
 def _warm_start(model_path, dtype, task, task_args, model_args, args, seed, adapter: Path, recorded: dict | None):
@@ -347,7 +371,7 @@ def _warm_start(model_path, dtype, task, task_args, model_args, args, seed, adap
     return result, tokenizer
 
 
-def _train_grpo(arm, model, tokenizer, task, task_args, args) -> dict:
+def _train_grpo(arm, model, tokenizer, task, task_args, args, eval_keys: set[str]) -> dict:
     from trl import GRPOTrainer
 
     from .tasks import build_task
@@ -368,6 +392,7 @@ def _train_grpo(arm, model, tokenizer, task, task_args, args) -> dict:
         if getattr(args, "tracin_enabled", False):
             # Validation prompts from a seed of their own: never the problems the arms are evaluated on.
             validation = build_task(dataclasses.replace(task_args, task_seed=task_args.task_seed + 10)).eval_dataset
+            validation = validation.filter(lambda row: _problem_key(row) not in eval_keys)
             kwargs["tracin_eval_dataset"] = validation
         trainer = AgenticGRPOTrainer(**kwargs)
     started = time.perf_counter()
@@ -393,7 +418,7 @@ def _train_grpo(arm, model, tokenizer, task, task_args, args) -> dict:
     }
 
 
-def _sft_for(model, tokenizer, task, task_args, args, budget: dict) -> tuple[float, int]:
+def _sft_for(model, tokenizer, task, task_args, args, budget: dict, eval_keys: set[str]) -> tuple[float, int]:
     """Continue SFT on fresh traces until the agentic arm's training wall time is spent."""
     from transformers import TrainerCallback
 
@@ -415,7 +440,7 @@ def _sft_for(model, tokenizer, task, task_args, args, budget: dict) -> tuple[flo
     result = run_task_warmstart(
         model,
         tokenizer,
-        build_task(fresh),
+        _without_problems(build_task(fresh), eval_keys),
         fresh,
         peft_config=None,
         output_dir=args.output_dir,
