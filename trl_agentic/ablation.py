@@ -10,14 +10,21 @@ For every feature, on its live task (the config in `configs/`), and every seed:
    - `sft`: more SFT on fresh traces of the task for the wall time the `agentic` arm's training took (does RL beat
      training longer on the traces?).
 3. **Held-out success** of each arm (and of the warm start itself) on the task's held-out problems, greedy, with the
-   task's first reward function (`trl_agentic.evaluation.evaluate_policy`).
+   task's first reward function (`trl_agentic.evaluation.evaluate_policy`). Every arm is evaluated the same way, with
+   the feature config's evaluation settings (`delete_context` offered for the log search) and our loop's semantics:
+   a malformed call is shown to the model as an error and the episode goes on, where TRL's loop would end it. The
+   held-out problems are removed from every training set (warm start, GRPO, TracIn validation, the SFT arm's).
+
+"Same number of rollouts" counts training prompts × generations: rollback also regenerates failed turns, and TracIn
+rolls out its validation prompts, which the `agentic` arm's wall time (and so the SFT arm's budget) includes.
 
 One JSON per (feature, seed, arm) under `--cells` (committed: `docs/ablation-cells/`, so a run spread over several
 sessions on machines that do not keep `outputs/` resumes where it stopped); an existing one is not recomputed. Adapters
 and trainer output go under `--out`. A seed's warm-start adapter missing from `--out` (a new machine) is trained again
-and must reproduce the recorded warm-start losses, else the run stops: every arm of a seed starts from one adapter. `render` writes the Markdown table (means with 95 % bootstrap intervals over problems and seeds,
-wall times) and a PNG of held-out success per arm. TracIn's validation prompts come from a seed disjoint from the
-evaluation problems, so the filter never sees them.
+and must reproduce the recorded warm-start losses, else the run stops: every arm of a seed starts from one adapter.
+Cells carry their settings; a cell of other settings is refused. `render` writes the Markdown table (means with 95 %
+bootstrap intervals, seeds and the problems they share resampled together; paired differences between arms; wall
+times) and a PNG of held-out success per arm.
 """
 
 from __future__ import annotations
