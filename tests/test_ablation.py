@@ -69,7 +69,22 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
         "--set", f"model_name_or_path={tiny_model_dir}", "warmstart_steps=1", "warmstart_batch_size=2",
         "gradient_accumulation_steps=1", "per_device_train_batch_size=4", "max_completion_length=24",
     ]  # fmt: skip
+    from trl_agentic import warmstart
+
+    schedules = []
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        schedules.append([h["learning_rate"] for h in result.log_history if "learning_rate" in h])
+        return result
+
+    real = warmstart.run_task_warmstart
+    monkeypatch.setattr(warmstart, "run_task_warmstart", spy)
     assert ablation.main(argv) == 0
+    monkeypatch.setattr(warmstart, "run_task_warmstart", real)
+    # The warm start decays its rate; the SFT arm, stopped by time, keeps it constant.
+    warm_rates, sft_rates = schedules[0], schedules[-1]
+    assert len(schedules) == 2 and len(set(sft_rates)) == 1 and sft_rates[0] == warm_rates[0]
     cells = {arm: json.loads((out / "rollback" / "seed0" / f"{arm}.json").read_text()) for arm in ablation.ARMS}
     for arm, cell in cells.items():
         assert cell["arm"] == arm and cell["num_eval"] == 4

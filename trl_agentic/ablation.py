@@ -456,6 +456,8 @@ def _sft_for(model, tokenizer, task, task_args, args, budget: dict, eval_keys: s
         bf16=args.bf16,
         callbacks=[_StopAt()],
         compact_progress=False,
+        # Stopped by time, not steps: a decay over the step cap would leave the rate near its peak, arbitrarily.
+        lr_scheduler_type="constant",
     )
     done = sum(1 for h in result.log_history if "loss" in h)
     if done >= steps:

@@ -229,6 +229,7 @@ def run_warmstart(
     compact_progress: bool = True,
     make_traces: Callable[[Sequence[dict]], list[dict]] | None = None,
     gradient_checkpointing: bool = False,
+    lr_scheduler_type: str = "linear",
 ) -> WarmStartResult:
     """
     Train a LoRA adapter with TRL's `SFTTrainer` on synthetic tool-use traces of the task.
@@ -278,6 +279,8 @@ def run_warmstart(
         gradient_checkpointing (`bool`, *optional*, defaults to `False`):
             Recompute activations in the backward pass: needed for traces of several thousand tokens (e.g. BFCL's,
             whose tool schemas alone are 2-5k tokens), whose attention activations otherwise exhaust the memory.
+        lr_scheduler_type (`str`, *optional*, defaults to `"linear"`):
+            Learning-rate schedule over `max_steps` (`"constant"` for a run stopped by time rather than steps).
 
     Returns:
         [`WarmStartResult`].
@@ -307,7 +310,7 @@ def run_warmstart(
         per_device_train_batch_size=micro_batch_size,
         gradient_accumulation_steps=batch_size // micro_batch_size,
         learning_rate=learning_rate,
-        lr_scheduler_type="linear",
+        lr_scheduler_type=lr_scheduler_type,
         warmup_steps=0,
         logging_steps=1,
         save_strategy="no",
