@@ -7,7 +7,9 @@ TRL, so that a TRL upgrade that changes TRL's side fails here instead of trainin
   TRL's `old_per_token_logps` / `ref_per_token_logps` of the same rows;
 - loss normalisers: tests/test_parity.py and tests/test_parity_tools.py (bitwise losses for every loss type used) and
   tests/test_padding_rows_loss.py (the row weighting is exactly 1 without padding);
-- the vLLM importance-sampling ratio: tests/vllm_tier (TRL computes it only with vLLM).
+- the vLLM importance-sampling ratio: tests/vllm_tier (TRL computes it only with vLLM);
+- the prompt completed with what `env.reset` returns (`envs.protocol.with_observation`) vs the prompts TRL gives its
+  reward functions.
 """
 
 from __future__ import annotations
@@ -126,3 +128,54 @@ def test_old_and_reference_logps_of_extra_rows_match_trl(tiny_model_dir, tmp_pat
     torch.testing.assert_close(ref[mask], trl_output["ref_per_token_logps"][mask], rtol=0, atol=1e-6)
     # Old and reference differ here only if the policy moved; they are different functions of different models.
     assert trainer.ref_model is not None
+
+
+class _ObservingEnv:
+    """`reset` returns an observation: TRL appends it to the last prompt message."""
+
+    def reset(self, room: int, **row):
+        return f" You see room {room}."
+
+    def look(self) -> str:
+        """
+        Look around.
+        """
+        return "nothing"
+
+
+@pytest.mark.parametrize("content", ["text", "parts"])
+def test_prompts_with_the_reset_observation_match_trl(tiny_model_dir, tmp_path, content):
+    """`envs.protocol.with_observation` (used by the held-out evaluation and the warm-start traces) re-implements the
+    prompt TRL builds from what `env.reset` returns: compared with the prompts TRL hands its reward functions."""
+    from trl_agentic.envs.protocol import with_observation
+
+    seen = []
+
+    def record(completions, prompts, **kwargs):
+        seen.extend(prompts)
+        return [0.0] * len(completions)
+
+    def message(k):
+        text = f"Go {k}."
+        return text if content == "text" else [{"type": "text", "text": text}]
+
+    rows = [{"prompt": [{"role": "user", "content": message(k)}], "room": k} for k in range(4)]
+    trainer = GRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=[record],
+        args=AgenticGRPOConfig(
+            output_dir=str(tmp_path),
+            use_cpu=True,
+            report_to="none",
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=8,
+        ),
+        train_dataset=Dataset.from_list(rows),
+        environment_factory=_ObservingEnv,
+    )
+    trainer._generate_single_turn = Script(trainer._tokenizer)
+    batch = [dict(r) for r in rows]
+    GRPOTrainer._generate_and_score_completions(trainer, batch)
+    expected = [with_observation(r["prompt"], _ObservingEnv().reset(**r)) for r in batch]
+    assert seen == expected and seen[0] != rows[0]["prompt"]
