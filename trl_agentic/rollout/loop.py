@@ -332,9 +332,8 @@ class AgenticRolloutLoop:
                 return
             stats.rollback_exhausted += 1
         elif r.in_retry and not any(o.failed for o in outcomes):
-            stats.rollback_recovered += (
-                1  # the regenerated turn's calls all ran (an error outside the list is no recovery)
-            )
+            # The regenerated turn's calls all ran: an error outside `rollback_on_errors` is no recovery.
+            stats.rollback_recovered += 1
         r.in_retry = False
         r.turns_done += 1
 
