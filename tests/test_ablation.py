@@ -102,6 +102,9 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
         assert f"| rollback | {label} | 1 | 4 |" in text
     for a, b in ablation.PAIRS:
         assert f"| rollback | {a} − {b} | 1 |" in text
+    assert "All 4 cells." in text
+    partial, _ = ablation.render(out, ["rollback"], [0, 1], "cmd")
+    assert "**Partial: 4 of 8 cells** (missing: rollback seed 1 warmstart, rollback seed 1 trl," in partial
     assert doc.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Resume: finished cells are read back, nothing is trained again.

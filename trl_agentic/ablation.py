@@ -471,10 +471,22 @@ def _sft_for(model, tokenizer, task, task_args, args, budget: dict, eval_keys: s
 def render(out: Path, features: Sequence[str], seeds: Sequence[int], command: str) -> tuple[str, dict]:
     """The Markdown report and the summary `{feature: {arm: (mean, low, high, seconds)}}` of the cells on disk."""
     summary: dict = {}
+    expected = [(f, k, a) for f in features for k in seeds for a in ARMS]
+    missing = [(f, k, a) for f, k, a in expected if not _cell_path(out, f, k, a).exists()]
+    status = (
+        f"**Partial: {len(expected) - len(missing)} of {len(expected)} cells** (missing: "
+        + ", ".join(f"{f} seed {k} {a}" for f, k, a in missing[:12])
+        + (", ..." if len(missing) > 12 else "")
+        + "). Nothing below is a conclusion about a feature whose seeds are missing."
+        if missing
+        else f"All {len(expected)} cells."
+    )
     lines = [
         "# Ablation: what each feature buys over plain TRL GRPO",
         "",
         f"Command: `{command}`. Written {time.strftime('%Y-%m-%d')} by `python -m trl_agentic.ablation render`.",
+        "",
+        status,
         "",
         "Held-out success (greedy, the task's first reward function) with 95 % bootstrap intervals (seeds and the "
         "problems every seed shares resampled). *Train* is the wall time of the arm's training (warm start: the SFT "
