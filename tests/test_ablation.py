@@ -80,6 +80,7 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
 
     real = warmstart.run_task_warmstart
     monkeypatch.setattr(warmstart, "run_task_warmstart", spy)
+    (tmp_path / "ablation-findings.md").write_text("## Findings\n\nWritten by hand.\n")
     assert ablation.main(argv) == 0
     monkeypatch.setattr(warmstart, "run_task_warmstart", real)
     # The warm start decays its rate; the SFT arm, stopped by time, keeps it constant.
@@ -103,6 +104,15 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     for a, b in ablation.PAIRS:
         assert f"| rollback | {a} − {b} | 1 |" in text
     assert "All 4 cells." in text
+    # What each arm trained on: 1 step × 4 rollouts for the GRPO arms; the warm start's 1 step × 2 traces.
+    regenerated = cells["agentic"]["fired"]["rollback/attempts"]
+    assert "| 2 traces | - |" in text and "| 4 rollouts | - |" in text
+    assert f"| 4 rollouts{f' + {regenerated:.0f} regenerated turns' if regenerated else ''} |" in text
+    assert f"| {2 * cells['sft']['sft_steps']} traces | - |" in text
+    assert (
+        f"Cells recorded {min(c['date'] for c in cells.values())} to {max(c['date'] for c in cells.values())}" in text
+    )
+    assert text.endswith("## Findings\n\nWritten by hand.\n")  # the hand-written part is kept on every render
     partial, _ = ablation.render(out, ["rollback"], [0, 1], "cmd")
     assert "**Partial: 4 of 8 cells** (missing: rollback seed 1 warmstart, rollback seed 1 trl," in partial
     assert doc.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

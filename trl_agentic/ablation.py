@@ -492,8 +492,9 @@ def render(out: Path, features: Sequence[str], seeds: Sequence[int], command: st
         "problems every seed shares resampled). *Train* is the wall time of the arm's training (warm start: the SFT "
         "stage), *eval* of its evaluation, on this 2-core CPU machine.",
         "",
-        "| feature | arm | seeds | problems | success | 95 % interval | train (s) | eval (s) | fired |",
-        "|---|---|---:|---:|---:|---|---:|---:|---|",
+        "| feature | arm | seeds | problems | success | 95 % interval | train (s) | eval (s) | trained on (per seed) "
+        "| fired (all seeds) |",
+        "|---|---|---:|---:|---:|---|---:|---:|---|---|",
     ]
     found: dict = {}  # (feature, arm) -> {seed: cell}
     for feature in features:
@@ -518,8 +519,18 @@ def render(out: Path, features: Sequence[str], seeds: Sequence[int], command: st
             summary.setdefault(feature, {})[arm] = (mean, low, high, train)
             lines.append(
                 f"| {feature} | {ARM_LABELS[arm]} | {len(cells)} | {cells[0]['num_eval']} | {mean:.3f} | "
-                f"[{low:.3f}, {high:.3f}] | {train:.0f} | {evaluation:.0f} | {fired_text} |"
+                f"[{low:.3f}, {high:.3f}] | {train:.0f} | {evaluation:.0f} | {_trained_on(cells)} | {fired_text} |"
             )
+    every = [c for by_seed in found.values() for c in by_seed.values()]
+    if every:
+        dates = sorted(c["date"] for c in every if c.get("date"))
+        hours = sum(c.get("seconds", 0.0) for c in every) / 3600
+        commits = sorted({c["commit"] for c in every if c.get("commit")})
+        lines[6:6] = [
+            f"Cells recorded {dates[0]} to {dates[-1]} (commits {', '.join(commits)}): {hours:.1f} h of training and "
+            "evaluation in all, the sum of the cells' times.",
+            "",
+        ]
     lines += [
         "",
         "Paired differences: both arms of a seed start from the same adapter and are evaluated on the same problems, "
@@ -538,6 +549,26 @@ def render(out: Path, features: Sequence[str], seeds: Sequence[int], command: st
             )
             lines.append(f"| {feature} | {a} − {b} | {len(shared)} | {mean:+.3f} | [{low:+.3f}, {high:+.3f}] |")
     return "\n".join(lines) + "\n", summary
+
+
+def _trained_on(cells: list[dict]) -> str:
+    """What one seed of an arm trained on: GRPO rollouts (training prompts × generations, from its settings) and the
+    extra generations the agentic loop made, or SFT traces; averaged over the seeds."""
+    cell = cells[0]
+    settings = cell["settings"] if isinstance(cell["settings"], dict) else {}
+    per_seed = lambda key: sum((c.get("fired") or {}).get(key, 0) for c in cells) / len(cells)  # noqa: E731
+    if cell["arm"] in ("warmstart", "sft"):
+        steps = sum(c.get("sft_steps", len(c.get("warmstart_losses", []))) for c in cells) / len(cells)
+        return f"{steps * settings.get('warmstart_batch_size', 0):.0f} traces"
+    batch = settings.get("generation_batch_size") or settings.get("per_device_train_batch_size", 0) * (
+        settings.get("steps_per_generation") or settings.get("gradient_accumulation_steps", 1)
+    )
+    text = f"{cell['steps'] * batch:g} rollouts"
+    if per_seed("rollback/attempts"):
+        text += f" + {per_seed('rollback/attempts'):.0f} regenerated turns"
+    if settings.get("tracin_enabled"):
+        text += " + TracIn validation rollouts"
+    return text
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -611,7 +642,12 @@ def main(argv: list[str] | None = None) -> int:
     text, summary = render(cells, a.features, a.seeds, command)
     doc = Path(a.doc)
     plot(summary, doc.with_suffix(".png"))
-    doc.write_text(text + f"\n![held-out success per arm]({doc.with_suffix('.png').name})\n")
+    text += f"\n![held-out success per arm]({doc.with_suffix('.png').name})\n"
+    # What the numbers mean and why, written by hand next to the generated report (kept when it is re-rendered).
+    findings = doc.with_name(doc.stem + "-findings.md")
+    if findings.exists():
+        text += "\n" + findings.read_text()
+    doc.write_text(text)
     print(text)
     return 0
 
