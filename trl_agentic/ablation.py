@@ -560,7 +560,6 @@ def _trained_on(cells: list[dict]) -> str:
     extra generations the agentic loop made, or SFT traces; averaged over the seeds."""
     cell = cells[0]
     settings = cell["settings"] if isinstance(cell["settings"], dict) else {}
-    per_seed = lambda key: sum((c.get("fired") or {}).get(key, 0) for c in cells) / len(cells)  # noqa: E731
     if cell["arm"] in ("warmstart", "sft"):
         steps = sum(c.get("sft_steps", len(c.get("warmstart_losses", []))) for c in cells) / len(cells)
         return f"{steps * settings.get('warmstart_batch_size', 0):.0f} traces"
@@ -568,8 +567,9 @@ def _trained_on(cells: list[dict]) -> str:
         settings.get("steps_per_generation") or settings.get("gradient_accumulation_steps", 1)
     )
     text = f"{cell['steps'] * batch:g} rollouts"
-    if per_seed("rollback/attempts"):
-        text += f" + {per_seed('rollback/attempts'):.0f} regenerated turns"
+    regenerated = sum((c.get("fired") or {}).get("rollback/attempts", 0) for c in cells) / len(cells)
+    if regenerated:
+        text += f" + {regenerated:.0f} regenerated turns"
     if settings.get("tracin_enabled"):
         text += " + TracIn validation rollouts"
     return text
