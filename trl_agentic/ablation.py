@@ -559,7 +559,7 @@ def _trained_on(cells: list[dict]) -> str:
     """What one seed of an arm trained on: GRPO rollouts (training prompts × generations, from its settings) and the
     extra generations the agentic loop made, or SFT traces; averaged over the seeds."""
     cell = cells[0]
-    settings = cell["settings"] if isinstance(cell["settings"], dict) else {}
+    settings = cell["settings"]
     if cell["arm"] in ("warmstart", "sft"):
         steps = sum(c.get("sft_steps", len(c.get("warmstart_losses", []))) for c in cells) / len(cells)
         return f"{steps * settings.get('warmstart_batch_size', 0):.0f} traces"
