@@ -314,3 +314,30 @@ def test_the_python_task_passes_the_policy_through(monkeypatch):
     with pytest.raises(SandboxUnavailable, match="pids cgroup"):
         build_task(TaskArguments(task="python", num_train_tasks=2))
     build_task(TaskArguments(task="python", sandbox_isolation="best_effort", num_train_tasks=2))
+
+
+def test_a_venv_under_the_sandbox_directory_stays_visible(tmp_path):
+    """A checkout cloned under `/tmp` has its venv there, where the sandbox mounts its own tmpfs: the venv is bound on
+    top of that tmpfs, not hidden by it (it was: `bwrap: execvp /tmp/c/.venv/bin/python: No such file or directory`)."""
+    import subprocess
+    import sys
+
+    assert os.path.realpath(tmp_path).startswith(sandbox_isolation.SANDBOX_DIR + os.sep)  # the case under test
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    [site] = venv.glob("lib/python*/site-packages")
+    # The new venv imports trl_agentic and its dependencies from this session's paths.
+    (site / "host.pth").write_text("\n".join(p for p in sys.path if p and os.path.isdir(p)) + "\n")
+    code = (
+        "from trl_agentic.envs.python_sandbox import PythonSandboxEnv\n"
+        "env = PythonSandboxEnv()\n"
+        "env.reset()\n"
+        "print(env.python('import sys; print(sys.prefix)'))\n"
+        "print(env.isolation['filesystem'])\n"
+        "env._close()\n"
+    )
+    result = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines() == [str(venv), "private"]  # the venv's interpreter, in bubblewrap's namespaces

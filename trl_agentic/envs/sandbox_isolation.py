@@ -114,14 +114,17 @@ def bwrap_command(
             command += ["--ro-bind", top, top]
     for path in _ETC:
         command += ["--ro-bind-try", path, path]
-    for path in python_paths():
-        command += ["--ro-bind", path, path]
     command += [
         "--ro-bind", child_script, CHILD_PATH,
         "--proc", "/proc",
         "--dev", "/dev",
         "--perms", "1777", "--size", str(shm_bytes), "--tmpfs", "/dev/shm",
         "--perms", "0700", "--size", str(disk_bytes), "--tmpfs", SANDBOX_DIR,
+    ]  # fmt: skip
+    # After the tmpfs: a venv under /tmp (a checkout cloned there) is bound on top of it, not hidden by it.
+    for path in python_paths():
+        command += ["--ro-bind", path, path]
+    command += [
         "--remount-ro", "/dev",
         "--remount-ro", "/",
         "--chdir", SANDBOX_DIR,
