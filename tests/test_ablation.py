@@ -68,6 +68,7 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
         "--out", str(work), "--cells", str(out), "--doc", str(doc),
         "--set", f"model_name_or_path={tiny_model_dir}", "warmstart_steps=1", "warmstart_batch_size=2",
         "gradient_accumulation_steps=1", "per_device_train_batch_size=4", "max_completion_length=24",
+        "learning_rate=1e-4",  # the GRPO arms' rate, below the warm start's 3e-4 (YAML 1.1 reads it as a string)
     ]  # fmt: skip
     from trl_agentic import warmstart
 
@@ -83,16 +84,16 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     (tmp_path / "ablation-findings.md").write_text("## Findings\n\nWritten by hand.\n")
     assert ablation.main(argv) == 0
     monkeypatch.setattr(warmstart, "run_task_warmstart", real)
-    # The warm start decays its rate; the SFT arm, stopped by time, keeps it constant.
+    # The warm start decays from its peak; the SFT arm, stopped by time, trains at the GRPO arms' rate, constant.
     warm_rates, sft_rates = schedules[0], schedules[-1]
-    assert len(schedules) == 2 and len(set(sft_rates)) == 1 and sft_rates[0] == warm_rates[0]
+    assert len(schedules) == 2 and warm_rates[0] == 3e-4 and sft_rates == [1e-4] * len(sft_rates)
     cells = {arm: json.loads((out / "rollback" / "seed0" / f"{arm}.json").read_text()) for arm in ablation.ARMS}
     for arm, cell in cells.items():
         assert cell["arm"] == arm and cell["num_eval"] == 4
         assert len(cell["success"]) == 4 and set(cell["success"]) <= {0.0, 1.0}
     # The control is TRL's own trainer; the feature arm ours; the SFT arm trained at least one step.
     assert cells["trl"]["trainer"] == "GRPOTrainer" and cells["agentic"]["trainer"] == "AgenticGRPOTrainer"
-    assert cells["sft"]["sft_steps"] >= 1
+    assert cells["sft"]["sft_steps"] >= 1 and cells["sft"]["sft_learning_rate"] == 1e-4
     assert len(cells["warmstart"]["warmstart_losses"]) == 1
     assert sorted(p.name for p in (out / "rollback" / "seed0").iterdir()) == sorted(f"{a}.json" for a in ablation.ARMS)
     [adapter] = (work / "rollback" / "seed0").glob("warmstart-adapter-*/adapter_config.json")
@@ -124,6 +125,17 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     monkeypatch.setattr(ablation, "_train_grpo", fail)
     monkeypatch.setattr(ablation, "_evaluate", fail)
     assert ablation.main(argv) == 0
+    # An SFT cell trained at another rate (recorded, or from before the rate was recorded: the warm start's) is refused.
+    sft_path = out / "rollback" / "seed0" / "sft.json"
+    recorded = json.loads(sft_path.read_text())
+    for stale in (
+        {**recorded, "sft_learning_rate": 3e-4},
+        {k: v for k, v in recorded.items() if k != "sft_learning_rate"},
+    ):
+        sft_path.write_text(json.dumps(stale))
+        with pytest.raises(RuntimeError, match="learning rate 0.0003, not the GRPO arms' 0.0001"):
+            ablation.main(argv)
+    sft_path.write_text(json.dumps(recorded))
     # Cells of other settings are never mixed in: a run with 2 steps refuses the 1-step cells.
     with pytest.raises(RuntimeError, match="other settings"):
         ablation.main([("2" if a == "1" and argv[k - 1] == "--steps" else a) for k, a in enumerate(argv)])

@@ -8,7 +8,9 @@ For every feature, on its live task (the config in `configs/`), and every seed:
    - `trl`: TRL's own `GRPOTrainer` and tool loop (the control), the feature's config with every agentic field off;
    - `agentic`: `AgenticGRPOTrainer` with the feature on (same steps, same rollouts per step);
    - `sft`: more SFT on fresh traces of the task for the wall time the `agentic` arm's training took (does RL beat
-     training longer on the traces?).
+     training longer on the traces?), at the GRPO arms' learning rate, constant: the SFT arm differs from the
+     `agentic` arm in its training signal, not its step size. (At the warm start's peak rate, 10x the GRPO rate on
+     the log search, it lost 0.3 of held-out success there; see the findings.)
 3. **Held-out success** of each arm (and of the warm start itself) on the task's held-out problems, greedy, with the
    task's first reward function (`trl_agentic.evaluation.evaluate_policy`). Every arm is evaluated the same way, with
    the feature config's evaluation settings (`delete_context` offered for the log search) and our loop's semantics:
@@ -134,7 +136,18 @@ def _settings(feature: str, seed: int, steps: int, num_eval: int, overrides: dic
     settings = yaml.safe_load((ROOT / FEATURES[feature]).read_text())
     settings.update(ABLATION_SETTINGS.get(feature, {}))
     settings.update(seed=seed, max_steps=steps, num_eval_tasks=num_eval, disable_tqdm=True, **overrides)
-    return settings
+    return {k: _number(v) for k, v in settings.items()}
+
+
+def _number(value):
+    """YAML 1.1 reads `1e-4` (no dot) as a string, and `parse_dict`, unlike `TrlParser`'s argparse, does not convert
+    it: a float field would get a string."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def _parse(settings: dict, trl: bool = False):
@@ -259,6 +272,11 @@ def run_cell(
                 "mixing them would compare different experiments. Delete it, or write this run's cells elsewhere "
                 "(`--cells`)."
             )
+        if arm == "sft" and _recorded_sft_rate(cell) != _sft_rate(settings):
+            raise RuntimeError(
+                f"{path} trained at learning rate {_recorded_sft_rate(cell):g}, not the GRPO arms' "
+                f"{_sft_rate(settings):g} that the SFT arm uses now. Delete it to run it again."
+            )
         return cell
     from .models import resolve_model_path
     from .tasks import build_task
@@ -306,6 +324,7 @@ def run_cell(
             record["train_seconds"], record["sft_steps"] = _sft_for(
                 model, tokenizer, task, task_args, args, budget, eval_keys
             )
+            record["sft_learning_rate"] = args.learning_rate
             # The budget is a wall time: it compares only when both arms ran on a like machine and load.
             record["sft_budget"] = {k: budget.get(k) for k in ("train_seconds", "host", "cpu", "load_average_before")}
         else:
@@ -323,6 +342,18 @@ def run_cell(
     partial.write_text(json.dumps(record))
     os.replace(partial, path)  # atomic: an interrupted write never leaves a cell that breaks the resume
     return record
+
+
+def _sft_rate(settings: dict) -> float:
+    """The SFT arm's learning rate: the GRPO arms' (`learning_rate` of the feature's config)."""
+    return float(_parse(settings)[1].learning_rate)
+
+
+def _recorded_sft_rate(cell: dict) -> float:
+    """The rate an SFT cell trained at; cells from before it was recorded trained at the warm start's peak rate."""
+    if "sft_learning_rate" in cell:
+        return float(cell["sft_learning_rate"])
+    return float(_parse(cell["settings"])[0].warmstart_learning_rate)
 
 
 def _problem_key(row: dict) -> str:
@@ -430,7 +461,8 @@ def _train_grpo(arm, model, tokenizer, task, task_args, args, eval_keys: set[str
 
 
 def _sft_for(model, tokenizer, task, task_args, args, budget: dict, eval_keys: set[str]) -> tuple[float, int]:
-    """Continue SFT on fresh traces until the agentic arm's training wall time is spent."""
+    """Continue SFT on fresh traces, at the GRPO arms' learning rate, until the agentic arm's training wall time is
+    spent."""
     from transformers import TrainerCallback
 
     from .warmstart import run_task_warmstart
@@ -445,7 +477,12 @@ def _sft_for(model, tokenizer, task, task_args, args, budget: dict, eval_keys: s
             control.should_training_stop = time.perf_counter() - self.start >= seconds
 
     steps = 10 * max(task_args.warmstart_steps, 1)  # an upper bound; the callback stops earlier
-    fresh = dataclasses.replace(task_args, task_seed=task_args.task_seed + 20, warmstart_steps=steps)
+    fresh = dataclasses.replace(
+        task_args,
+        task_seed=task_args.task_seed + 20,
+        warmstart_steps=steps,
+        warmstart_learning_rate=args.learning_rate,
+    )
     from .tasks import build_task
 
     result = run_task_warmstart(
