@@ -316,9 +316,10 @@ def test_the_python_task_passes_the_policy_through(monkeypatch):
     build_task(TaskArguments(task="python", sandbox_isolation="best_effort", num_train_tasks=2))
 
 
-def test_a_venv_under_the_sandbox_directory_stays_visible(tmp_path):
-    """A checkout cloned under `/tmp` has its venv there, where the sandbox mounts its own tmpfs: the venv is bound on
-    top of that tmpfs, not hidden by it (it was: `bwrap: execvp /tmp/c/.venv/bin/python: No such file or directory`)."""
+def test_a_venv_under_the_sandbox_directory_runs_from_its_own_mount(tmp_path):
+    """A checkout cloned under `/tmp` has its venv there, where the sandbox mounts its own tmpfs. At its own path the
+    venv was hidden by that tmpfs (`bwrap: execvp /tmp/c/.venv/bin/python: No such file or directory`), and bound on
+    top of it would show up in the sandbox's directory: it is mounted at `RELOCATED_PYTHON` instead."""
     import subprocess
     import sys
 
@@ -328,11 +329,16 @@ def test_a_venv_under_the_sandbox_directory_stays_visible(tmp_path):
     [site] = venv.glob("lib/python*/site-packages")
     # The new venv imports trl_agentic and its dependencies from this session's paths.
     (site / "host.pth").write_text("\n".join(p for p in sys.path if p and os.path.isdir(p)) + "\n")
+    (site / "marker_of_this_venv.py").write_text("")
+    probe = (
+        "import sys, os, shutil, marker_of_this_venv; "
+        f"print(sys.prefix, sorted(os.listdir('/tmp')), os.path.exists({str(venv)!r}), shutil.which('python'))"
+    )
     code = (
         "from trl_agentic.envs.python_sandbox import PythonSandboxEnv\n"
         "env = PythonSandboxEnv()\n"
         "env.reset()\n"
-        "print(env.python('import sys; print(sys.prefix)'))\n"
+        f"print(env.python({probe!r}))\n"
         "print(env.isolation['filesystem'])\n"
         "env._close()\n"
     )
@@ -340,4 +346,6 @@ def test_a_venv_under_the_sandbox_directory_stays_visible(tmp_path):
         [str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.splitlines() == [str(venv), "private"]  # the venv's interpreter, in bubblewrap's namespaces
+    inside = sandbox_isolation.RELOCATED_PYTHON + "/0"
+    # The venv's interpreter with the venv's packages, in bubblewrap's namespaces; nothing of the host's /tmp inside.
+    assert result.stdout.splitlines() == [f"{inside} [] False {inside}/bin/python", "private"]

@@ -7,7 +7,6 @@ the fallback of a machine without bubblewrap (simulated), where some attacks are
 assert exactly the documented gap, and that the start-up warning names it.
 """
 
-import ast
 import os
 import signal
 import socket
@@ -18,7 +17,6 @@ import pytest
 from rollout_helpers import ScriptBackend, call, run_tools_loop
 from sandbox_helpers import POLICIES, EnvFactory, SandboxProcesses
 
-from trl_agentic.envs import sandbox_isolation
 from trl_agentic.envs.errors import CodeError, SandboxError, SandboxMemoryError, SandboxTimeout
 from trl_agentic.errors import InfrastructureError, ToolCallError
 from trl_agentic.rollout.loop import LoopConfig
@@ -331,28 +329,22 @@ def test_writes_into_the_checkout_and_home_fail(make_required_env):
     targets = [os.path.join(REPO, "sandbox_probe.txt"), os.path.join(REPO, "trl_agentic", "__init__.py")]
     targets += [os.path.join(home, "sandbox_probe.txt"), os.path.join(home, ".bashrc")]
     before = {path: os.stat(path).st_mtime_ns for path in targets if os.path.exists(path)}
-    # A checkout under `/tmp` (cloned there) has its path inside the sandbox's own tmpfs: a write to it may succeed and
-    # lands in that tmpfs. Everywhere else it fails. Either way the host's files stay as they were (checked below).
-    private = {path: path.startswith(sandbox_isolation.SANDBOX_DIR + os.sep) for path in targets}
     try:
         for path in targets:
             text, error = attack(env, f"open({path!r}, 'a').write('pwned')")
-            if private[path] and error is None:
-                continue
             assert isinstance(error, CodeError), text
             assert error.error_type in ("OSError", "FileNotFoundError", "PermissionError"), text
         text, error = attack(
             env, f"subprocess.run(['touch', {targets[0]!r}, {targets[2]!r}], capture_output=True).returncode"
         )
-        assert error is None and text in (("0", "1") if private[targets[0]] and private[targets[2]] else ("1",))
+        assert error is None and text == "1"
         # Nor can it read them: nothing of the checkout is in the sandbox (when the venv lives inside the checkout, as
         # `make install` puts it, its read-only mount makes an otherwise empty directory of the checkout's path).
         readme, source = os.path.join(REPO, "README.md"), os.path.join(REPO, "trl_agentic", "__init__.py")
         probe = f"os.path.exists({readme!r}), os.path.exists({source!r}), os.path.exists('/etc/shadow')"
         assert env.python(probe) == "(False, False, False)"
         visible = env.python(f"sorted(os.listdir({REPO!r})) if os.path.isdir({REPO!r}) else []")
-        allowed = {".venv"} | ({"sandbox_probe.txt"} if private[targets[0]] else set())  # the sandbox's own copy
-        assert set(ast.literal_eval(visible)) <= allowed, visible
+        assert visible in ("[]", "['.venv']"), visible
     finally:
         created = [path for path in targets if os.path.exists(path) and path not in before]
         for path in created:

@@ -40,6 +40,9 @@ PROTECTS = {
 }
 CHILD_PATH = "/.trl_agentic_sandbox_child.py"  # where the child script is mounted inside the sandbox
 SANDBOX_DIR = "/tmp"  # the sandbox's working directory, HOME and TMPDIR: a tmpfs of its own
+# Where a Python directory that lives under SANDBOX_DIR on the host (a checkout cloned into /tmp and its venv) is
+# mounted inside instead: at its own path it would either be hidden by the tmpfs or show up in the sandbox's directory.
+RELOCATED_PYTHON = "/.trl_agentic_python"
 SANDBOX_UID = 1000  # the sandbox runs as a non-root user of its user namespace: no capabilities after exec
 _ETC = (
     "/etc/ld.so.cache",
@@ -67,6 +70,28 @@ def python_paths() -> list[str]:
         if not any(path == k or path.startswith(k + os.sep) for k in kept):
             kept.append(path)
     return kept
+
+
+def python_mounts() -> list[tuple[str, str]]:
+    """`(host path, path inside the sandbox)` of each of [`python_paths`]: the same path, except under SANDBOX_DIR."""
+    mounts, relocated = [], 0
+    for path in python_paths():
+        if path == SANDBOX_DIR or path.startswith(SANDBOX_DIR + os.sep):
+            mounts.append((path, f"{RELOCATED_PYTHON}/{relocated}"))
+            relocated += 1
+        else:
+            mounts.append((path, path))
+    return mounts
+
+
+def sandbox_executable() -> str:
+    """`sys.executable` as the sandbox sees it. A venv's interpreter keeps its venv path (not the base interpreter's it
+    links to), so that it finds its `pyvenv.cfg` and the venv's packages."""
+    directory, name = os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable)
+    for host, inside in python_mounts():
+        if directory == host or directory.startswith(host + os.sep):
+            return os.path.join(inside + directory[len(host) :], name)
+    return sys.executable
 
 
 def bwrap_command(
@@ -121,9 +146,8 @@ def bwrap_command(
         "--perms", "1777", "--size", str(shm_bytes), "--tmpfs", "/dev/shm",
         "--perms", "0700", "--size", str(disk_bytes), "--tmpfs", SANDBOX_DIR,
     ]  # fmt: skip
-    # After the tmpfs: a venv under /tmp (a checkout cloned there) is bound on top of it, not hidden by it.
-    for path in python_paths():
-        command += ["--ro-bind", path, path]
+    for host, inside in python_mounts():
+        command += ["--ro-bind", host, inside]
     command += [
         "--remount-ro", "/dev",
         "--remount-ro", "/",
@@ -145,7 +169,7 @@ def _probe_bwrap() -> str | None:
         disk_bytes=1 << 20,
         shm_bytes=1 << 20,
         child_script=child,
-        argv=[sys.executable, "-I", "-S", "-c", "import os; os.listdir('/tmp')"],
+        argv=[sandbox_executable(), "-I", "-S", "-c", "import os; os.listdir('/tmp')"],
     )
     try:
         result = subprocess.run(command, capture_output=True, timeout=60, env={"PATH": "/usr/bin:/bin"})

@@ -15,7 +15,7 @@ import weakref
 
 from .errors import SandboxCrashed, SandboxMemoryError, SandboxTimeout, SandboxUnavailable
 from .sandbox_cgroup import CellCgroup
-from .sandbox_isolation import CHILD_PATH, SANDBOX_DIR, bwrap_command
+from .sandbox_isolation import CHILD_PATH, SANDBOX_DIR, bwrap_command, sandbox_executable
 
 CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
 # bubblewrap's monitor, the supervisor and the interpreter count against the cgroup's pids.max on top of the budget.
@@ -23,9 +23,9 @@ _OWN_PROCESSES = 3
 _EXIT_CGROUP_FAILED = 97  # `_sandbox_child.EXIT_CGROUP_FAILED`
 
 
-def _minimal_env(workdir: str) -> dict[str, str]:
+def _minimal_env(workdir: str, executable: str = sys.executable) -> dict[str, str]:
     # Nothing from the parent's environment (tokens, credentials) reaches user code.
-    path = os.pathsep.join(dict.fromkeys([os.path.dirname(sys.executable), "/usr/local/bin", "/usr/bin", "/bin"]))
+    path = os.pathsep.join(dict.fromkeys([os.path.dirname(executable), "/usr/local/bin", "/usr/bin", "/bin"]))
     return {
         "PATH": path,
         "HOME": workdir,
@@ -169,8 +169,8 @@ class SandboxProcess:
                 disk_bytes=max_disk_mb * 1024 * 1024,
                 shm_bytes=shm_mb * 1024 * 1024,
                 child_script=CHILD_SCRIPT,
-                argv=[sys.executable, "-I", "-u", "-B", CHILD_PATH, "supervise", json.dumps(inside)],
-                env=_minimal_env(workdir),
+                argv=[sandbox_executable(), "-I", "-u", "-B", CHILD_PATH, "supervise", json.dumps(inside)],
+                env=_minimal_env(workdir, sandbox_executable()),
             )
         try:
             self._popen = subprocess.Popen(
