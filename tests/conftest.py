@@ -14,8 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
 # OpenMP threads that wait at a barrier spin ~300k rounds before sleeping (libgomp's default): on a loaded machine they
 # burn the core the thread they wait for needs. Beside one busy core, SmolLM2's generation at 2 threads took 37 s by
-# default, 9 s with 10k rounds, the same 3.2 s as the default on a quiet machine (`make bench`-style measurement,
-# 2026-11-26; docs/reliability.md). Read when libgomp loads (the first `import torch`); subprocesses inherit it.
+# default, 9 s with 10k rounds, the same 3.2 s as the default on a quiet machine (measured by hand,
+# 2026-11-26, not a test; docs/reliability.md). Read when libgomp loads (the first `import torch`); subprocesses inherit it.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 # Tests write only under temporary directories. The converted SmolLM2 (~30 s to convert, 540 MB) is the one thing

@@ -163,14 +163,15 @@ class SandboxProcess:
         workdir = SANDBOX_DIR if self.namespaces else self.workdir
         if self.namespaces:
             inside = dict(config, cgroup_procs=[])  # nothing of /sys is visible inside
+            executable = sandbox_executable()
             config["exec"] = bwrap_command(
                 shutil.which("bwrap") or "bwrap",
                 allow_network=allow_network,
                 disk_bytes=max_disk_mb * 1024 * 1024,
                 shm_bytes=shm_mb * 1024 * 1024,
                 child_script=CHILD_SCRIPT,
-                argv=[sandbox_executable(), "-I", "-u", "-B", CHILD_PATH, "supervise", json.dumps(inside)],
-                env=_minimal_env(workdir, sandbox_executable()),
+                argv=[executable, "-I", "-u", "-B", CHILD_PATH, "supervise", json.dumps(inside)],
+                env=_minimal_env(workdir, executable),
             )
         try:
             self._popen = subprocess.Popen(
