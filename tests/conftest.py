@@ -17,6 +17,11 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 # default, 9 s with 10k rounds, the same 3.2 s as the default on a quiet machine (measured by hand,
 # 2026-11-26, not a test; docs/reliability.md). Read when libgomp loads (the first `import torch`); subprocesses inherit it.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# Under pytest-xdist (`make test` runs the integration tiers on 2 workers) each worker computes with one thread: two
+# single-threaded processes share the cores without OpenMP barriers, which is what keeps the tiers fast beside another
+# CPU-heavy job (docs/reliability.md). Subprocesses (accelerate launch, the CLI) inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Tests write only under temporary directories. The converted SmolLM2 (~30 s to convert, 540 MB) is the one thing
 # worth keeping between sessions: its cache lives in the system temp directory, outside the checkout, shared by the
@@ -56,3 +61,21 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected: the positions are among the tests that run
+def pytest_collection_modifyitems(config, items):
+    """Put the live tests (`tests/test_live_*.py`, minutes each on the embedded model) at positions 0, 2, 4, ...
+
+    `make test` schedules the integration tiers with `-n 2 --dist load --maxschedchunk 1`: each worker starts with the
+    first two tests of its share and holds the second until the first is done. Interleaved, the first two live tests
+    start at once on different workers and the third goes to whichever finishes first, while the many short tests fill
+    the gaps; in collection order (all three last) one worker ran them one after the other while the other sat idle.
+    Without xdist only the order changes.
+    """
+    live = [item for item in items if item.nodeid.startswith("tests/test_live_")]
+    rest = [item for item in items if not item.nodeid.startswith("tests/test_live_")]
+    ordered = []
+    for i in range(max(len(live), len(rest))):
+        ordered += live[i : i + 1] + rest[i : i + 1]
+    items[:] = ordered
