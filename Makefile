@@ -67,9 +67,9 @@ install-tcmalloc:
 			|| echo "tcmalloc could not be installed: the integration tiers run with glibc's malloc (slower)"; \
 	fi
 
-# The integration tiers run on 2 pytest-xdist workers of one thread each (tests/conftest.py): on 2 cores that is as fast
-# as one 2-thread process on a quiet machine and much faster beside another CPU-heavy job, where 2-thread OpenMP
-# barriers wait for a preempted thread (docs/reliability.md). `make test XDIST=` runs them in one process.
+# The integration tiers run on 2 pytest-xdist workers of one thread each (tests/conftest.py). Measured here against one
+# 2-thread process: 12:50 vs 14:44 quiet, 17:53 vs 27:24 beside a busy core, where 2-thread OpenMP barriers wait for a
+# preempted thread (docs/reliability.md). `make test XDIST=` runs them in one process.
 XDIST ?= -n 2 --dist load --maxschedchunk 1
 
 # The whole suite: unit tier, then the integration tiers (embedded model, multi-process DeepSpeed, browser), then the
