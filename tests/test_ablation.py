@@ -191,3 +191,27 @@ def test_held_out_problems_are_removed_from_every_training_set():
     assert not {row["expression"] for row in kept.train_dataset} & held_out
     assert not {row["expression"] for row in kept.warmstart_dataset} & held_out
     assert ablation._problem_key({"task_seed": 7, "prompt": [{"content": "x"}]}) == "task_seed=7"
+
+
+def test_only_the_agentic_arm_is_charged_with_tracin_validation_rollouts():
+    # Every arm of a feature shares its config; TRL's control ignores the TracIn fields and rolls out no validation.
+    settings = {
+        "use_cpu": True, "bf16": False, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
+        "num_generations": 4, "tracin_enabled": True,
+        "tracin_val_batch_size": 2, "tracin_val_num_generations": 4, "tracin_val_refresh_steps": 1,
+        "tracin_val_rollout_steps": 3,
+    }  # fmt: skip
+    cell = {"steps": 8, "settings": settings, "fired": {"rollback/attempts": 0}}
+    assert ablation._trained_on([{**cell, "arm": "trl"}]) == "32 rollouts"
+    # Validation rollouts at steps 0, 3 and 6: 3 x 2 prompts x 4 completions.
+    assert ablation._trained_on([{**cell, "arm": "agentic"}]) == "32 rollouts + 24 TracIn validation rollouts"
+    # Rollouts only at a refresh of V: refreshes at 0, 4 (the default every 4 steps); rollouts due every 3 steps.
+    default = {k: v for k, v in settings.items() if k != "tracin_val_refresh_steps"}
+    assert ablation._trained_on([{**cell, "settings": default, "arm": "agentic"}]) == (
+        "32 rollouts + 16 TracIn validation rollouts"
+    )
+    # The config's defaults for both (refresh every 4, roll out every 8): only at step 0 within 8 steps.
+    default = {k: v for k, v in default.items() if k != "tracin_val_rollout_steps"}
+    assert ablation._trained_on([{**cell, "settings": default, "arm": "agentic"}]) == (
+        "32 rollouts + 8 TracIn validation rollouts"
+    )

@@ -607,8 +607,20 @@ def _trained_on(cells: list[dict]) -> str:
     regenerated = sum((c.get("fired") or {}).get("rollback/attempts", 0) for c in cells) / len(cells)
     if regenerated:
         text += f" + {regenerated:.0f} regenerated turns"
-    if settings.get("tracin_enabled"):
-        text += " + TracIn validation rollouts"
+    if cell["arm"] == "agentic" and settings.get("tracin_enabled"):
+        # The control ignores the TracIn fields of the shared config. As the TracIn mixin: V is refreshed when due at
+        # the start of a generation window (in optimizer steps), and validation rolled out at a refresh when due.
+        args = _parse(settings)[1]  # the config's defaults for fields the settings leave out
+        window = max(1, args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps)
+        refreshed = rolled_out = None
+        rollouts = 0
+        for step in range(0, cell["steps"], window):
+            if refreshed is None or step - refreshed >= args.tracin_val_refresh_steps:
+                refreshed = step
+                if rolled_out is None or step - rolled_out >= args.tracin_val_rollout_steps:
+                    rolled_out, rollouts = step, rollouts + 1
+        validation = rollouts * args.tracin_val_batch_size * args.tracin_val_num_generations
+        text += f" + {validation:g} TracIn validation rollouts"
     return text
 
 
