@@ -215,3 +215,20 @@ def test_only_the_agentic_arm_is_charged_with_tracin_validation_rollouts():
     assert ablation._trained_on([{**cell, "settings": default, "arm": "agentic"}]) == (
         "32 rollouts + 8 TracIn validation rollouts"
     )
+
+
+def test_rollouts_are_counted_per_generation_window():
+    # TRL generates one generation batch every steps_per_generation x num_iterations micro-steps.
+    settings = {"use_cpu": True, "bf16": False, "per_device_train_batch_size": 4, "num_generations": 4}
+    cell = {"steps": 8, "arm": "trl", "fired": {}}
+    # 8 steps of 1 micro-step, a batch of 8 every 2: 4 batches.
+    spread = {**settings, "generation_batch_size": 8}
+    assert ablation._trained_on([{**cell, "settings": spread}]) == "32 rollouts"
+    # Each batch trained on twice: 2 batches of 4 in 8 steps.
+    reused = {**settings, "num_iterations": 2}
+    assert ablation._trained_on([{**cell, "settings": reused}]) == "16 rollouts"
+    # 2 micro-steps per optimizer step, a batch of 8 per step: 8 batches.
+    accumulated = {**settings, "gradient_accumulation_steps": 2}
+    assert ablation._trained_on([{**cell, "settings": accumulated}]) == "64 rollouts"
+    # 3 steps with each batch trained on twice: the second batch is rolled out at step 2.
+    assert ablation._trained_on([{**cell, "steps": 3, "settings": reused}]) == "8 rollouts"

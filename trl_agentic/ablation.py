@@ -600,26 +600,23 @@ def _trained_on(cells: list[dict]) -> str:
     if cell["arm"] in ("warmstart", "sft"):
         steps = sum(c.get("sft_steps", len(c.get("warmstart_losses", []))) for c in cells) / len(cells)
         return f"{steps * settings.get('warmstart_batch_size', 0):.0f} traces"
-    batch = settings.get("generation_batch_size") or settings.get("per_device_train_batch_size", 0) * (
-        settings.get("steps_per_generation") or settings.get("gradient_accumulation_steps", 1)
-    )
-    text = f"{cell['steps'] * batch:g} rollouts"
+    from .tracin.schedule import generation_window, validation_rollout_steps
+
+    args = _parse(settings)[1]  # the config's defaults for fields the settings leave out
+    # TRL rolls out one generation batch every `steps_per_generation × num_iterations` micro-steps.
+    micro_steps = cell["steps"] * args.gradient_accumulation_steps
+    windows = -(-micro_steps // (args.steps_per_generation * args.num_iterations))
+    text = f"{windows * args.generation_batch_size:g} rollouts"
     regenerated = sum((c.get("fired") or {}).get("rollback/attempts", 0) for c in cells) / len(cells)
     if regenerated:
         text += f" + {regenerated:.0f} regenerated turns"
-    if cell["arm"] == "agentic" and settings.get("tracin_enabled"):
-        # The control ignores the TracIn fields of the shared config. As the TracIn mixin: V is refreshed when due at
-        # the start of a generation window (in optimizer steps), and validation rolled out at a refresh when due.
-        args = _parse(settings)[1]  # the config's defaults for fields the settings leave out
-        window = max(1, args.steps_per_generation * args.num_iterations // args.gradient_accumulation_steps)
-        refreshed = rolled_out = None
-        rollouts = 0
-        for step in range(0, cell["steps"], window):
-            if refreshed is None or step - refreshed >= args.tracin_val_refresh_steps:
-                refreshed = step
-                if rolled_out is None or step - rolled_out >= args.tracin_val_rollout_steps:
-                    rolled_out, rollouts = step, rollouts + 1
-        validation = rollouts * args.tracin_val_batch_size * args.tracin_val_num_generations
+    if cell["arm"] == "agentic" and args.tracin_enabled:
+        # The control ignores the TracIn fields of the shared config; the agentic arm's schedule is the mixin's own.
+        window = generation_window(args.steps_per_generation, args.num_iterations, args.gradient_accumulation_steps)
+        rollouts = validation_rollout_steps(
+            cell["steps"], window, args.tracin_val_refresh_steps, args.tracin_val_rollout_steps
+        )
+        validation = len(rollouts) * args.tracin_val_batch_size * args.tracin_val_num_generations
         text += f" + {validation:g} TracIn validation rollouts"
     return text
 

@@ -44,6 +44,7 @@ from ..rollout.types import RowKind
 from .hooks import LoraGhostHooks
 from .layers import validate_tracin_model
 from .lora_gradient import LoraGradient, LoraGradients, all_reduce_
+from .schedule import due
 from .selection import select_rows
 
 __all__ = ["TracInMixin", "TracInState"]
@@ -435,9 +436,8 @@ class TracInMixin:
 
     def _tracin_refresh_due(self) -> bool:
         state = self._tracin
-        if state.direction is None:
-            return True
-        return self.state.global_step - state.refreshed_at >= self.args.tracin_val_refresh_steps
+        last = None if state.direction is None else state.refreshed_at
+        return due(self.state.global_step, last, self.args.tracin_val_refresh_steps)
 
     def _tracin_validation_rows(self) -> list[dict]:
         """This process's validation rows: `tracin_val_batch_size` prompts, each repeated for its group.
@@ -500,9 +500,8 @@ class TracInMixin:
 
     def _tracin_rollouts_due(self) -> bool:
         state = self._tracin
-        if state.val_batch is None:
-            return True
-        return self.state.global_step - state.rolled_out_at >= self.args.tracin_val_rollout_steps
+        last = None if state.val_batch is None else state.rolled_out_at
+        return due(self.state.global_step, last, self.args.tracin_val_rollout_steps)
 
     def _tracin_refresh_direction(self) -> None:
         """Recompute V at the current weights; roll out new validation prompts first when they are due.
