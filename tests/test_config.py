@@ -83,6 +83,17 @@ def test_episode_baseline_with_row_snapshots_warns():
         AgenticGRPOConfig(**BASE, enable_context_snapshots=True, group_baseline="episodes", snapshot_advantage="row")
 
 
+def test_copo_expanding_every_step_warns():
+    rlvcr = dict(**BASE, advantage_estimator="rlvcr", rlvcr_expand_steps="all")
+    with pytest.warns(UserWarning, match="rlvcr_expand_steps='all'"):
+        AgenticGRPOConfig(**rlvcr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AgenticGRPOConfig(**rlvcr, rlvcr_mode="additive")  # the thinking advantage is not scaled by A_episode
+        AgenticGRPOConfig(**rlvcr, rlvcr_expand=True)  # expansion rows change the loss's normalisation
+        AgenticGRPOConfig(**{**rlvcr, "rlvcr_expand_steps": "varied"})
+
+
 def test_defaults_are_valid_and_features_off():
     config = AgenticGRPOConfig(**BASE)
     assert not config.agentic_features_enabled

@@ -607,22 +607,19 @@ def _trained_on(cells: list[dict]) -> str:
     if cell["arm"] in ("warmstart", "sft"):
         steps = sum(c.get("sft_steps", len(c.get("warmstart_losses", []))) for c in cells) / len(cells)
         return f"{steps * settings.get('warmstart_batch_size', 0):.0f} traces"
-    from .tracin.schedule import generation_window, validation_rollout_steps
+    from .tracin.schedule import validation_rollout_steps, window_starts
 
     args = _parse(settings)[1]  # the config's defaults for fields the settings leave out
-    # TRL rolls out one generation batch every `steps_per_generation × num_iterations` micro-steps.
-    micro_steps = cell["steps"] * args.gradient_accumulation_steps
-    windows = -(-micro_steps // (args.steps_per_generation * args.num_iterations))
-    text = f"{windows * args.generation_batch_size:g} rollouts"
+    starts = window_starts(
+        cell["steps"], args.steps_per_generation, args.num_iterations, args.gradient_accumulation_steps
+    )
+    text = f"{len(starts) * args.generation_batch_size:g} rollouts"
     regenerated = sum((c.get("fired") or {}).get("rollback/attempts", 0) for c in cells) / len(cells)
     if regenerated:
         text += f" + {regenerated:.0f} regenerated turns"
     if cell["arm"] == "agentic" and args.tracin_enabled:
         # The control ignores the TracIn fields of the shared config; the agentic arm's schedule is the mixin's own.
-        window = generation_window(args.steps_per_generation, args.num_iterations, args.gradient_accumulation_steps)
-        rollouts = validation_rollout_steps(
-            cell["steps"], window, args.tracin_val_refresh_steps, args.tracin_val_rollout_steps
-        )
+        rollouts = validation_rollout_steps(starts, args.tracin_val_refresh_steps, args.tracin_val_rollout_steps)
         validation = len(rollouts) * args.tracin_val_batch_size * args.tracin_val_num_generations
         text += f" + {validation:g} TracIn validation rollouts"
     return text

@@ -157,7 +157,9 @@ class AgenticGRPOConfig(GRPOConfig):
             same group.
         rlvcr_expand_steps (`str`, *optional*, defaults to `"successful_varied"`):
             Which steps are expanded: `"successful_varied"` (steps of successful rollouts in groups whose rewards
-            differ: the paper), `"varied"` (any rollout of such groups) or `"all"`.
+            differ: the paper), `"varied"` (any rollout of such groups) or `"all"`. In `"copo"` mode without `rlvcr_expand`,
+            `"all"` gives the advantages of `"varied"` (a group without spread has `A_episode = 0` on every token) at
+            the cost of expanding its steps; it is there to exercise the mechanism, and warns.
         rlvcr_level_tag / rlvcr_think_tag / rlvcr_action_tag (`str`, *optional*):
             Tag names of the step format `<level>k</level><think>…</think><action>…</action>`.
         rlvcr_level_prompt_template (`str`, *optional*):
@@ -341,7 +343,9 @@ class AgenticGRPOConfig(GRPOConfig):
     rlvcr_expand_steps: str = field(
         default="successful_varied",
         metadata={
-            "help": "Which steps expand: 'successful_varied' (paper), 'varied' or 'all'.",
+            "help": "Which steps expand: 'successful_varied' (paper), 'varied' or 'all'. In 'copo' mode without "
+            "rlvcr_expand, 'all' gives the advantages of 'varied' (a group without spread has advantage 0) at the "
+            "cost of expanding its steps.",
             "choices": ["successful_varied", "varied", "all"],
         },
     )
@@ -541,6 +545,15 @@ class AgenticGRPOConfig(GRPOConfig):
             warnings.warn(
                 "`group_baseline='episodes'` keeps snapshot segments out of the group statistics, so "
                 "`snapshot_advantage='row'` acts like 'episode' (segments are scored against the rollouts).",
+                UserWarning,
+                stacklevel=3,
+            )
+        copo_all = self.rlvcr_mode == "copo" and self.rlvcr_expand_steps == "all" and not self.rlvcr_expand
+        if self.advantage_estimator == "rlvcr" and copo_all:
+            warnings.warn(
+                "`rlvcr_expand_steps='all'` with `rlvcr_mode='copo'` and no `rlvcr_expand` gives the advantages of "
+                "'varied': a group without reward spread has episode advantage 0 on every token, so expanding its "
+                "steps costs generation and scoring for no gradient.",
                 UserWarning,
                 stacklevel=3,
             )

@@ -399,6 +399,23 @@ def test_copo_equal_confidences_single_row_and_nan_rewards(tiny_tokenizer):
     assert trainer._metrics["train"]["rlvcr/expanded_steps"] == [5]
 
 
+def test_copo_all_gives_the_advantages_of_varied(tiny_tokenizer):
+    # In copo mode a group without spread has A_ep = 0 and so 0 on every token whatever its weights: "all" expands
+    # more steps (the warning at config time) for the same advantages as "varied".
+    tok = tiny_tokenizer
+    rows = [[(STEP_FAIL, True)], [(step(2, "t", "wait"), True)], [(STEP_TAKE, True)]]
+    rows += [[(STEP_TAKE, True)], [(STEP_LOOK, True)], [(STEP_LOOK, True)]]
+    rewards, groups = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0], [0, 0, 1, 1, 2, 2]
+    found = {}
+    for policy in ("varied", "all"):
+        trainer = FakeTrainer(tok, rlvcr_args(rlvcr_mode="copo", rlvcr_expand_steps=policy))
+        found[policy] = (rlvcr_estimator(make_batch(tok, rows, rewards, groups), trainer), trainer)
+    assert torch.equal(found["varied"][0], found["all"][0])
+    assert found["varied"][0][:2].abs().sum() > 0  # the varied group's advantages are not 0
+    expanded = {p: t._metrics["train"]["rlvcr/expanded_steps"] for p, (_, t) in found.items()}
+    assert expanded == {"varied": [2], "all": [6]}
+
+
 # ---- the estimator: additive ----
 
 

@@ -14,7 +14,7 @@ from peft import LoraConfig
 from trl import GRPOTrainer
 
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
-from trl_agentic.tracin.schedule import validation_rollout_steps
+from trl_agentic.tracin.schedule import validation_rollout_steps, window_starts
 from trl_agentic.tracin.selection import select_rows
 
 LR = 0.05
@@ -76,6 +76,11 @@ def make_trainer(model_dir, tmp_path, reward=letter_fraction, val=VAL, peft=True
         tracin_eval_dataset=val,
         peft_config=lora_config() if peft is True else (peft or None),
     )
+
+
+def starts(trainer, total_steps: int) -> list[int]:
+    args = trainer.args
+    return window_starts(total_steps, args.steps_per_generation, args.num_iterations, args.gradient_accumulation_steps)
 
 
 def trainable(model) -> dict[str, torch.Tensor]:
@@ -395,7 +400,7 @@ def test_validation_gradient_is_refreshed_on_schedule(tiny_model_dir, tmp_path):
     assert ["tracin/val_reward" in h for h in steps] == [True, False, True]
     # The ablation report counts validation rollouts with the schedule function; the trainer follows it.
     rolled_out = [step for step, h in enumerate(steps) if "tracin/val_reward" in h]
-    assert rolled_out == validation_rollout_steps(3, 1, refresh_steps=2, rollout_steps=1)
+    assert rolled_out == validation_rollout_steps(starts(trainer, 3), refresh_steps=2, rollout_steps=1)
     assert all("tracin/selected_ratio" in h for h in steps)
     # Each refresh rolls out tracin_val_batch_size prompts x tracin_val_num_generations, one group per prompt.
     for val_batch in recorder.val_batches:
@@ -426,7 +431,7 @@ def test_validation_rollouts_are_reused_and_v_recomputed_at_the_current_weights(
     steps = [h for h in trainer.state.log_history if "loss" in h]
     assert ["tracin/val_reward" in h for h in steps] == [True, False, True]  # logged with new rollouts only
     rolled_out = [step for step, h in enumerate(steps) if "tracin/val_reward" in h]
-    assert rolled_out == validation_rollout_steps(3, 1, refresh_steps=1, rollout_steps=2)
+    assert rolled_out == validation_rollout_steps(starts(trainer, 3), refresh_steps=1, rollout_steps=2)
     assert all("tracin/val_grad_norm" in h for h in steps)
     first_rollouts = {k: v for k, v in recorder.val_batches[0].items() if k != "old_per_token_logps"}
     for _, weights, direction in seen[:2]:

@@ -1,7 +1,7 @@
 """When the TracIn validation direction V is refreshed and when validation prompts are rolled out (pure functions).
 
-The trainer mixin asks these at each generation window; the ablation report counts the validation rollouts an arm
-paid for with the same functions, so the two cannot drift apart.
+The trainer mixin asks these at each generation window; the ablation report counts the rollouts an arm paid for with
+the same functions, so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -12,18 +12,26 @@ def due(step: int, last: int | None, every: int) -> bool:
     return last is None or step - last >= every
 
 
-def generation_window(steps_per_generation: int, num_iterations: int, gradient_accumulation_steps: int) -> int:
-    """Optimizer steps between two generation windows (TRL generates every `steps_per_generation × num_iterations`
-    micro-steps); at least 1."""
-    return max(1, steps_per_generation * num_iterations // gradient_accumulation_steps)
+def window_starts(
+    total_steps: int, steps_per_generation: int, num_iterations: int, gradient_accumulation_steps: int
+) -> list[int]:
+    """The optimizer step at the start of each generation window in `total_steps` optimizer steps.
+
+    TRL generates at every `steps_per_generation × num_iterations`-th micro-step and counts an optimizer step every
+    `gradient_accumulation_steps` micro-steps; a window shorter than an optimizer step repeats that step.
+    """
+    every = steps_per_generation * num_iterations
+    return [
+        micro // gradient_accumulation_steps for micro in range(0, total_steps * gradient_accumulation_steps, every)
+    ]
 
 
-def validation_rollout_steps(total_steps: int, window: int, refresh_steps: int, rollout_steps: int) -> list[int]:
-    """The optimizer steps in `[0, total_steps)` at which validation is rolled out: V is refreshed when due at the
-    start of a generation window, and validation rolled out at a refresh when due."""
+def validation_rollout_steps(starts: list[int], refresh_steps: int, rollout_steps: int) -> list[int]:
+    """The optimizer steps, of the window starts `starts`, at which validation is rolled out: V is refreshed when due
+    at the start of a generation window, and validation rolled out at a refresh when due."""
     refreshed = rolled_out = None
     steps = []
-    for step in range(0, total_steps, window):
+    for step in starts:
         if due(step, refreshed, refresh_steps):
             refreshed = step
             if due(step, rolled_out, rollout_steps):
