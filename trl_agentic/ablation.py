@@ -532,7 +532,8 @@ def render(out: Path, features: Sequence[str], seeds: Sequence[int], command: st
     lines = [
         "# Ablation: what each feature buys over plain TRL GRPO",
         "",
-        f"Command: `{command}`. Written {time.strftime('%Y-%m-%d')} by `python -m trl_agentic.ablation render`.",
+        f"Command: `{command}`. Report written {time.strftime('%Y-%m-%d')} from the cells below "
+        "(`make ablation` runs the missing ones first).",
         "",
         status,
         "",
