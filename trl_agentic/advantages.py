@@ -2,8 +2,9 @@
 
 `group_advantages` generalises the advantage computation of TRL 1.16's `GRPOTrainer` (fixed-size groups laid out as
 `rewards.view(-1, num_generations)`) to groups of varying size identified by arbitrary ids, with NaN (unscorable)
-rewards and an optional baseline mask. It is fully vectorised: per-group sums are segment reductions (`index_add`), so
-the cost does not grow with a Python loop over groups.
+rewards and an optional baseline mask. It is fully vectorised (no Python loop over groups): the rows are scattered into
+a NaN-padded `(groups, largest group)` table and reduced with TRL's own operations (`torch.nanmean` and TRL's `nanstd`
+lines), so that TRL's layout gives TRL's advantages bit for bit for every group size.
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ def group_advantages(
         - A group with fewer than two statistics rows has no usable spread, so all its rows get advantage 0 (TRL gets
           the same result implicitly, as its `nanstd` of a single value is NaN and later zeroed by `nan_to_num`).
 
-    For full fixed-size groups (with or without NaN rows, no mask) this equals TRL's `rewards.view(-1, G)` computation
-    up to floating-point rounding: the std is evaluated in the same order as TRL's `nanstd` (mean of squared
-    deviations times `n / (n - 1)`), which makes the result bit-identical for small groups on CPU; larger groups may
-    differ by a few ulps because `torch.nanmean` sums in a different order than `index_add`.
+    For TRL's layout (contiguous fixed-size groups in increasing id order, with or without NaN rows, no mask) this is
+    TRL's `rewards.view(-1, G)` computation bit for bit, for every `G` (float32: the same tensor, the same operations;
+    tested for G = 2-9 and 16 in `tests/test_advantages.py`). With every feature off the trainer goes further and keeps
+    TRL's own advantages (`BatchAugmenter`).
 
     Args:
         rewards (`Tensor`):
@@ -97,37 +98,24 @@ def group_advantages(
         return torch.empty_like(rewards)
 
     device, dtype = rewards.device, rewards.dtype
-    # Dense group index 0..G-1, whatever the original ids look like.
+    # Dense group index 0..G-1 (sorted ids), whatever the original ids look like.
     uniques, inverse = torch.unique(group_ids.to(device), return_inverse=True)
     num_groups = uniques.numel()
 
     valid = ~torch.isnan(rewards)
     stats = valid if baseline_mask is None else valid & baseline_mask.to(device)
-    # Zero (not NaN) in the non-statistics rows, so that they add nothing to the segment sums.
-    stat_rewards = torch.where(stats, rewards, torch.zeros_like(rewards))
-
-    counts = torch.zeros(num_groups, dtype=torch.long, device=device).index_add_(0, inverse, stats.long())
-    sums = torch.zeros(num_groups, dtype=dtype, device=device).index_add_(0, inverse, stat_rewards)
-    # clamp avoids 0/0 for groups without statistics rows; those are zeroed at the end anyway.
-    means = sums / counts.clamp(min=1)
-    row_means = means[inverse]
-
-    advantages = rewards - row_means
+    # The statistics rows laid out as a (groups, largest group) table, NaN elsewhere, each group's rows in row order.
+    # For TRL's layout (contiguous groups of G in id order) the table *is* TRL's `rewards.view(-1, G)`, and the
+    # statistics below are TRL's operations on it, so the advantages are TRL's bit for bit for every G.
+    table = _group_table(torch.where(stats, rewards, torch.full_like(rewards, torch.nan)), inverse, num_groups)
+    counts = (~torch.isnan(table)).sum(dim=1)
+    means = torch.nanmean(table, dim=1)
+    # A group without statistics rows has a NaN mean; its rows are zeroed at the end.
+    advantages = rewards - means[inverse]
     if scale == "group":
-        centred = torch.where(stats, advantages, torch.zeros_like(advantages))
-        sq_sums = torch.zeros(num_groups, dtype=dtype, device=device).index_add_(0, inverse, centred * centred)
-        # Unbiased std sqrt(sum / (n - 1)), written in the operation order of TRL's `nanstd` to reproduce its bits.
-        # The correction is in the rewards' dtype: float32 as in TRL, and not rounded to float32 for float64 rewards.
-        correction = counts.to(dtype) / (counts - 1).clamp(min=1).to(dtype)
-        stds = torch.sqrt((sq_sums / counts.clamp(min=1)) * correction)
-        advantages = advantages / (stds[inverse] + _EPS)
+        advantages = advantages / (_nanstd(table, dim=1)[inverse] + _EPS)
     elif scale == "batch":
-        n = stats.sum()
-        batch_mean = stat_rewards.sum() / n.clamp(min=1)
-        centred = torch.where(stats, rewards - batch_mean, torch.zeros_like(rewards))
-        correction = n.to(dtype) / (n - 1).clamp(min=1).to(dtype)
-        batch_std = torch.sqrt(((centred * centred).sum() / n.clamp(min=1)) * correction)
-        advantages = advantages / (batch_std + _EPS)
+        advantages = advantages / (_nanstd(torch.where(stats, rewards, torch.nan)) + _EPS)
 
     if scale != "none" and not bool(stats[valid].all()):
         # Rows outside the baseline are scored like the baseline rows, then clipped to the largest magnitude a
@@ -146,6 +134,31 @@ def group_advantages(
     # NaN rows and groups with fewer than two statistics rows carry no learning signal.
     keep = valid & (counts[inverse] >= 2)
     return torch.where(keep, advantages, torch.zeros_like(advantages))
+
+
+def _group_table(values: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
+    """`values` scattered into a `(num_groups, largest group)` table, NaN-filled, each group's rows in row order."""
+    sizes = torch.bincount(inverse, minlength=num_groups)
+    order = torch.argsort(inverse, stable=True)
+    starts = torch.cumsum(sizes, 0) - sizes
+    position = torch.empty_like(inverse)
+    position[order] = torch.arange(inverse.numel(), device=inverse.device) - starts[inverse[order]]
+    table = values.new_full((num_groups, int(sizes.max())), torch.nan)
+    table[inverse, position] = values
+    return table
+
+
+def _nanstd(x: Tensor, dim: int | None = None) -> Tensor:
+    """TRL 1.16's `trl.trainer.utils.nanstd` (same operations in the same order, NaN below two values), except that
+    Bessel's correction is computed in `x`'s dtype (TRL's is float32 whatever the input: exact for float32)."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(x), dim=dim, keepdim=True)
+    correction = count.to(x.dtype) / (count - 1).to(x.dtype)
+    correction = torch.where(count > 1, correction, torch.full_like(correction, torch.nan))
+    variance *= correction
+    std = torch.sqrt(variance)
+    return std.squeeze() if dim is None else std.squeeze(dim)
 
 
 def negative_sample_rewards(
