@@ -15,6 +15,8 @@ from torch import Tensor
 __all__ = ["group_advantages", "negative_sample_rewards"]
 
 _SCALES = ("group", "batch", "none")
+# Default smallest divisor of an outside row's reward difference (see `AgenticGRPOConfig.advantage_std_floor`).
+DEFAULT_STD_FLOOR = 0.1
 # Same epsilon as TRL's GRPOTrainer, so that full fixed-size groups reproduce its advantages.
 _EPS = 1e-4
 
@@ -25,20 +27,32 @@ def group_advantages(
     *,
     scale: str = "group",
     baseline_mask: Tensor | None = None,
+    anchors: Tensor | None = None,
+    std_floor: float = DEFAULT_STD_FLOOR,
 ) -> Tensor:
     """
     Compute GRPO advantages for rows grouped by arbitrary ids.
 
     Each row's advantage is its reward minus the mean reward of its group, optionally divided by a standard deviation
     plus `1e-4`, following TRL 1.16's `GRPOTrainer`. The group statistics (mean and unbiased std) are taken over the
-    group's *statistics rows*: the rows whose reward is not NaN and, when `baseline_mask` is given, whose mask is set.
-    Every non-NaN row of the group, in the baseline or not, is then scored against these statistics.
+    group's *statistics rows* (the *baseline*): the rows whose reward is not NaN and, when `baseline_mask` is given,
+    whose mask is set. Baseline rows get exactly TRL's `A = (r - mean) / d`, with `d = std + 1e-4` (`scale="group"`),
+    the batch's std + `1e-4` (`"batch"`) or `d = 1` (`"none"`).
 
-    Rows outside the baseline (a non-NaN reward, mask unset) are scored the same way and then, unless
-    `scale="none"`, clipped to `[-C, C]`, where `C` is the larger of `(m - 1) / sqrt(m)` (`m` = the group's
-    statistics rows; no standardised baseline row can exceed it) and the largest `|advantage|` of the group's
-    baseline rows. So when the baseline has no spread, an outside row gets `±(m - 1) / sqrt(m)` instead of
-    `(r - mean) / 1e-4`, and an outside row whose reward equals a baseline row's gets exactly that row's advantage.
+    A row outside the baseline (a non-NaN reward, mask unset) is measured from an *anchor*: its entry of `anchors` when
+    that is a baseline row of the same group (the trainer passes the row's episode, i.e. the rollout a negative sample
+    or a snapshot segment comes from), the group mean otherwise (anchor advantage 0). Unless `scale="none"`:
+
+        A = clip(A_anchor + (r - r_anchor) / max(d, std_floor), -C, C)
+
+    with `C` the larger of `(m - 1) / sqrt(m)` (`m` = the group's baseline rows; no standardised baseline row can
+    exceed it) and the largest `|A|` of the group's baseline rows. So, in every group, ties included:
+
+    - an outside row is continuous in its reward: `|A(r + eps) - A(r)| <= eps / std_floor` (`K = 1 / std_floor`;
+      `K = 1` with `scale="none"`, where nothing is divided or clipped);
+    - an outside row whose reward equals its anchor's gets exactly its anchor's advantage (a snapshot segment scored
+      with its episode's reward gets its episode's), and where `d >= std_floor` the rule is TRL's `(r - mean) / d`;
+    - it never exceeds what a baseline row of its group can reach (`C`).
 
     Bounds (for rewards in `[-1, 1]`): every advantage is finite, and `|A| <= (m - 1) / sqrt(m)` with
     `scale="group"`, `|A| <= sqrt((m - 1) (N - 1) / m)` with `scale="batch"` (`N` = statistics rows of the batch),
@@ -69,12 +83,19 @@ def group_advantages(
         baseline_mask (`Tensor`, *optional*):
             Boolean tensor of shape `(N,)`. When given, only rows where it is `True` (and the reward is not NaN) enter
             the group mean and std, and the batch std for `scale="batch"`.
+        anchors (`Tensor`, *optional*):
+            Integer tensor of shape `(N,)`: for a row outside the baseline, the index of the row it is measured from.
+            Ignored for baseline rows and where the anchor is not a baseline row of the same group.
+        std_floor (`float`, *optional*, defaults to `0.1`):
+            Smallest divisor of an outside row's reward difference (`AgenticGRPOConfig.advantage_std_floor`, where the
+            default is justified). Must be positive.
 
     Returns:
         `Tensor`: Advantages of shape `(N,)`, with the dtype and device of `rewards`. The inputs are not modified.
 
     Raises:
-        ValueError: If `scale` is not one of `"group"`, `"batch"`, `"none"`, or if the shapes or dtypes are invalid.
+        ValueError: If `scale` is not one of `"group"`, `"batch"`, `"none"`, if `std_floor` is not positive, or if the
+            shapes or dtypes are invalid.
     """
     if scale not in _SCALES:
         raise ValueError(f"Invalid `scale`: {scale!r}. Must be one of {', '.join(repr(s) for s in _SCALES)}.")
@@ -93,6 +114,10 @@ def group_advantages(
             )
         if baseline_mask.dtype != torch.bool:
             raise ValueError(f"`baseline_mask` must be a boolean tensor, got {baseline_mask.dtype}.")
+    if anchors is not None and (anchors.shape != rewards.shape or anchors.is_floating_point()):
+        raise ValueError(f"`anchors` must be an integer tensor of shape {tuple(rewards.shape)}.")
+    if not std_floor > 0:
+        raise ValueError(f"`std_floor` must be positive, got {std_floor}.")
 
     if rewards.numel() == 0:
         return torch.empty_like(rewards)
@@ -113,15 +138,28 @@ def group_advantages(
     # A group without statistics rows has a NaN mean; its rows are zeroed at the end.
     advantages = rewards - means[inverse]
     if scale == "group":
-        advantages = advantages / (_nanstd(table, dim=1)[inverse] + _EPS)
+        divisor = _nanstd(table, dim=1)[inverse] + _EPS
     elif scale == "batch":
-        advantages = advantages / (_nanstd(torch.where(stats, rewards, torch.nan)) + _EPS)
+        divisor = (_nanstd(torch.where(stats, rewards, torch.nan)) + _EPS).expand_as(rewards)
+    if scale != "none":
+        advantages = advantages / divisor
 
-    if scale != "none" and not bool(stats[valid].all()):
-        # Rows outside the baseline are scored like the baseline rows, then clipped to the largest magnitude a
-        # baseline row of their group can reach: without the clip, a baseline without spread (std 0) divides them by
-        # 1e-4. The bound is `(m - 1) / sqrt(m)` for `m` baseline rows (the extreme of a sample standardised by its
-        # own unbiased std), or the group's largest baseline advantage if that is larger (`scale="batch"`).
+    outside = valid & ~stats
+    if scale != "none" and bool(outside.any()):
+        # Rows outside the baseline: their anchor's advantage plus their reward difference over a divisor floored at
+        # `std_floor` (continuous in the reward even when the baseline has no spread and `d` is 1e-4), clipped to the
+        # largest magnitude a baseline row of their group can reach: `(m - 1) / sqrt(m)` for `m` baseline rows (the
+        # extreme of a sample standardised by its own unbiased std), or the group's largest baseline advantage if that
+        # is larger (`scale="batch"`).
+        anchor_reward, anchor_advantage = means[inverse], torch.zeros_like(advantages)
+        if anchors is not None:
+            a = anchors.to(device=device, dtype=torch.long).clamp(0, rewards.numel() - 1)
+            usable = (anchors.to(device) >= 0) & (anchors.to(device) < rewards.numel()) & stats[a]
+            usable &= inverse[a] == inverse
+            anchor_reward = torch.where(usable, rewards[a], anchor_reward)
+            anchor_advantage = torch.where(usable, advantages[a], anchor_advantage)
+        floored = torch.clamp(divisor, min=std_floor)
+        scored = anchor_advantage + (rewards - anchor_reward) / floored
         m = counts.to(dtype)
         bound = (m - 1) / torch.sqrt(m.clamp(min=1))
         in_baseline = torch.where(stats, advantages.abs(), torch.zeros_like(advantages))
@@ -129,7 +167,7 @@ def group_advantages(
             0, inverse, in_baseline, reduce="amax"
         )
         bound = torch.maximum(bound, largest)[inverse]
-        advantages = torch.where(stats, advantages, torch.maximum(torch.minimum(advantages, bound), -bound))
+        advantages = torch.where(outside, torch.maximum(torch.minimum(scored, bound), -bound), advantages)
 
     # NaN rows and groups with fewer than two statistics rows carry no learning signal.
     keep = valid & (counts[inverse] >= 2)

@@ -222,6 +222,7 @@ class BatchAugmenter:
             tool_mask=batch["tool_mask"] if "tool_mask" in batch else torch.ones_like(batch["completion_mask"]),
             loss_mask=loss_mask,
             scale=t.scale_rewards,
+            std_floor=args.advantage_std_floor,
         )
         try:
             if self._trl_advantages_hold(t, len(kinds) - num_local * nproc, infra):

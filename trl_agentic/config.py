@@ -96,6 +96,14 @@ class AgenticGRPOConfig(GRPOConfig):
             `"episodes"` (only the regular rollouts; negatives and snapshots are scored against them, then clipped
             to the largest advantage a rollout of the group can reach, `(m - 1) / sqrt(m)` for `m` rollouts, so a
             baseline without spread cannot blow them up; docs/concepts.md).
+        advantage_std_floor (`float`, *optional*, defaults to `0.1`):
+            Smallest divisor of the reward difference of a row outside its group's baseline (negatives under
+            `group_baseline="episodes"`, snapshot segments under `snapshot_advantage="episode"`): such a row gets its
+            episode's advantage plus `(r - r_episode) / max(d, advantage_std_floor)`, `d` the baseline rows' divisor
+            (`std + 1e-4`), clipped as above. A reward difference `eps` then moves it by at most
+            `eps / advantage_std_floor` in every group, ties included. The default is a tenth of the unit of 0/1
+            rewards: a group of `m` rollouts with 0/1 rewards and any spread has `std >= 1 / sqrt(m)`, at least 0.1
+            up to `m = 100`, so there the floor changes nothing. Set it to about a tenth of your task's reward unit.
         tool_timeout (`float`, *optional*, defaults to `0.0`):
             Wall-clock limit in seconds of one tool call; a call past it is reported to the model as a `ToolTimeout`
             error (a model error) and its environment is retired: the rollout continues on a fresh instance restored
@@ -255,6 +263,14 @@ class AgenticGRPOConfig(GRPOConfig):
             "help": "Rows in a group's mean/std: 'all_rows' (seed) or 'episodes' (regular rollouts only; the other rows "
             "are scored against them and clipped to what a rollout can reach).",
             "choices": ["all_rows", "episodes"],
+        },
+    )
+    advantage_std_floor: float = field(
+        default=0.1,
+        metadata={
+            "help": "Smallest divisor of the reward difference of a row outside its group's baseline (its episode's "
+            "advantage + (r - r_episode) / max(std + 1e-4, floor)): a reward change eps moves it by at most "
+            "eps / floor, ties included. 0.1 is below the std of any 0/1-reward group of <= 100 rollouts with spread."
         },
     )
     tool_timeout: float = field(
@@ -507,7 +523,7 @@ class AgenticGRPOConfig(GRPOConfig):
                 f"`rlvcr_expand` (True) needs `rlvcr_mode` = 'copo' (expansion rows carry CoPO advantages), "
                 f"got `rlvcr_mode` = {self.rlvcr_mode!r}."
             )
-        for name in ("rlvcr_cost_max", "rlvcr_k"):
+        for name in ("rlvcr_cost_max", "rlvcr_k", "advantage_std_floor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"`{name}` must be positive, got {getattr(self, name)!r}.")
         for name in (
