@@ -63,8 +63,9 @@ class AgenticGRPOConfig(GRPOConfig):
             a `trl_agentic.errors.ToolCallError` (the Python sandbox reports the model code's exception, e.g.
             `"NameError"`, and `"SandboxTimeout"` for code past its time limit). The loop's own errors are
             `"ToolCallParseError"` (malformed call markup), `"ToolNotFoundError"`, `"ToolTimeout"` (`tool_timeout`),
-            `"ToolError"` (a tool returned `{"error": ...}`). Text is never searched: a tool result that merely
-            prints `"ValueError: ..."` is not an error. Defaults to the seed's list.
+            and the BFCL environment raises its APIs' `{"error": ...}` reports as `"ToolError"`. A call failed only when
+            it raised: whatever a tool returns (a printed `"ValueError: ..."`, a returned `{"error": ...}`) is a
+            result, never searched. Defaults to the seed's list.
         rollback_feedback (`str`, *optional*, defaults to `"none"`):
             What the model sees before it retries: `"none"` restores the trajectory exactly to the checkpoint and
             re-samples; `"hint"` inserts `rollback_hint_template` as environment tokens (masked from the loss) that
