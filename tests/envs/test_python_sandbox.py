@@ -16,6 +16,7 @@ from trl_agentic.envs.errors import (
     SandboxCrashed,
     SandboxError,
     SandboxMemoryError,
+    SandboxRestoreError,
     SandboxTimeout,
     SandboxUnavailable,
 )
@@ -132,6 +133,67 @@ def test_checkpoint_and_restore_replay_successful_cells(make_env):
     env.python("x = 3")
     env._restore(state)  # the same checkpoint again
     assert env.python("print(x)") == "1"
+
+
+def test_a_divergent_replay_is_a_model_error_not_infrastructure(make_env):
+    """Issue 35's reproduction: a cell sets `x` then raises (not replayed), a later cell waits for `x` (succeeds), a
+    rollback restores the checkpoint: the replay of the waiting cell now loops. 009b255 raised `SandboxUnavailable`
+    (infrastructure: retried, then the rollout dropped with a NaN reward); it is the model's code, a model error."""
+    env = make_env(timeout=3.0)  # the divergent replay takes the full limit: generous, not sub-second
+    code_error(env, "x = 1\n1/0")
+    assert env.python("while 'x' not in globals(): pass\ny = 2") == "(no output)"
+    assert env.python("z = y + 1") == "(no output)"
+    state = env._checkpoint()
+    code_error(env, "undefined_name")
+    env._restore(state)
+    with pytest.raises(SandboxRestoreError) as info:
+        env.python("print('this call')")
+    error = info.value
+    assert isinstance(error, SandboxError) and not isinstance(error, InfrastructureError)
+    assert error.error_type == env.last_error_type == "SandboxRestoreError"
+    assert "replaying earlier cell 1 of 2" in str(error) and "SandboxTimeout" in str(error)
+    assert "this call's code did not run" in str(error)
+    # The divergent cell and the ones after it are gone from the state; the interpreter works from what is left.
+    assert env._checkpoint() == []
+    assert code_error(env, "print(y)").error_type == "NameError"
+    assert env.python("print('fresh')") == "fresh"
+
+
+def test_a_divergent_replay_keeps_the_rollout_and_its_reward(tiny_tokenizer):
+    """Through the rollout loop with rollback: the divergent replay reaches the model as an error, the rollout is not
+    lost to infrastructure (009b255: `infra_failed`, NaN reward)."""
+    from rollout_helpers import ScriptBackend, call, run_tools_loop
+
+    from trl_agentic.rollout.loop import LoopConfig
+
+    env = EnvFactory(**POLICIES["best_effort"])(timeout=3.0)
+    try:
+        env.reset()
+        turns = [
+            call("python", code="while 'x' not in globals(): pass"),
+            call("python", code="undefined_name"),  # NameError: rolled back, the checkpoint replays the cell above
+            call("python", code="print('after')"),
+            "done<|im_end|>",
+        ]
+        backend = ScriptBackend(tiny_tokenizer, [[t] for t in turns[1:]])
+        config = LoopConfig(
+            enable_tool_rollback=True,
+            save_negative_samples=True,
+            rollback_on_errors=["NameError"],
+            infra_error_types=["InfrastructureError"],
+            max_infra_retries=2,
+        )
+        code_error(env, "x = 1\n1/0")  # earlier in the episode: sets x, then raises
+        _, _, (_, completions, *_), result = run_tools_loop(
+            backend, [turns[0]], [{"python": env.python}], config, envs=[env]
+        )
+    finally:
+        env._close()
+    assert result.infra_failed == [False] and result.stats.infra_retries == 0
+    assert result.stats.rollback_attempts == 1 and len(result.extra_rows) == 1
+    contents = [m["content"] for m in completions[0] if m["role"] == "tool"]
+    assert contents[0] == "(no output)" and "SandboxRestoreError" not in contents[0]
+    assert "could not restore its state" in contents[1] and result.tool_failed == [[False, True]]
 
 
 def test_a_single_huge_allocation_is_a_code_error(make_env):

@@ -1,7 +1,15 @@
 """Tool environments for TRL's `environment_factory`, with the checkpoint protocol used for rollback."""
 
 from .calculator import SYSTEM_PROMPT, CalculatorEnv, answer_reward, make_arithmetic_tasks, tool_use_reward
-from .errors import CodeError, SandboxCrashed, SandboxError, SandboxMemoryError, SandboxTimeout, SandboxUnavailable
+from .errors import (
+    CodeError,
+    SandboxCrashed,
+    SandboxError,
+    SandboxMemoryError,
+    SandboxRestoreError,
+    SandboxTimeout,
+    SandboxUnavailable,
+)
 from .protocol import check_checkpointable, checkpoint_env, restore_env, tool_methods
 from .python_sandbox import PythonSandboxEnv
 
@@ -13,6 +21,7 @@ __all__ = [
     "SandboxCrashed",
     "SandboxError",
     "SandboxMemoryError",
+    "SandboxRestoreError",
     "SandboxTimeout",
     "SandboxUnavailable",
     "answer_reward",

@@ -5,6 +5,10 @@ Model errors (the model's code is at fault; shown to the model, may trigger a ro
 - `CodeError`: the code raised an exception. Its `error_type` is the exception's class name (e.g. `"NameError"`).
 - `SandboxError` and its subclasses `SandboxTimeout`, `SandboxCrashed`, `SandboxMemoryError`: the code ran past the
   time limit, killed its interpreter, or went over the cell's memory limit. The sandbox cleaned up after it.
+- `SandboxRestoreError` (a `SandboxError`): the interpreter had to restart (after a rollback, a timeout or a crash)
+  and replaying the earlier successful cells did not give the same result (a cell timed out, crashed or raised this
+  time): the model's earlier code is not replayable. The call's own code did not run; the state from that cell on is
+  lost.
 
 Infrastructure errors (not the model's fault; retried in place, never trained on):
 
@@ -18,6 +22,7 @@ __all__ = [
     "SandboxCrashed",
     "SandboxError",
     "SandboxMemoryError",
+    "SandboxRestoreError",
     "SandboxTimeout",
     "SandboxUnavailable",
 ]
@@ -57,6 +62,12 @@ class SandboxCrashed(SandboxError):
 class SandboxMemoryError(SandboxCrashed):
     """The cell's processes together went over the memory limit (the kernel killed one), or the interpreter died of an
     allocation failure. A `MemoryError` that the code raises and does not catch is a `CodeError` instead."""
+
+
+class SandboxRestoreError(SandboxError):
+    """Replaying the episode's earlier successful cells into a restarted interpreter diverged: a cell timed out,
+    crashed or raised this time (e.g. it waited for a variable that a cell which raised had set). Caused by the model's
+    code, so a model error; the cells from the divergent one on are dropped from the episode's state."""
 
 
 class SandboxUnavailable(InfrastructureError):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import CodeError, SandboxError, SandboxUnavailable
+from .errors import CodeError, SandboxError, SandboxRestoreError, SandboxUnavailable
 from .sandbox_isolation import resolve_isolation
 from .sandbox_process import SandboxProcess
 
@@ -27,15 +27,24 @@ class PythonSandboxEnv:
     - the code raised → `CodeError` (a model error) whose `error_type` is the exception's class name and whose message
       is the printed output then the error line;
     - the code ran past the time limit, killed the interpreter or went over the memory limit → `SandboxTimeout`,
-      `SandboxCrashed`, `SandboxMemoryError` (model errors). The next call starts a new interpreter and silently
-      replays the cells that had succeeded, so the episode state survives;
+      `SandboxCrashed`, `SandboxMemoryError` (model errors). The next call starts a new interpreter and replays the
+      cells that had succeeded, so the episode state survives;
+    - a replay that does not reproduce a cell (it times out, crashes or raises this time) → `SandboxRestoreError`, a
+      model error (see below);
     - the sandbox cannot start → `SandboxUnavailable` (an infrastructure error: retried, not the model's fault).
 
     A cell's processes never outlive it: when a call returns, everything the cell started has been killed.
 
     The state for rollback (`_checkpoint`/`_restore`) is the list of cells that ran without error: restoring restarts
-    the interpreter (and its directory) and replays them. Cells that raised are not replayed, so side effects they had
-    before raising are lost, and replaying assumes the cells are deterministic (files they write are re-created).
+    the interpreter (and its directory) and, at the next call, replays them in order, each under the call's time limit.
+    What a restore brings back is what re-running those cells produces: variables, imports, function definitions and
+    files they create, if the cells are deterministic. It does not bring back what cells that raised did before
+    raising (they are not replayed), nor anything that depends on time, randomness without a fixed seed, the process
+    id or other outside state. When a replayed cell behaves differently from its first run (times out, crashes or
+    raises: e.g. `while 'x' not in globals(): pass` after a cell that set `x` and then raised), the restore stops
+    there: the call raises `SandboxRestoreError` without running its code, the state keeps the cells before the
+    divergent one (replayed again by the next call) and drops the rest. This is a model error, never an
+    infrastructure error: retrying cannot help, and the rollout keeps its reward.
 
     Args:
         timeout (`float`, *optional*, defaults to `5.0`):
@@ -159,16 +168,26 @@ class PythonSandboxEnv:
     def _interpreter(self) -> SandboxProcess:
         if self._process is not None and self._process.alive:
             return self._process
-        process = SandboxProcess(**self._process_kwargs)
+        process = SandboxProcess(**self._process_kwargs)  # SandboxUnavailable here: the infrastructure's
         self._process = process
-        for cell in self._cells:
-            # Cells that raise now are ignored: they succeeded before, so the state is as close as we can get. One that
-            # kills the interpreter (e.g. times out on a loaded machine) is not this call's fault: retried as infra.
+        for k, cell in enumerate(self._cells):
+            # Every cell replayed here ran without error before. One that now times out, crashes or raises diverged
+            # because of what the model's code does (it is not deterministic, or depended on a cell that raised):
+            # a model error. Retrying it as infrastructure would only diverge again (and drop the rollout).
             try:
-                process.run(cell, self.timeout)
+                result = process.run(cell, self.timeout)
+                failure = None if result["error_type"] is None else result["text"].splitlines()[-1]
             except SandboxError as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+            if failure is not None:
+                lost = len(self._cells) - k
+                self._cells = self._cells[:k]
                 self._close()
-                raise SandboxUnavailable(f"could not restore the episode's state: {exc}") from exc
+                raise SandboxRestoreError(
+                    f"the interpreter restarted and could not restore its state: replaying earlier cell {k + 1} of "
+                    f"{k + lost} failed this time ({failure}). What that cell and the {lost - 1} after it defined is "
+                    "lost; this call's code did not run."
+                )
         return process
 
     def _checkpoint(self) -> list[str]:
