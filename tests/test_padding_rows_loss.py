@@ -116,3 +116,67 @@ def test_every_real_row_weighs_the_same_across_micro_batches(tiny_model_dir, tmp
     trainer.current_gradient_accumulation_steps = 2
     trl = sum(_grad(trainer, GRPOTrainer._compute_loss(trainer, trainer.model, mb)) for mb in micro_batches)
     assert (trl - expected).abs().max() > 1e-3 * expected.abs().max()
+
+
+def _own_token_logps(model, rows: dict) -> torch.Tensor:
+    """Per-token log-probs of the completions from our own forward pass and log-softmax (temperature 1)."""
+    input_ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1)
+    attention_mask = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    width = rows["completion_ids"].size(1)
+    logits = logits[:, -width - 1 : -1, :].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, rows["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("features", ["on", "off"])
+def test_bnpo_weighs_every_real_token_the_same_across_micro_batches(tiny_model_dir, tmp_path, features):
+    """Issue 35, item 4. A lopsided split, 4 real rows | 1 real row + 3 padding rows: with a feature that reshapes
+    batches on, the accumulated bnpo gradient equals a hand-written one in which every real token weighs 1 / N (N the
+    real tokens of both micro-batches). 009b255 kept TRL's per-micro-batch normaliser, so the lone row's tokens weighed
+    about 4x more. With every feature off it stays TRL's bnpo (checked the other way round)."""
+    extra = {"advantage_estimator": "trl_agentic.estimators:grpo_estimator"} if features == "on" else {}
+    args = AgenticGRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_steps=1,
+        seed=3,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_completion_length=8,
+        loss_type="bnpo",
+        save_strategy="no",
+        **extra,
+    )
+    assert args.agentic_features_enabled == (features == "on")
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say {w}."}] for w in ("hi", "yes")] * 4})
+    trainer = AgenticGRPOTrainer(model=tiny_model_dir, reward_funcs=reward, args=args, train_dataset=dataset)
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(list(dataset))
+    real = _rows(batch, [0, 1, 2, 3, 4])
+    padded = BatchAugmenter._pad_rows(real, 8)
+    mask = real["completion_mask"] * real["tool_mask"] if "tool_mask" in real else real["completion_mask"]
+    padded["num_rows_in_batch"] = torch.tensor(5)
+    padded["num_items_in_batch"] = mask.sum()
+    micro_batches = [_rows(padded, [0, 1, 2, 3]), _rows(padded, [4, 5, 6, 7])]
+    assert real["advantages"].abs().sum() > 0 and int(micro_batches[1]["completion_mask"][1:].sum()) == 0
+
+    trainer.current_gradient_accumulation_steps = 2
+    ours = sum(_grad(trainer, trainer._compute_loss(trainer.model, mb)) for mb in micro_batches)
+
+    # Hand-written: at ratio 1 the clipped surrogate's gradient is -A * grad log p per trained token.
+    logps = _own_token_logps(trainer.model, real)
+    weights = mask.float()
+    if features == "on":
+        weights = weights / mask.sum()  # every real token of the generation batch weighs the same
+    else:  # TRL: each micro-batch divided by its own tokens, averaged over the 2 accumulation steps
+        weights[:4] = weights[:4] / mask[:4].sum() / 2
+        weights[4:] = weights[4:] / mask[4:].sum() / 2
+    expected = _grad(trainer, -(real["advantages"].unsqueeze(1) * weights * logps).sum())
+    assert expected.abs().max() > 1e-6
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
+    # The two weightings differ here (the comparison can fail): the lone row is 1 of 5 rows but not 1/2 of the tokens.
+    share = mask[4].sum() / mask.sum()
+    assert abs(share.item() - 0.5) > 0.2

@@ -1,18 +1,28 @@
-"""Equal weight for every real row in TRL's per-row loss types, whatever the padding and the row selection.
+"""Equal weight for every real row (per-row losses) or token (bnpo), whatever the padding and the row selection.
 
 TRL's `grpo`, `sapo`, `dr_grpo` and `luspo` losses average per-row terms over the rows of a micro-batch: each row
 weighs `1 / (B_mb * GA)` on its process, and processes are averaged. With a fixed batch that is `1 / R` for the `R`
-rows of the generation batch. trl-agentic's batches hold zero-weight padding rows (variable groups, ranks with
-different row counts) and TracIn trains on a subset of rows, so `B_mb * GA * num_processes` is no longer the number of
-rows trained on. The batch therefore carries `num_rows_in_batch`, the global number of rows that are trained on (real,
-and selected when TracIn is on), and the loss of a micro-batch is rescaled so that every such row weighs
-`1 / num_rows_in_batch` over the generation batch, as `num_items_in_batch` does for the token-level losses:
+rows of the generation batch. trl-agentic's batches hold rows that are not trained (zero-weight padding rows for groups
+of variable size and ranks with different row counts, rollouts lost to infrastructure) and TracIn trains on a subset
+of rows, so `B_mb * GA * num_processes` is no longer the number of rows trained on. The batch therefore carries
+`num_rows_in_batch`, the global number of rows that count (`trl_agentic.batch.counted_rows`, minus the rows TracIn
+leaves out), and the loss of a micro-batch is rescaled so that every such row weighs `1 / num_rows_in_batch` over the
+generation batch, as `num_items_in_batch` does for the token-level losses:
 
     factor = B_mb * num_processes * steps_per_generation / num_rows_in_batch   (train; eval: no steps_per_generation)
 
-Without padding and selection the factor is exactly 1 and TRL's loss is returned untouched (bit for bit). Only the
-policy term is rescaled: TRL's entropy bonus and MoE auxiliary loss do not average over rows, so they are kept as
-they are.
+`bnpo` divides each micro-batch by its own token count `T_mb`, so the real tokens of a micro-batch filled with padding
+rows weigh up to `B_mb` times more than those of a full one. When the trainer can reshape batches (a feature that adds
+or drops rows, or trl-agentic's loop, on: `equal_token_weights`), every real token weighs the same instead: the
+normaliser is the generation batch's token count shared equally among its micro-batches (as `dapo`'s):
+
+    factor = T_mb * num_processes * steps_per_generation / num_items_in_batch
+
+With every such feature off, TRL's `bnpo` is kept as it is (TRL's own per-micro-batch normaliser: features off stays
+TRL bit for bit). `dapo`, `cispo` and `vespo` already divide by the global `num_items_in_batch`. Without padding and
+selection the per-row factor is exactly 1 and TRL's loss is returned untouched (bit for bit). Only the policy term is
+rescaled: TRL's entropy bonus and MoE auxiliary loss do not average over rows or tokens of the batch, so they are kept
+as they are.
 """
 
 from __future__ import annotations
@@ -20,30 +30,47 @@ from __future__ import annotations
 import torch
 
 ROW_MEAN_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
+# Normalised by the micro-batch's own token count in TRL.
+LOCAL_TOKEN_LOSSES = ("bnpo",)
 
 
-def row_weight_factor(inputs: dict, loss_type: str, num_processes: int, steps_per_generation: int) -> float:
+def row_weight_factor(
+    inputs: dict, loss_type: str, num_processes: int, steps_per_generation: int, equal_token_weights: bool = False
+) -> float:
     """
-    The factor that turns TRL's per-row loss of a micro-batch into the equal-weight one (1.0 when nothing changes).
+    The factor that turns TRL's loss of a micro-batch into the equal-weight one (1.0 when nothing changes).
 
     Args:
         inputs (`dict`): The micro-batch (with `num_rows_in_batch` when trl-agentic built it).
         loss_type (`str`): TRL's `loss_type`.
         num_processes (`int`): Number of processes.
         steps_per_generation (`int`): Micro-batches the generation batch is split into (1 in eval).
+        equal_token_weights (`bool`, *optional*, defaults to `False`):
+            Whether `bnpo` weighs every real token of the generation batch the same (see the module docstring).
 
     Returns:
         `float`
     """
     rows = inputs.get("num_rows_in_batch")
-    if rows is None or loss_type not in ROW_MEAN_LOSSES:
+    if rows is None:
         return 1.0
-    slots = inputs["prompt_ids"].size(0) * num_processes * steps_per_generation
-    return slots / max(int(rows), 1)
+    if loss_type in ROW_MEAN_LOSSES:
+        slots = inputs["prompt_ids"].size(0) * num_processes * steps_per_generation
+        return slots / max(int(rows), 1)
+    if loss_type in LOCAL_TOKEN_LOSSES and equal_token_weights:
+        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+        tokens = max(float(mask.sum()), 1.0)  # TRL's `mask.sum().clamp(min=1)`
+        return tokens * num_processes * steps_per_generation / max(float(inputs["num_items_in_batch"]), 1.0)
+    return 1.0
 
 
 class RowWeightedLossMixin:
     """Overrides `GRPOTrainer._compute_loss` to apply `row_weight_factor` (see the module docstring)."""
+
+    @property
+    def _equal_token_weights(self) -> bool:
+        """Whether batches can differ from TRL's (rows added, dropped or padded): then `bnpo` weighs tokens equally."""
+        return bool(self.args.agentic_features_enabled or getattr(self, "_uses_agentic_loop", False))
 
     def _compute_loss(self, model, inputs):
         training = self.model.training
@@ -52,6 +79,7 @@ class RowWeightedLossMixin:
             self.loss_type,
             self.accelerator.num_processes,
             self.args.steps_per_generation if training else 1,
+            self._equal_token_weights,
         )
         if factor == 1.0:
             return super()._compute_loss(model, inputs)

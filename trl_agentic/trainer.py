@@ -99,7 +99,8 @@ class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
       same divisible row count;
     - `_compute_loss` (`trl_agentic.loss_weights.RowWeightedLossMixin`): calls TRL's; for per-row loss types
       (`grpo`, `sapo`, `dr_grpo`, `luspo`) it rescales the policy term so that every trained row weighs
-      `1 / num_rows_in_batch` whatever the padding rows and the micro-batch it falls in;
+      `1 / num_rows_in_batch` whatever the padding rows and the micro-batch it falls in, and for `bnpo` (when a
+      feature can reshape batches) so that every trained token weighs `1 / num_items_in_batch`;
     - `_save_checkpoint` / `_load_optimizer_and_scheduler`: call TRL's and save/restore trl-agentic's own state;
     - `create_model_card` (public): TRL's card plus the features used, their settings and citations.
 

@@ -637,10 +637,12 @@ class TracInMixin:
         """Factor c with `loss_masked = c * sum_{b selected} ell_b` as functions of the weights.
 
         Masking leaves each selected row's term unchanged except for a normaliser that counts what is trained on: the
-        global token count for dapo/cispo/vespo, the micro-batch token count for bnpo, the global row count
-        (`num_rows_in_batch`, see `loss_weights.py`) for the row-mean losses.
+        global token count for dapo/cispo/vespo and for trl-agentic's bnpo (every token weighs the same,
+        `loss_weights.py`), the micro-batch token count for TRL's own bnpo, the global row count (`num_rows_in_batch`)
+        for the row-mean losses.
         """
-        if self.loss_type in _GLOBAL_TOKEN_LOSSES:
+        equal_tokens = "num_rows_in_batch" in inputs and self._equal_token_weights
+        if self.loss_type in _GLOBAL_TOKEN_LOSSES or (self.loss_type in _LOCAL_TOKEN_LOSSES and equal_tokens):
             return max(float(inputs["num_items_in_batch"]), 1.0) / max(float(num_items), 1.0)
         if self.loss_type in _LOCAL_TOKEN_LOSSES:
             kept = (mask * selected.unsqueeze(1).to(mask.dtype)).sum()
