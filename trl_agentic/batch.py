@@ -1,16 +1,24 @@
 """The variable-group data path: rows with explicit group ids, advantages across processes, padded batches.
 
 `BatchAugmenter` runs after TRL's `_generate_and_score_completions` built the batch of regular rows (one per
-rollout, `num_generations` per prompt). It
+rollout, `num_generations` per prompt). Its stages, in order (`BatchAugmenter.__call__`), each rule in one place:
 
-1. gathers, with variable counts per process, the extra rows of the rollout loop (negative samples, snapshot
-   segments) as small metadata, applies `max_negative_samples_per_group` globally, and gives every row a reward and
-   the `group_id` of its prompt group (unique across processes);
-2. calls the advantage estimator once on the gathered rewards/group ids (each process keeps its own rows);
-3. appends the local extra rows to the tensors (re-padding widths), computes their old/ref log-probs and vLLM
-   importance ratios like TRL does, zeroes rollouts lost to infrastructure failures, pads every process to the same
-   row count, a multiple of `steps_per_generation` (`split_tensor_dict` silently drops a remainder), with zero-weight
-   rows, and recomputes `num_items_in_batch`.
+1. `_regular_rewards`: the rollouts' rewards as TRL aggregates them; unscorable and infrastructure-lost rows are NaN;
+2. `_gather_rows`: the extra rows of the rollout loop (negative samples, snapshot segments) gathered as small
+   metadata with variable counts per process, `max_negative_samples_per_group` applied globally, every row's reward,
+   episode and `group_id` (unique across processes);
+3. `_baseline`: which rows enter their group's statistics (`group_baseline`, `snapshot_advantage`);
+4. `_append_rows` / `_untrained_rows`: the local extra rows appended to the tensors (re-padded widths, old/ref
+   log-probs and vLLM importance ratios computed like TRL's), the rows that are not trained zeroed;
+5. `_estimate`: TRL's own advantages when the batch is one `GRPOTrainer` would train on, else the advantage estimator
+   once on the gathered rewards/group ids (each process keeps its own rows);
+6. `_assemble`: advantages (negatives clamped to <= 0), row ids, `counted_row`, and the estimator's own rows;
+7. `_pad_and_count`: every process padded to the same row count, a multiple of `steps_per_generation`
+   (`split_tensor_dict` silently drops a remainder), with zero-weight rows; `num_items_in_batch` and
+   `num_rows_in_batch` (`counted_rows`, the one rule for which rows count) recomputed.
+
+A stage that can raise on one process only ends at a synchronisation point (`trl_agentic.rank_errors`), so an error
+on any process stops every process instead of leaving the others waiting in a collective.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from trl.trainer.utils import use_adapter
 
 from .advantages import negative_sample_rewards
 from .estimators import AdvantageBatch, EstimatorResult, grpo_estimator
-from .rollout.trl_backend import any_rank
+from .rank_errors import raise_on_every_rank
 from .rollout.types import ExtraRow, RowKind
 
 logger = logging.get_logger(__name__)
@@ -62,6 +70,28 @@ def _stack(rows: list[list], width: int, value, side: str, dtype, device) -> tor
     return out
 
 
+# Batch keys set by the augmenter itself (recomputed or extended after extra rows are appended).
+_ROW_ID_KEYS = (
+    "advantages",
+    "num_items_in_batch",
+    "num_rows_in_batch",
+    "group_id",
+    "row_kind",
+    "episode_id",
+    "segment_index",
+    "counted_row",
+)
+
+
+def _check_mergeable(output: dict) -> None:
+    """Refuse a batch whose keys extra rows cannot be appended to. Called on every process when any process has extra
+    rows: the keys are the same everywhere, so every process raises here together."""
+    known = {"prompt_ids", "prompt_mask", "importance_sampling_ratio", *_TOKEN_KEYS, *_ROW_ID_KEYS}
+    for key in output:
+        if key not in known:
+            raise NotImplementedError(f"Extra rows cannot be combined with the batch key {key!r} (multimodal?).")
+
+
 def _round_up(x: int, multiple: int | None) -> int:
     return x if not multiple else int(math.ceil(x / multiple) * multiple)
 
@@ -80,6 +110,62 @@ def _raise_if_failed(gathered: list, local_error: BaseException | None) -> None:
     failed = {rank: p.error for rank, p in enumerate(gathered) if isinstance(p, _Failed)}
     if failed:
         raise RuntimeError(f"Stopped because the batch augmentation failed on another process: {failed}")
+
+
+@dataclass
+class _Rows:
+    """Every row of the generation batch over every process: the regular rows in global rollout order, then each
+    process's kept extra rows in process order. `local_index` gives this process's rows (regular, then extra) in these
+    `(N,)` tensors; `local_extras` are its kept extra rows."""
+
+    rewards: torch.Tensor
+    kinds: torch.Tensor
+    parents: torch.Tensor  # the episode: global index of the rollout (its regular row)
+    groups: torch.Tensor  # the prompt group: parent // group size
+    local_index: torch.Tensor
+    local_extras: list[ExtraRow]
+
+
+def counted_rows(batch: dict) -> torch.Tensor:
+    """
+    Which rows of a batch count: the one rule behind `num_rows_in_batch` (the per-row losses' denominator,
+    `loss_weights.py`) and TracIn's row counts (`tracin/trainer_mixin.py`).
+
+    A row counts unless it is a padding row or a row that is not trained (`counted_row` False: a rollout lost to
+    infrastructure, and the earlier segments of an episode whose last segment is not trained). A regular row that TRL
+    itself masks (`mask_truncated_completions`) still counts, as it does in TRL's own per-row mean.
+
+    Args:
+        batch (`dict`): A batch (or micro-batch) built by `BatchAugmenter`; without its keys every row counts.
+
+    Returns:
+        `torch.Tensor`: `(B,)` bool.
+    """
+    rows = batch["prompt_ids"].size(0)
+    counted = batch.get("counted_row")
+    counted = torch.ones(rows, dtype=torch.bool, device=batch["prompt_ids"].device) if counted is None else counted
+    if "row_kind" in batch:
+        counted = counted.bool() & (batch["row_kind"] != RowKind.PADDING)
+    return counted.bool()
+
+
+def _check_estimate(result, num_rows: int, width: int):
+    """What an advantage estimator returned, checked: `(advantages, extra rows, their advantages)`."""
+    if isinstance(result, EstimatorResult):
+        advantages, rows, extra = result.advantages, list(result.extra_rows), result.extra_advantages
+    else:
+        advantages, rows, extra = result, [], None
+    if not isinstance(advantages, torch.Tensor) or advantages.dim() not in (1, 2) or advantages.size(0) != num_rows:
+        shape = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
+        raise ValueError(f"The advantage estimator returned {shape}; it must return ({num_rows},) or ({num_rows}, T).")
+    if advantages.dim() == 2 and advantages.size(1) != width:
+        raise ValueError(
+            f"The advantage estimator returned shape {tuple(advantages.shape)}; token-level advantages must have "
+            f"width {width}."
+        )
+    if rows and (extra is None or extra.size(0) != len(rows)):
+        raise ValueError("An EstimatorResult with extra rows needs one advantage per extra row.")
+    return advantages, rows, extra
 
 
 def _import(path: str):
@@ -120,25 +206,67 @@ class BatchAugmenter:
                 return
 
     def __call__(self, output: dict, inputs: list[dict], rewards_per_func: torch.Tensor, loop_result) -> dict:
+        """TRL's batch of regular rows plus the loop's extra rows → the training batch, in named stages (in order):
+
+        1. `_regular_rewards`: the rollouts' rewards (NaN = unscorable or lost to infrastructure);
+        2. `_gather_rows`: every row of the generation batch over every process, with its reward, group and episode;
+        3. `_baseline`: which rows enter their group's statistics;
+        4. `_append_rows` + `_untrained_rows`: the local tensors, and the rows that are not trained (loss mask 0);
+        5. `_estimate`: the advantages (TRL's own when the batch is TRL's, else the estimator);
+        6. `_assemble`: advantages and row ids into the batch, plus the estimator's rows;
+        7. `_pad_and_count`: equal, divisible row counts on every process, and what the losses count
+           (`num_items_in_batch`, `num_rows_in_batch`, from `counted_rows`).
+
+        Every step that can fail on one process only ends at a synchronisation point (`rank_errors`), so an error on
+        any process stops every process.
+        """
         t, args = self.trainer, self.trainer.args
         if args.multi_objective_aggregation != "sum_then_normalize":
             return output  # GDPO keeps TRL's advantages (the trainer refuses it with extra rows)
-        device = t.accelerator.device
         mode = "train" if t.model.training else "eval"
-        group_size = t.num_generations if mode == "train" else t.num_generations_eval
         num_local = output["prompt_ids"].size(0)
-        nproc, rank = t.accelerator.num_processes, t.accelerator.process_index
         extras = loop_result.extra_rows if loop_result is not None else []
         infra_local = loop_result.infra_failed if loop_result is not None else [False] * num_local
 
-        # 1. Rewards of the regular rows, aggregated as TRL does; infrastructure failures are unscorable.
+        rewards, infra = self._regular_rewards(rewards_per_func, infra_local)
+        rows = self._gather_rows(extras, rewards, inputs, num_local, mode)
+        if rows.kinds.numel() > num_local * t.accelerator.num_processes:
+            _check_mergeable(output)
+        baseline = self._baseline(rows.kinds)
+        batch = self._append_rows(output, rows.local_extras, t.accelerator.device)
+        untrained = self._untrained_rows(output, infra_local, rows.local_extras)
+        if bool(untrained.any()):
+            batch["tool_mask"] = batch["tool_mask"].masked_fill(untrained.unsqueeze(1), 0)
+        advantages, est_rows, est_adv = self._estimate(output, batch, rows, baseline, infra, num_local)
+        batch = self._assemble(batch, rows, advantages, untrained, loop_result, num_local, est_rows, est_adv)
+        batch = self._pad_and_count(batch, mode)
+        self._log_metrics(mode, batch, loop_result, rows.groups, rows.kinds)
+        self._log_trained_rows(batch, num_local, rows.local_extras, loop_result, inputs)
+        return batch
+
+    # --------------------------------------------------------------------------------------------------- stages
+    def _regular_rewards(self, rewards_per_func: torch.Tensor, infra_local: list[bool]):
+        """1. The regular rows' rewards over every process, aggregated as TRL does (weighted `nansum`); a row every
+        reward function skipped is unscorable and a rollout lost to infrastructure has no reward: both NaN."""
+        t = self.trainer
+        device = t.accelerator.device
         unscorable = torch.isnan(rewards_per_func).all(dim=1)
         rewards = (rewards_per_func * t.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
         rewards[unscorable] = torch.nan
         infra = gather(torch.tensor(infra_local, dtype=torch.bool, device=device))
         rewards[infra] = torch.nan
+        return rewards, infra
 
-        # 2. Extra rows: metadata gathered with variable counts per process (small Python objects).
+    def _gather_rows(
+        self, extras: list[ExtraRow], rewards: torch.Tensor, inputs: list[dict], num_local: int, mode: str
+    ):
+        """2. Every row of the generation batch on every process: the regular rows (global rollout order), then each
+        process's kept extra rows (negatives capped per group by `max_negative_samples_per_group`, across processes in
+        a fixed order). The metadata is gathered with variable counts per process (small Python objects)."""
+        t, args = self.trainer, self.trainer.args
+        device = t.accelerator.device
+        nproc, rank = t.accelerator.num_processes, t.accelerator.process_index
+        group_size = t.num_generations if mode == "train" else t.num_generations_eval
         local_error = None
         try:
             local_meta = [
@@ -174,109 +302,130 @@ class BatchAugmenter:
                     extra_rewards.append(value)
                     owners.append(owner)
         local_extras = [e for e, ok in zip(extras, self._own_keep(keep, all_meta, rank)) if ok]
-
-        all_rewards = torch.cat([rewards, torch.tensor(extra_rewards, dtype=rewards.dtype, device=device)])
-        kind_t = torch.tensor(kinds, device=device)
-        parent_t = torch.tensor(parents, device=device)
-        group_t = parent_t // group_size
-        regular = kind_t == RowKind.REGULAR
-        if args.group_baseline == "episodes":
-            baseline = regular
-        else:
-            baseline = regular | (kind_t == RowKind.NEGATIVE)
-            if args.snapshot_advantage == "row":
-                baseline = baseline | (kind_t == RowKind.SNAPSHOT)
         first_extra = num_local * nproc + sum(1 for o in owners if o < rank)
-        local_index = torch.cat(
-            [
-                torch.arange(rank * num_local, (rank + 1) * num_local, device=device),
-                torch.arange(first_extra, first_extra + len(local_extras), device=device),
-            ]
+        parent_t = torch.tensor(parents, device=device)
+        return _Rows(
+            rewards=torch.cat([rewards, torch.tensor(extra_rewards, dtype=rewards.dtype, device=device)]),
+            kinds=torch.tensor(kinds, device=device),
+            parents=parent_t,
+            groups=parent_t // group_size,
+            local_index=torch.cat(
+                [
+                    torch.arange(rank * num_local, (rank + 1) * num_local, device=device),
+                    torch.arange(first_extra, first_extra + len(local_extras), device=device),
+                ]
+            ),
+            local_extras=local_extras,
         )
 
-        # 3. Tensors: regular rows, then this process's extra rows, then padding rows.
-        batch = self._append_rows(output, local_extras, device)
-        # The earlier segments (snapshot rows) of an episode whose last segment is not trained are not trained either:
-        # a lost rollout (its reward is NaN), or a truncated one TRL masked (`mask_truncated_completions` zeroes the
-        # completion mask of a row cut by the budget). A negative row is its own complete turn and keeps its loss.
+    def _baseline(self, kinds: torch.Tensor) -> torch.Tensor:
+        """3. The rows that enter their group's mean and std: the rollouts, plus the negatives with
+        `group_baseline="all_rows"`, plus the snapshot segments there with `snapshot_advantage="row"`. The others are
+        measured from their episode (`group_advantages`)."""
+        args = self.trainer.args
+        baseline = kinds == RowKind.REGULAR
+        if args.group_baseline == "all_rows":
+            baseline = baseline | (kinds == RowKind.NEGATIVE)
+            if args.snapshot_advantage == "row":
+                baseline = baseline | (kinds == RowKind.SNAPSHOT)
+        return baseline
+
+    def _untrained_rows(self, output: dict, infra_local: list[bool], local_extras: list[ExtraRow]) -> torch.Tensor:
+        """4. The local rows (regular, then extra) that are not trained: a rollout lost to infrastructure, and the
+        earlier segments (snapshot rows) of an episode whose last segment is not trained (lost, or a truncated one
+        TRL masked: `mask_truncated_completions` zeroes the completion mask of a row cut by the budget). A negative
+        row is its own complete turn and keeps its loss. These rows do not count either (`counted_rows`)."""
         untrained = list(infra_local)
-        if args.mask_truncated_completions:
+        if self.trainer.args.mask_truncated_completions:
             masked = (output["completion_mask"].sum(dim=1) == 0).tolist()
             untrained = [a or b for a, b in zip(untrained, masked)]
         lost = list(infra_local) + [e.kind == RowKind.SNAPSHOT and untrained[e.parent] for e in local_extras]
-        if any(lost):
-            lost = torch.tensor(lost, dtype=torch.bool, device=device)
-            batch["tool_mask"] = batch["tool_mask"].masked_fill(lost.unsqueeze(1), 0)
-        loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
+        return torch.tensor(lost, dtype=torch.bool, device=self.trainer.accelerator.device)
+
+    def _estimate(self, output: dict, batch: dict, rows: _Rows, baseline: torch.Tensor, infra, num_local: int):
+        """5. The advantages of this process's rows, `(B,)` or `(B, T)`, and the estimator's own extra rows.
+
+        When the batch is one `GRPOTrainer` would train on (`_trl_advantages_hold`), TRL's own advantages; else the
+        estimator on the gathered rewards. The estimator and the checks of what it returned run before a
+        synchronisation point: a failure on one process stops every process there.
+        """
+        t, args = self.trainer, self.trainer.args
         estimator_batch = AdvantageBatch(
-            rewards=all_rewards,
-            group_ids=group_t,
+            rewards=rows.rewards,
+            group_ids=rows.groups,
             baseline_mask=baseline,
-            row_kind=kind_t,
-            episode_ids=parent_t,
-            local_index=local_index,
+            row_kind=rows.kinds,
+            episode_ids=rows.parents,
+            local_index=rows.local_index,
             prompt_ids=batch["prompt_ids"],
             prompt_mask=batch["prompt_mask"],
             completion_ids=batch["completion_ids"],
             completion_mask=batch["completion_mask"],
             tool_mask=batch["tool_mask"] if "tool_mask" in batch else torch.ones_like(batch["completion_mask"]),
-            loss_mask=loss_mask,
+            loss_mask=batch["completion_mask"] * batch.get("tool_mask", 1),
             scale=t.scale_rewards,
             std_floor=args.advantage_std_floor,
         )
+        num_extra = rows.kinds.numel() - num_local * t.accelerator.num_processes
+        result = est_rows = est_adv = error = None
         try:
-            if self._trl_advantages_hold(t, len(kinds) - num_local * nproc, infra):
+            if self._trl_advantages_hold(t, num_extra, infra):
                 # Features off in this batch: TRL's own advantages, exactly as `GRPOTrainer` computed them.
-                result, error = output["advantages"], None
+                result = output["advantages"]
             else:
-                result, error = t.advantage_estimator(estimator_batch, t), None
-        except Exception as e:  # noqa: BLE001 - re-raised on every process (a custom estimator's bug on one rank)
-            result, error = None, e
-        if nproc > 1:
-            any_rank(t.accelerator, False, error)
-        elif error is not None:
-            raise error
-        if isinstance(result, EstimatorResult):
-            advantages, est_rows, est_adv = result.advantages, list(result.extra_rows), result.extra_advantages
-        else:
-            advantages, est_rows, est_adv = result, [], None
-        if advantages.dim() == 2 and advantages.size(1) != batch["completion_ids"].size(1):
-            raise ValueError(
-                f"The advantage estimator returned shape {tuple(advantages.shape)}; token-level advantages must have "
-                f"width {batch['completion_ids'].size(1)}."
+                result = t.advantage_estimator(estimator_batch, t)
+            result, est_rows, est_adv = _check_estimate(
+                result, batch["prompt_ids"].size(0), batch["completion_ids"].size(1)
             )
+            if est_rows:
+                _check_mergeable(output)
+        except Exception as e:  # noqa: BLE001 - re-raised on every process (e.g. a custom estimator's bug on one rank)
+            error = e
+        raise_on_every_rank(t.accelerator, error, "the advantage estimator")
+        return result, est_rows, est_adv
+
+    def _assemble(self, batch, rows: _Rows, advantages, untrained, loop_result, num_local: int, est_rows, est_adv):
+        """6. The advantages (a negative row's clamped to <= 0), the row ids (`group_id`, `row_kind`, `episode_id`,
+        `segment_index`, `counted_row`) and the estimator's rows."""
+        t = self.trainer
+        device = t.accelerator.device
         # A failed attempt is never reinforced: with custom rewards, regular rows can score below the negative reward,
         # and the group statistics would then give the negative row a positive advantage.
-        self._warn_negative_reward_not_lowest(all_rewards, group_t, kind_t)
-        negative = kind_t[local_index] == RowKind.NEGATIVE
+        self._warn_negative_reward_not_lowest(rows.rewards, rows.groups, rows.kinds)
+        negative = rows.kinds[rows.local_index] == RowKind.NEGATIVE
         if advantages.dim() == 2:
             negative = negative.unsqueeze(1)
         advantages = torch.where(negative.to(advantages.device), advantages.clamp(max=0), advantages)
         batch["advantages"] = advantages.to(device=device, dtype=torch.float32)
-        batch["group_id"] = group_t[local_index]
-        batch["row_kind"] = kind_t[local_index]
+        batch["group_id"] = rows.groups[rows.local_index]
+        batch["row_kind"] = rows.kinds[rows.local_index]
         # The episode (global rollout index) of every row and the row's segment in it (0 = first; a rollout's
         # regular row is its last segment). is_snapshot is `row_kind == RowKind.SNAPSHOT`.
-        batch["episode_id"] = parent_t[local_index]
+        batch["episode_id"] = rows.parents[rows.local_index]
         last_segments = [n - 1 for n in loop_result.num_segments] if loop_result is not None else [0] * num_local
         batch["segment_index"] = torch.tensor(
-            last_segments + [e.segment_index for e in local_extras], dtype=torch.long, device=device
+            last_segments + [e.segment_index for e in rows.local_extras], dtype=torch.long, device=device
         )
+        batch["counted_row"] = ~untrained
         if est_rows or self._forwards_are_collective(batch):
             # Even without rows of its own, a process joins the others' log-prob forward passes (see _append_rows).
             batch = self._append_estimator_rows(batch, est_rows, est_adv, device)
+        return batch
 
-        # Every process ends with the same number of rows, a multiple of steps_per_generation.
-        local_rows = torch.tensor([batch["prompt_ids"].size(0)], device=device)
-        most = int(t.accelerator.reduce(local_rows, reduction="max").item()) if nproc > 1 else int(local_rows.item())
-        target = _round_up(most, args.steps_per_generation if mode == "train" else None)
-        batch = self._pad_rows(batch, target)
+    def _pad_and_count(self, batch: dict, mode: str) -> dict:
+        """7. Every process ends with the same number of rows, a multiple of `steps_per_generation` (TRL's
+        `split_tensor_dict` silently drops a remainder), with zero-weight padding rows; then the counts the losses
+        divide by: `num_items_in_batch` (trained tokens) and `num_rows_in_batch` (`counted_rows`), over every process."""
+        t, args = self.trainer, self.trainer.args
+        local_rows = torch.tensor([batch["prompt_ids"].size(0)], device=t.accelerator.device)
+        if t.accelerator.num_processes > 1:
+            most = int(t.accelerator.reduce(local_rows, reduction="max").item())
+        else:
+            most = int(local_rows.item())
+        batch = self._pad_rows(batch, _round_up(most, args.steps_per_generation if mode == "train" else None))
         loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
         batch["num_items_in_batch"] = t.accelerator.gather(loss_mask.sum()).sum()
-        # Rows trained on, over every process: the per-row loss types weigh each by its inverse (loss_weights.py).
-        batch["num_rows_in_batch"] = t.accelerator.gather((batch["row_kind"] != RowKind.PADDING).sum()).sum()
-        self._log_metrics(mode, batch, loop_result, group_t, kind_t)
-        self._log_trained_rows(batch, num_local, local_extras, loop_result, inputs)
+        batch["num_rows_in_batch"] = t.accelerator.gather(counted_rows(batch).sum()).sum()
         return batch
 
     # ------------------------------------------------------------------------------------------------------------
@@ -376,17 +525,9 @@ class BatchAugmenter:
             elif key == "importance_sampling_ratio":
                 width = value.size(1) if value.size(1) == 1 else comp_w
                 merged[key] = torch.cat([_pad_to(value, width, 1.0, "right"), _pad_to(ext[key], width, 1.0, "right")])
-            elif key in (
-                "advantages",
-                "num_items_in_batch",
-                "num_rows_in_batch",
-                "group_id",
-                "row_kind",
-                "episode_id",
-                "segment_index",
-            ):
+            elif key in _ROW_ID_KEYS:
                 merged[key] = value  # recomputed or extended by the caller
-            else:
+            else:  # refused before, on every process, by `_check_mergeable`
                 raise NotImplementedError(f"Extra rows cannot be combined with the batch key {key!r} (multimodal?).")
         return merged
 
@@ -394,11 +535,9 @@ class BatchAugmenter:
         """Append rows created by the advantage estimator (members of their parent's group) with their advantages."""
         if not rows:
             return self._append_rows(batch, rows, device)  # only joins the other processes' forward passes
-        if advantages is None or advantages.size(0) != len(rows):
-            raise ValueError("An EstimatorResult with extra rows needs one advantage per extra row.")
-        parents = torch.tensor([r.parent for r in rows], device=device)
+        parents = torch.tensor([r.parent for r in rows], device=device)  # checked by `_check_estimate`
         group_id, row_kind = batch["group_id"], batch["row_kind"]
-        episode_id, segment_index = batch["episode_id"], batch["segment_index"]
+        episode_id, segment_index, counted = batch["episode_id"], batch["segment_index"], batch["counted_row"]
         old = batch["advantages"]
         batch = self._append_rows(batch, rows, device)
         width = batch["completion_ids"].size(1)
@@ -415,6 +554,7 @@ class BatchAugmenter:
         batch["row_kind"] = torch.cat([row_kind, torch.full_like(parents, int(RowKind.EXPANSION))])
         batch["episode_id"] = torch.cat([episode_id, episode_id[parents]])
         batch["segment_index"] = torch.cat([segment_index, segment_index[parents]])
+        batch["counted_row"] = torch.cat([counted, torch.ones_like(parents, dtype=torch.bool)])
         return batch
 
     @staticmethod
@@ -471,8 +611,8 @@ class BatchAugmenter:
                 padded[key] = value
                 continue
             filler = value[:1].expand(extra, *value.shape[1:]).clone()
-            if key in ("completion_mask", "tool_mask", "advantages"):
-                filler.zero_()  # zero weight: no token of a padding row reaches the loss
+            if key in ("completion_mask", "tool_mask", "advantages", "counted_row"):
+                filler.zero_()  # zero weight: no token of a padding row reaches the loss, and it does not count
             elif key == "row_kind":
                 filler.fill_(int(RowKind.PADDING))
             elif key in ("group_id", "episode_id", "segment_index"):

@@ -458,6 +458,56 @@ def test_an_error_on_one_rank_stops_every_rank(tiny_model_dir, tmp_path, where):
     assert not (out / "DONE").exists()
 
 
+SYNC_TIMEOUT = 300  # seconds per launch of the tests below: model loading, then one generation batch
+
+
+@pytest.mark.timeout(SYNC_TIMEOUT + 60)
+@pytest.mark.parametrize(
+    "where,failure,error_type,stage",
+    [
+        pytest.param(
+            "estimator_shape",
+            "token-level advantages must have width",
+            "ValueError",
+            "the advantage estimator",
+            id="shape_check_after_the_estimator",
+        ),
+        pytest.param(
+            "estimator_rows",
+            "needs one advantage per extra row",
+            "ValueError",
+            "the advantage estimator",
+            id="estimator_rows_without_advantages",
+        ),
+        pytest.param(
+            "rlvcr",
+            "RLVCR step parsing failed on rank 1",
+            "RuntimeError",
+            "the RLVCR estimator",
+            id="rlvcr_before_plan",
+        ),
+    ],
+)
+def test_a_data_path_error_on_one_rank_stops_every_rank(tiny_model_dir, tmp_path, where, failure, error_type, stage):
+    """Issue 35, item 6: the raises inside the distributed data path that 009b255 raised on one rank only (the shape
+    check after the estimator's synchronisation, `_append_estimator_rows`'s count check, a failure inside RLVCR before
+    its own `reduce(plan)`) stop both ranks with the same error: rank 1 its own, rank 0 a `RuntimeError` naming it.
+    Before, rank 0 waited in its next collective until the stack dump (or paired the wrong collectives)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    args = ["--model", tiny_model_dir, "--rows_per_rank", "2", "--num_generations", "2", "--scenario", "rank0_fails"]
+    args += ["--fail_on_rank", "1", "--fail_in", where] + (["--rlvcr"] if where == "rlvcr" else [])
+    returncode, log = _launch_once(cpu_config("ddp", tmp_path), out, SCRIPT, args, SYNC_TIMEOUT)
+    assert returncode != 0
+    errors = {r: (out / f"error_rank{r}.txt").read_text() for r in (0, 1) if (out / f"error_rank{r}.txt").exists()}
+    assert sorted(errors) == [0, 1], f"a rank did not raise:\n{_tail(log)}"  # a hang would end in the stack dump
+    assert failure in errors[1] and error_type in errors[1].strip().splitlines()[-1]
+    last = errors[0].strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: Stopped because") and stage in last and failure in last
+    assert "Timeout (" not in log.read_text(errors="replace")  # no rank reached the stack dump
+    assert not (out / "DONE").exists()
+
+
 def _tracin_index(records: list[dict]) -> dict:
     """Scored rows keyed by content: (prompt, completion, kind) -> sorted [(score, selected)]."""
     index = defaultdict(list)

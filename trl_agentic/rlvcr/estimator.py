@@ -41,6 +41,8 @@ Per generation batch (`rlvcr_estimator` is called once per batch on every proces
 Collectives: the number of generation calls and of scoring forward passes is the same on every process (a dummy
 generation / a dummy 2-token forward on a process with less work), since both can be collectives (DeepSpeed ZeRO-3
 parameter gathering, vLLM server mode). When no process has a step to expand there is no generation call at all.
+The local work between two collectives ends at a synchronisation point (`trl_agentic.rank_errors`): an error on one
+process (a parsing bug, a tokenizer failure) stops every process there instead of pairing wrong collectives.
 In eval mode the estimator returns the plain episode advantages (no generation, no metrics).
 """
 
@@ -54,6 +56,7 @@ import torch
 from torch import Tensor
 
 from ..estimators import AdvantageBatch, EstimatorResult, grpo_estimator
+from ..rank_errors import raise_on_every_rank
 from ..rollout.types import ExtraRow, RowKind
 from .formulas import (
     action_confidence,
@@ -92,6 +95,8 @@ SUCCESS_THRESHOLD = 0.0
 _RANGE_EPS = 1e-6
 _CANDIDATE_KINDS = (int(RowKind.REGULAR), int(RowKind.SNAPSHOT))
 _INCOMPLETE = "\ufffd"  # what a decoder returns for a partial multi-byte character
+# What failed, in the error the other processes raise (`trl_agentic.rank_errors`).
+WHERE = "the RLVCR estimator"
 
 METRIC_NAMES = (
     "rlvcr/level_frac_1",
@@ -422,165 +427,193 @@ def rlvcr_estimator(batch: AdvantageBatch, trainer) -> Tensor | EstimatorResult:
     episode = grpo_estimator(batch, trainer).to(torch.float32)
     if not trainer.model.training:
         return episode
-    mode, expand = args.rlvcr_mode, args.rlvcr_expand
-    if expand and mode != "copo":
-        raise ValueError("`rlvcr_expand=True` needs `rlvcr_mode='copo'` (expansion rows carry CoPO advantages).")
-    tokenizer = trainer._tokenizer
-    tags = step_tags_from_args(args)
-    device = batch.completion_ids.device
-    num_rows, width = batch.completion_ids.shape
+    # Every local step that can fail on one process ends at a synchronisation point before the next collective
+    # (`trl_agentic.rank_errors`): an error on any process raises on every process there.
+    error = None
+    try:
+        mode, expand = args.rlvcr_mode, args.rlvcr_expand
+        if expand and mode != "copo":
+            raise ValueError("`rlvcr_expand=True` needs `rlvcr_mode='copo'` (expansion rows carry CoPO advantages).")
+        tokenizer = trainer._tokenizer
+        tags = step_tags_from_args(args)
+        device = batch.completion_ids.device
+        num_rows, width = batch.completion_ids.shape
 
-    def decode(ids):
-        return tokenizer.decode(ids, skip_special_tokens=True)
+        def decode(ids):
+            return tokenizer.decode(ids, skip_special_tokens=True)
 
-    # 2. Steps of the policy's own rows.
-    local_kind = batch.row_kind[batch.local_index].long().tolist()
-    completion_ids = batch.completion_ids.tolist()
-    completion_mask = batch.completion_mask.tolist()
-    tool_mask = batch.tool_mask.tolist()
-    steps_by_row: list[list[StepInfo]] = []
-    for r in range(num_rows):
-        if local_kind[r] in _CANDIDATE_KINDS:
-            steps_by_row.append(find_steps(completion_ids[r], completion_mask[r], tool_mask[r], decode, tags, r))
-        else:
-            steps_by_row.append([])
-    num_steps = max((len(s) for s in steps_by_row), default=0)
-    step_ids = torch.full((num_rows, width), -1, dtype=torch.long, device=device)
-    for steps in steps_by_row:
-        for s in steps:
-            step_ids[s.row, s.start : s.end] = s.index
+        # 2. Steps of the policy's own rows.
+        local_kind = batch.row_kind[batch.local_index].long().tolist()
+        completion_ids = batch.completion_ids.tolist()
+        completion_mask = batch.completion_mask.tolist()
+        tool_mask = batch.tool_mask.tolist()
+        steps_by_row: list[list[StepInfo]] = []
+        for r in range(num_rows):
+            if local_kind[r] in _CANDIDATE_KINDS:
+                steps_by_row.append(find_steps(completion_ids[r], completion_mask[r], tool_mask[r], decode, tags, r))
+            else:
+                steps_by_row.append([])
+        num_steps = max((len(s) for s in steps_by_row), default=0)
+        step_ids = torch.full((num_rows, width), -1, dtype=torch.long, device=device)
+        for steps in steps_by_row:
+            for s in steps:
+                step_ids[s.row, s.start : s.end] = s.index
 
-    # 3. Expandable steps.
-    expandable = expandable_rows(batch, args.rlvcr_expand_steps).tolist()
-    items = [s for r, steps in enumerate(steps_by_row) if expandable[r] for s in steps if s.parsed is not None]
-    prompts = [
-        [t for t, m in zip(ids, mask) if m] for ids, mask in zip(batch.prompt_ids.tolist(), batch.prompt_mask.tolist())
-    ]
-    items = [s for s in items if prompts[s.row] or s.start > 0]  # the first scored token needs a context
+        # 3. Expandable steps.
+        expandable = expandable_rows(batch, args.rlvcr_expand_steps).tolist()
+        items = [s for r, steps in enumerate(steps_by_row) if expandable[r] for s in steps if s.parsed is not None]
+        prompts = [
+            [t for t, m in zip(ids, mask) if m]
+            for ids, mask in zip(batch.prompt_ids.tolist(), batch.prompt_mask.tolist())
+        ]
+        items = [s for s in items if prompts[s.row] or s.start > 0]  # the first scored token needs a context
 
-    # Same number of collective calls on every process: one generation when any process has work, and the largest
-    # number of scoring chunks.
-    requests = [(s, level) for s in items for level in (2, 3, 4) if level != s.parsed.level]
-    chunk_size = args.rlvcr_score_batch_size
-    local_chunks = math.ceil(len(items) * len(LEVELS) / chunk_size)
+        # Same number of collective calls on every process: one generation when any process has work, and the largest
+        # number of scoring chunks.
+        requests = [(s, level) for s in items for level in (2, 3, 4) if level != s.parsed.level]
+        chunk_size = args.rlvcr_score_batch_size
+        local_chunks = math.ceil(len(items) * len(LEVELS) / chunk_size)
+    except Exception as e:  # noqa: BLE001 - raised on every process just below
+        error = e
+    raise_on_every_rank(trainer.accelerator, error, WHERE)
     plan = torch.tensor([len(requests), local_chunks], dtype=torch.long, device=trainer.accelerator.device)
     plan = trainer.accelerator.reduce(plan, reduction="max").tolist()
     any_requests, num_chunks = plan[0] > 0, int(plan[1])
 
     # 4. Alternative thinking, one batched generation call.
-    for s in items:
-        s.thinking = {level: None for level in LEVELS}
-        s.thinking[s.parsed.level] = s.parsed.think
-        if s.parsed.level != 1:
-            s.thinking[1] = LEVEL1_THINK
-    failed_alternatives = 0
+    error = contexts = budget = None
+    try:
+        for s in items:
+            s.thinking = {level: None for level in LEVELS}
+            s.thinking[s.parsed.level] = s.parsed.think
+            if s.parsed.level != 1:
+                s.thinking[1] = LEVEL1_THINK
+        if any_requests:
+            contexts = []
+            for s, level in requests:
+                history = decode(prompts[s.row] + completion_ids[s.row][: s.start])
+                text = level_forcing_prompt(history, level, s.parsed.action, args.rlvcr_level_prompt_template, tags)
+                prefill = f"{tags.level_open}{level}{tags.level_close}\n{tags.think_open}"
+                contexts.append(
+                    _render_user_prompt(trainer, text) + tokenizer.encode(prefill, add_special_tokens=False)
+                )
+            budget = args.rlvcr_max_thinking_tokens
+            if not contexts:  # dummy call: another process generates
+                contexts = [prompts[0] if num_rows and prompts[0] else [tokenizer.eos_token_id]]
+    except Exception as e:  # noqa: BLE001 - raised on every process just below
+        error = e
+    raise_on_every_rank(trainer.accelerator, error, WHERE)
+    generated = []
     if any_requests:
-        contexts = []
-        for s, level in requests:
-            history = decode(prompts[s.row] + completion_ids[s.row][: s.start])
-            text = level_forcing_prompt(history, level, s.parsed.action, args.rlvcr_level_prompt_template, tags)
-            prefill = f"{tags.level_open}{level}{tags.level_close}\n{tags.think_open}"
-            contexts.append(_render_user_prompt(trainer, text) + tokenizer.encode(prefill, add_special_tokens=False))
-        budget = args.rlvcr_max_thinking_tokens
-        if not contexts:  # dummy call: another process generates
-            contexts = [prompts[0] if num_rows and prompts[0] else [tokenizer.eos_token_id]]
         with _generation_budget(trainer, budget):
             generated, _ = trainer._generate_single_turn(contexts, None, {}, num_generations=1)
+
+    error = None
+    try:
+        failed_alternatives = 0
         for (s, level), ids in zip(requests, generated):
             think = cut_before_action(tags.think_open + decode(list(ids)[:budget]) + tags.think_close, tags)
             s.thinking[level] = think
             failed_alternatives += think is None
 
-    # 5. Scoring: context + canonical prefix of each level + the step's own action (and the rest of the turn).
-    sequences, tails, owners = [], [], []
-    for n, s in enumerate(items):
-        context = prompts[s.row] + completion_ids[s.row][: s.start]
-        action = completion_ids[s.row][s.action_start : s.action_end]
-        rest = completion_ids[s.row][s.action_end : s.end]
-        for level in LEVELS:
-            think = s.thinking[level]
-            if think is None:
-                continue
-            prefix = tokenizer.encode(render_prefix(level, think, tags), add_special_tokens=False)
-            s.prefix_ids[level] = prefix
-            s.costs[level] = len(tokenizer.encode(think, add_special_tokens=False))
-            sequences.append(context + prefix + action + rest)
-            tails.append(len(prefix) + len(action) + len(rest))
-            owners.append((n, level))
-    logps = _score(trainer, sequences, tails, num_chunks, chunk_size) if num_chunks else []
-    confidence = torch.full((len(items), len(LEVELS)), math.nan, dtype=torch.float64)
-    cost = torch.full((len(items), len(LEVELS)), math.nan, dtype=torch.float64)
-    step_logps = {}
-    for (n, level), lp in zip(owners, logps):
-        s = items[n]
-        a0 = len(s.prefix_ids[level])
-        a1 = a0 + s.action_end - s.action_start
-        mask = torch.zeros((1, lp.numel()), dtype=torch.bool)
-        mask[0, a0:a1] = True
-        confidence[n, level - 1] = action_confidence(lp[None], mask)[0]
-        cost[n, level - 1] = s.costs[level]
-        step_logps[(n, level)] = lp
-
-    # 6. Token advantages.
-    levels = torch.tensor([s.parsed.level for s in items], dtype=torch.long)
-    per_step = torch.full((num_rows, num_steps), math.nan, dtype=torch.float64)
-    weights = None
-    if mode == "copo":
-        weights = copo_weights(confidence, k=args.rlvcr_k).double()
-        chosen = chosen_level_values(weights, levels) if items else torch.zeros(0, dtype=torch.float64)
-    else:
-        think_adv = thinking_advantages(
-            confidence, cost, alpha=args.rlvcr_alpha, cost_max=args.rlvcr_cost_max, mode=args.rlvcr_norm_mode
-        )
-        chosen = chosen_level_values(think_adv, levels) if items else torch.zeros(0, dtype=torch.float64)
-    for n, s in enumerate(items):
-        per_step[s.row, s.index] = chosen[n]
-    per_step = per_step.to(device)
-    if mode == "copo":
-        advantages = combine_copo(episode.double(), per_step, step_ids)
-    else:
-        advantages = combine_additive(episode.double(), per_step, step_ids, args.rlvcr_step_advantage_w)
-    advantages = advantages.to(torch.float32)
-
-    # 7. Expansion rows.
-    extra_rows, extra_adv = [], []
-    if expand:
+        # 5. Scoring: context + canonical prefix of each level + the step's own action (and the rest of the turn).
+        sequences, tails, owners = [], [], []
         for n, s in enumerate(items):
-            if torch.isnan(confidence[n]).any():
-                continue  # an unscored level: the step keeps the plain episode advantage, no rows
-            context = completion_ids[s.row][: s.start]
-            action_and_rest = completion_ids[s.row][s.action_start : s.end]
+            context = prompts[s.row] + completion_ids[s.row][: s.start]
+            action = completion_ids[s.row][s.action_start : s.action_end]
+            rest = completion_ids[s.row][s.action_end : s.end]
             for level in LEVELS:
-                if level == s.parsed.level:
+                think = s.thinking[level]
+                if think is None:
                     continue
-                step = s.prefix_ids[level] + action_and_rest
-                extra_rows.append(
-                    ExtraRow(
-                        kind=RowKind.EXPANSION,
-                        parent=s.row,
-                        prompt_ids=list(prompts[s.row]),
-                        completion_ids=context + step,
-                        tool_mask=[0] * len(context) + [1] * len(step),
-                        logprobs=[0.0] * len(context) + step_logps[(n, level)].tolist(),
-                    )
-                )
-                extra_adv.append(float(episode[s.row]) * float(weights[n, level - 1]))
+                prefix = tokenizer.encode(render_prefix(level, think, tags), add_special_tokens=False)
+                s.prefix_ids[level] = prefix
+                s.costs[level] = len(tokenizer.encode(think, add_special_tokens=False))
+                sequences.append(context + prefix + action + rest)
+                tails.append(len(prefix) + len(action) + len(rest))
+                owners.append((n, level))
+    except Exception as e:  # noqa: BLE001 - raised on every process just below
+        error = e
+    raise_on_every_rank(trainer.accelerator, error, WHERE)
+    logps = _score(trainer, sequences, tails, num_chunks, chunk_size) if num_chunks else []
+    error = None
+    try:
+        confidence = torch.full((len(items), len(LEVELS)), math.nan, dtype=torch.float64)
+        cost = torch.full((len(items), len(LEVELS)), math.nan, dtype=torch.float64)
+        step_logps = {}
+        for (n, level), lp in zip(owners, logps):
+            s = items[n]
+            a0 = len(s.prefix_ids[level])
+            a1 = a0 + s.action_end - s.action_start
+            mask = torch.zeros((1, lp.numel()), dtype=torch.bool)
+            mask[0, a0:a1] = True
+            confidence[n, level - 1] = action_confidence(lp[None], mask)[0]
+            cost[n, level - 1] = s.costs[level]
+            step_logps[(n, level)] = lp
 
-    # 8. Metrics, summed over processes (one reduce, same order everywhere).
-    valid = [s for steps in steps_by_row for s in steps if s.parsed is not None]
-    invalid = sum(1 for steps in steps_by_row for s in steps if s.parsed is None)
-    think_tokens = sum(len(tokenizer.encode(s.parsed.think, add_special_tokens=False)) for s in valid)
-    finite_conf = confidence[torch.isfinite(confidence)]
-    local = [
-        len(valid),
-        *(sum(1 for s in valid if s.parsed.level == level) for level in LEVELS),
-        think_tokens,
-        len(items),
-        invalid,
-        float(finite_conf.sum()) if finite_conf.numel() else 0.0,
-        finite_conf.numel(),
-        failed_alternatives,
-    ]
+        # 6. Token advantages.
+        levels = torch.tensor([s.parsed.level for s in items], dtype=torch.long)
+        per_step = torch.full((num_rows, num_steps), math.nan, dtype=torch.float64)
+        weights = None
+        if mode == "copo":
+            weights = copo_weights(confidence, k=args.rlvcr_k).double()
+            chosen = chosen_level_values(weights, levels) if items else torch.zeros(0, dtype=torch.float64)
+        else:
+            think_adv = thinking_advantages(
+                confidence, cost, alpha=args.rlvcr_alpha, cost_max=args.rlvcr_cost_max, mode=args.rlvcr_norm_mode
+            )
+            chosen = chosen_level_values(think_adv, levels) if items else torch.zeros(0, dtype=torch.float64)
+        for n, s in enumerate(items):
+            per_step[s.row, s.index] = chosen[n]
+        per_step = per_step.to(device)
+        if mode == "copo":
+            advantages = combine_copo(episode.double(), per_step, step_ids)
+        else:
+            advantages = combine_additive(episode.double(), per_step, step_ids, args.rlvcr_step_advantage_w)
+        advantages = advantages.to(torch.float32)
+
+        # 7. Expansion rows.
+        extra_rows, extra_adv = [], []
+        if expand:
+            for n, s in enumerate(items):
+                if torch.isnan(confidence[n]).any():
+                    continue  # an unscored level: the step keeps the plain episode advantage, no rows
+                context = completion_ids[s.row][: s.start]
+                action_and_rest = completion_ids[s.row][s.action_start : s.end]
+                for level in LEVELS:
+                    if level == s.parsed.level:
+                        continue
+                    step = s.prefix_ids[level] + action_and_rest
+                    extra_rows.append(
+                        ExtraRow(
+                            kind=RowKind.EXPANSION,
+                            parent=s.row,
+                            prompt_ids=list(prompts[s.row]),
+                            completion_ids=context + step,
+                            tool_mask=[0] * len(context) + [1] * len(step),
+                            logprobs=[0.0] * len(context) + step_logps[(n, level)].tolist(),
+                        )
+                    )
+                    extra_adv.append(float(episode[s.row]) * float(weights[n, level - 1]))
+
+        # 8. Metrics, summed over processes (one reduce, same order everywhere).
+        valid = [s for steps in steps_by_row for s in steps if s.parsed is not None]
+        invalid = sum(1 for steps in steps_by_row for s in steps if s.parsed is None)
+        think_tokens = sum(len(tokenizer.encode(s.parsed.think, add_special_tokens=False)) for s in valid)
+        finite_conf = confidence[torch.isfinite(confidence)]
+        local = [
+            len(valid),
+            *(sum(1 for s in valid if s.parsed.level == level) for level in LEVELS),
+            think_tokens,
+            len(items),
+            invalid,
+            float(finite_conf.sum()) if finite_conf.numel() else 0.0,
+            finite_conf.numel(),
+            failed_alternatives,
+        ]
+    except Exception as e:  # noqa: BLE001 - raised on every process just below
+        error = e
+    raise_on_every_rank(trainer.accelerator, error, WHERE)
     total = trainer.accelerator.reduce(
         torch.tensor(local, dtype=torch.float64, device=trainer.accelerator.device), reduction="sum"
     ).tolist()

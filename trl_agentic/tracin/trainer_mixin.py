@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from ..batch import counted_rows
 from ..loss_weights import ROW_MEAN_LOSSES
 from ..rollout.types import RowKind
 from .hooks import LoraGhostHooks
@@ -583,9 +584,17 @@ class TracInMixin:
         """Global number of trained tokens after selection (the recomputed `num_items_in_batch`)."""
         return self.accelerator.gather(mask.sum().reshape(1)).sum()
 
-    def _tracin_selected_rows(self, selected: torch.Tensor) -> torch.Tensor:
-        """Global number of selected rows (the recomputed `num_rows_in_batch`; padding rows are never selected)."""
-        return self.accelerator.gather(selected.sum().reshape(1)).sum()
+    def _tracin_selected_rows(self, selected: torch.Tensor, batches: list[dict]) -> torch.Tensor:
+        """Global number of rows that count after the selection (the recomputed `num_rows_in_batch`).
+
+        The same rule as the unfiltered batch (`trl_agentic.batch.counted_rows`), less the trainable rows TracIn left
+        out: selecting every trainable row gives back `num_rows_in_batch`, hence exactly the unfiltered step. A counted
+        row without trained tokens (one TRL masks as truncated) is not selectable and stays counted, as in TRL's mean.
+        """
+        counted = torch.cat([counted_rows(b) for b in batches]).to(selected.device)
+        trainable = torch.cat([_loss_mask(b).sum(1) > 0 for b in batches]).to(selected.device)
+        kept = counted & (selected.bool() | ~trainable)
+        return self.accelerator.gather(kept.sum().reshape(1)).sum()
 
     @staticmethod
     def _tracin_masked(batch: dict, selected: torch.Tensor, num_items: torch.Tensor, num_rows: torch.Tensor) -> dict:
@@ -620,7 +629,7 @@ class TracInMixin:
         chunk_selected = [selected[offsets[i] : offsets[i + 1]] for i in range(len(chunks))]
         masks = [_loss_mask(c) * s.unsqueeze(1).to(c["completion_mask"].dtype) for c, s in zip(chunks, chunk_selected)]
         num_items = self.accelerator.gather(torch.stack([m.sum() for m in masks]).sum().reshape(1)).sum()
-        num_rows = self._tracin_selected_rows(selected)
+        num_rows = self._tracin_selected_rows(selected, chunks)
         for i, (chunk, mine) in enumerate(zip(chunks, chunk_selected)):
             masked = self._tracin_masked(chunk, mine, num_items, num_rows)
             for key in ("tool_mask", "num_items_in_batch", "num_rows_in_batch"):
@@ -686,7 +695,7 @@ class TracInMixin:
             selected = self._tracin_select(scores, [inputs])
             mask = _loss_mask(inputs)
             num_items = self._tracin_selected_items(mask * selected.unsqueeze(1).to(mask.dtype))
-            num_rows = self._tracin_selected_rows(selected)
+            num_rows = self._tracin_selected_rows(selected, [inputs])
             scale = self._fused_scale(inputs, mask, selected, num_items, num_rows)
             weights = selected.to(scores.dtype) * scale
             gradients = hooks.selected_gradients(weights)

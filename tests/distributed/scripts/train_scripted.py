@@ -87,6 +87,55 @@ def failing_segment_reward(segment: dict) -> float:
     return 0.0
 
 
+def _failing_rank() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_rank() == int(__import__("os").environ.get("FAIL_ON_RANK", "-1"))
+
+
+def estimator_bad_width(batch, trainer):
+    """`--fail_in estimator_shape`: GRPO, but token-level advantages one column too wide on one rank."""
+    from trl_agentic.estimators import grpo_estimator
+
+    advantages = grpo_estimator(batch, trainer)
+    if _failing_rank():
+        return advantages[:, None].expand(-1, batch.completion_ids.size(1) + 1)
+    return advantages
+
+
+def estimator_missing_row_advantages(batch, trainer):
+    """`--fail_in estimator_rows`: on one rank an `EstimatorResult` with an extra row but no advantage for it."""
+    from trl_agentic.estimators import EstimatorResult, grpo_estimator
+    from trl_agentic.rollout.types import ExtraRow, RowKind
+
+    advantages = grpo_estimator(batch, trainer)
+    if not _failing_rank():
+        return advantages
+    row = ExtraRow(
+        kind=RowKind.EXPANSION,
+        parent=0,
+        prompt_ids=batch.prompt_ids[0][batch.prompt_mask[0].bool()].tolist(),
+        completion_ids=batch.completion_ids[0][batch.completion_mask[0].bool()].tolist(),
+        tool_mask=batch.tool_mask[0][batch.completion_mask[0].bool()].tolist(),
+        logprobs=None,
+    )
+    return EstimatorResult(advantages=advantages, extra_rows=[row], extra_advantages=None)
+
+
+def _break_rlvcr_step_parsing() -> None:
+    """`--fail_in rlvcr`: RLVCR's step parsing (before its own first collective) raises on one rank."""
+    from trl_agentic.rlvcr import estimator
+
+    original = estimator.find_steps
+
+    def find_steps(*args, **kwargs):
+        if _failing_rank():
+            raise RuntimeError("RLVCR step parsing failed on rank 1")
+        return original(*args, **kwargs)
+
+    estimator.find_steps = find_steps
+
+
 def total_reward(environments, **kwargs):
     return [float(env.total) for env in environments]
 
@@ -370,7 +419,9 @@ def parse_args(argv=None):
     p.add_argument("--loss_type", default="dapo")
     p.add_argument("--fail_on_rank", type=int, default=-1, help="inject an exception on this rank only")
     p.add_argument("--user_turns", action="store_true", help="conversations with further user turns on rank 0")
-    p.add_argument("--fail_in", default="loop", choices=["loop", "augment"])
+    p.add_argument(
+        "--fail_in", default="loop", choices=["loop", "augment", "estimator_shape", "estimator_rows", "rlvcr"]
+    )
     p.add_argument("--learning_rate", type=float, default=1e-2)
     p.add_argument("--rlvcr", action="store_true", help="RLVCR (CoPO) advantages with expansion rows")
     p.add_argument("--tracin", action="store_true", help="TracIn-filtered training (needs --lora)")
@@ -403,11 +454,18 @@ def build(args):
     environment = ConversationCounterEnv if args.user_turns else CounterEnv
     if args.fail_on_rank >= 0:
         FAIL["rank"] = args.fail_on_rank
+        __import__("os").environ["FAIL_ON_RANK"] = str(args.fail_on_rank)
+        # The script's own module is importable: tests/distributed/scripts is on the path of `python script.py`.
         if args.fail_in == "loop":
             environment = FailingConversationEnv
-        else:  # the script's own module is importable: tests/distributed/scripts is on the path of `python script.py`
-            __import__("os").environ["FAIL_ON_RANK"] = str(args.fail_on_rank)
+        elif args.fail_in == "augment":
             extra.update(snapshot_reward_func="train_scripted:failing_segment_reward")
+        elif args.fail_in == "estimator_shape":
+            extra.update(advantage_estimator="train_scripted:estimator_bad_width")
+        elif args.fail_in == "estimator_rows":
+            extra.update(advantage_estimator="train_scripted:estimator_missing_row_advantages")
+        else:
+            _break_rlvcr_step_parsing()
     if args.tracin:
         extra.update(
             tracin_enabled=True,
