@@ -119,12 +119,12 @@ def test_each_episode_gets_a_fresh_directory(make_env):
     assert env.python("import os\nos.listdir('.')") == "[]"
 
 
-def test_checkpoint_and_restore_replay_successful_cells(make_env):
+def test_checkpoint_and_restore_replay_every_completed_cell(make_env):
     env = make_env()
     env.python("x = 1\nopen('log.txt', 'a').write('x')")
-    code_error(env, "undefined_name")  # failed cells are not part of the state
+    code_error(env, "undefined_name")  # a cell that raised is part of the state, with its outcome
     state = env._checkpoint()
-    assert state == ["x = 1\nopen('log.txt', 'a').write('x')"]
+    assert state == [("x = 1\nopen('log.txt', 'a').write('x')", None), ("undefined_name", "NameError")]
     env.python("x = 2\nopen('log.txt', 'a').write('y')")
     assert env.python("print(x)") == "2"
 
@@ -135,28 +135,56 @@ def test_checkpoint_and_restore_replay_successful_cells(make_env):
     assert env.python("print(x)") == "1"
 
 
-def test_a_divergent_replay_is_a_model_error_not_infrastructure(make_env):
-    """Issue 35's reproduction: a cell sets `x` then raises (not replayed), a later cell waits for `x` (succeeds), a
-    rollback restores the checkpoint: the replay of the waiting cell now loops. 009b255 raised `SandboxUnavailable`
-    (infrastructure: retried, then the rollout dropped with a NaN reward); it is the model's code, a model error."""
-    env = make_env(timeout=3.0)  # the divergent replay takes the full limit: generous, not sub-second
+def test_a_cell_that_raised_is_replayed_with_what_it_did_before_raising(make_env):
+    """Issue 35's reproduction: a cell sets `x` then raises, a later cell waits for `x`, a rollback restores the
+    checkpoint. 009b255 did not replay the raising cell, so the waiting cell looped on replay and the restore failed as
+    `SandboxUnavailable` (infrastructure: retried, then the rollout dropped with a NaN reward). Replaying the raising
+    cell too (it raises again, as before) restores exactly what the model saw."""
+    env = make_env(timeout=3.0)  # a divergent replay would take the full limit: generous, not sub-second
     code_error(env, "x = 1\n1/0")
     assert env.python("while 'x' not in globals(): pass\ny = 2") == "(no output)"
     assert env.python("z = y + 1") == "(no output)"
     state = env._checkpoint()
     code_error(env, "undefined_name")
     env._restore(state)
+    assert env.python("print(x, y, z)") == "1 2 3"
+    assert env.last_error_type is None
+
+
+def test_a_divergent_replay_is_a_model_error_not_infrastructure(make_env):
+    """A cell that depends on what cannot be replayed (fresh randomness) ends otherwise on replay: the restore stops
+    there with `SandboxRestoreError`, a model error, the call's code does not run and the divergent cell and the
+    cells after it leave the state."""
+    env = make_env(timeout=3.0)
+    secret = env.python("import os\nsecret = os.urandom(8).hex()\nprint(secret)")
+    assert env.python(f"assert secret == {secret!r}\nok = 1") == "(no output)"  # true the first time only
+    env.python("after = 2")
+    state = env._checkpoint()
+    env._restore(state)
     with pytest.raises(SandboxRestoreError) as info:
         env.python("print('this call')")
     error = info.value
     assert isinstance(error, SandboxError) and not isinstance(error, InfrastructureError)
     assert error.error_type == env.last_error_type == "SandboxRestoreError"
-    assert "replaying earlier cell 1 of 2" in str(error) and "SandboxTimeout" in str(error)
+    assert "replaying earlier cell 2 of 3" in str(error) and "raised AssertionError where it had succeeded" in str(
+        error
+    )
     assert "this call's code did not run" in str(error)
-    # The divergent cell and the ones after it are gone from the state; the interpreter works from what is left.
-    assert env._checkpoint() == []
-    assert code_error(env, "print(y)").error_type == "NameError"
+    assert [code for code, _ in env._checkpoint()] == [state[0][0]]
+    assert code_error(env, "print(after)").error_type == "NameError"
     assert env.python("print('fresh')") == "fresh"
+
+
+def test_a_replay_that_now_runs_forever_is_a_model_error(make_env):
+    """The reproduction's shape with a cell that truly diverges: it waits for a value only its first run had. Its
+    replay runs into the time limit, which is the model's error, not infrastructure."""
+    env = make_env(timeout=3.0)
+    secret = env.python("import os\nsecret = os.urandom(8).hex()\nprint(secret)")
+    env.python(f"while secret != {secret!r}: pass")
+    env._restore(env._checkpoint())
+    with pytest.raises(SandboxRestoreError, match=r"replaying earlier cell 2 of 2 failed this time \(SandboxTimeout"):
+        env.python("print('this call')")
+    assert env.python("print(len(secret))") == "16"  # the first cell was replayed and kept
 
 
 def test_a_divergent_replay_keeps_the_rollout_and_its_reward(tiny_tokenizer):
@@ -169,9 +197,10 @@ def test_a_divergent_replay_keeps_the_rollout_and_its_reward(tiny_tokenizer):
     env = EnvFactory(**POLICIES["best_effort"])(timeout=3.0)
     try:
         env.reset()
+        secret = env.python("import os\nsecret = os.urandom(8).hex()\nprint(secret)")  # earlier in the episode
         turns = [
-            call("python", code="while 'x' not in globals(): pass"),
-            call("python", code="undefined_name"),  # NameError: rolled back, the checkpoint replays the cell above
+            call("python", code=f"while secret != {secret!r}: pass"),  # true now; loops when replayed
+            call("python", code="undefined_name"),  # NameError: rolled back, the checkpoint replays the cells above
             call("python", code="print('after')"),
             "done<|im_end|>",
         ]
@@ -183,7 +212,6 @@ def test_a_divergent_replay_keeps_the_rollout_and_its_reward(tiny_tokenizer):
             infra_error_types=["InfrastructureError"],
             max_infra_retries=2,
         )
-        code_error(env, "x = 1\n1/0")  # earlier in the episode: sets x, then raises
         _, _, (_, completions, *_), result = run_tools_loop(
             backend, [turns[0]], [{"python": env.python}], config, envs=[env]
         )

@@ -17,7 +17,7 @@ import pytest
 from rollout_helpers import ScriptBackend, call, run_tools_loop
 from sandbox_helpers import POLICIES, EnvFactory, SandboxProcesses
 
-from trl_agentic.envs.errors import CodeError, SandboxError, SandboxMemoryError, SandboxTimeout
+from trl_agentic.envs.errors import CodeError, SandboxError, SandboxMemoryError, SandboxRestoreError, SandboxTimeout
 from trl_agentic.errors import InfrastructureError, ToolCallError
 from trl_agentic.rollout.loop import LoopConfig
 
@@ -313,7 +313,16 @@ def test_signals_to_host_processes(make_env, policy):
             code = "p = subprocess.Popen(['sleep', '60'])\nos.kill(-1, 9)\np.wait()"
             assert attack(env, code) == ("-9", None)  # only its own processes: pid 1 and itself are spared
         os.kill(os.getpid(), 0)
-        assert_restores_and_works(env)
+        if policy == "required":
+            assert_restores_and_works(env)
+        else:
+            # The cell signalled a host process, which is gone: its replay ends otherwise (ProcessLookupError), so a
+            # restore stops there as the model's error and keeps the cells before it.
+            assert env.python("state") == "'before'"
+            env._restore(env._checkpoint())
+            with pytest.raises(SandboxRestoreError, match="raised ProcessLookupError where it had succeeded"):
+                env.python("state")
+            assert env.python("state") == "'before'"
     finally:
         victim.kill()
         victim.wait()

@@ -28,23 +28,25 @@ class PythonSandboxEnv:
       is the printed output then the error line;
     - the code ran past the time limit, killed the interpreter or went over the memory limit → `SandboxTimeout`,
       `SandboxCrashed`, `SandboxMemoryError` (model errors). The next call starts a new interpreter and replays the
-      cells that had succeeded, so the episode state survives;
-    - a replay that does not reproduce a cell (it times out, crashes or raises this time) → `SandboxRestoreError`, a
-      model error (see below);
+      cells that had run to completion, so the episode state survives;
+    - a replay that does not reproduce a cell's outcome → `SandboxRestoreError`, a model error (see below);
     - the sandbox cannot start → `SandboxUnavailable` (an infrastructure error: retried, not the model's fault).
 
     A cell's processes never outlive it: when a call returns, everything the cell started has been killed.
 
-    The state for rollback (`_checkpoint`/`_restore`) is the list of cells that ran without error: restoring restarts
-    the interpreter (and its directory) and, at the next call, replays them in order, each under the call's time limit.
-    What a restore brings back is what re-running those cells produces: variables, imports, function definitions and
-    files they create, if the cells are deterministic. It does not bring back what cells that raised did before
-    raising (they are not replayed), nor anything that depends on time, randomness without a fixed seed, the process
-    id or other outside state. When a replayed cell behaves differently from its first run (times out, crashes or
-    raises: e.g. `while 'x' not in globals(): pass` after a cell that set `x` and then raised), the restore stops
-    there: the call raises `SandboxRestoreError` without running its code, the state keeps the cells before the
-    divergent one (replayed again by the next call) and drops the rest. This is a model error, never an
-    infrastructure error: retrying cannot help, and the rollout keeps its reward.
+    The state for rollback (`_checkpoint`/`_restore`) is the list of cells that ran to completion, each with its
+    outcome: the cells that succeeded *and* the cells that raised (their statements before the exception did run).
+    Restoring restarts the interpreter (and its directory) and, at the next call, replays them in order, each under
+    the call's time limit, expecting each to end as it did the first time (success, or the same exception type). So a
+    cell `x = 1; 1/0` is replayed (it sets `x`, then raises as before) and a later `while 'x' not in globals(): pass`
+    ends as it did. Cells that killed the interpreter (time limit, crash, memory) are not replayed: their interpreter
+    was lost when they ran. What a restore brings back is what re-running those cells produces: variables, imports,
+    function definitions and files, if the cells are deterministic. It does not bring back anything that depends on
+    time, randomness without a fixed seed, the process id or other outside state. When a replayed cell ends
+    differently from its first run (it times out, crashes, raises where it had succeeded, or the reverse), the restore
+    stops there: the call raises `SandboxRestoreError` without running its code, the state keeps the cells before
+    the divergent one and drops the rest. This is a model error, never an infrastructure error: retrying cannot help,
+    and the rollout keeps its reward.
 
     Args:
         timeout (`float`, *optional*, defaults to `5.0`):
@@ -114,7 +116,8 @@ class PythonSandboxEnv:
             "max_cpus": max_cpus,
         }
         self._process: SandboxProcess | None = None
-        self._cells: list[str] = []
+        # (code, error type or None): every cell that ran to completion, with how it ended (replayed on restore).
+        self._cells: list[tuple[str, str | None]] = []
         self.last_error_type: str | None = None
 
     def reset(self, **row) -> None:
@@ -147,9 +150,9 @@ class PythonSandboxEnv:
             self.last_error_type = type(exc).__name__
             raise
         self.last_error_type = result["error_type"]
+        self._cells.append((code, result["error_type"]))
         if result["error_type"] is not None:
             raise CodeError(result["text"], error_type=result["error_type"])
-        self._cells.append(code)
         return result["text"] or "(no output)"
 
     @property
@@ -170,13 +173,18 @@ class PythonSandboxEnv:
             return self._process
         process = SandboxProcess(**self._process_kwargs)  # SandboxUnavailable here: the infrastructure's
         self._process = process
-        for k, cell in enumerate(self._cells):
-            # Every cell replayed here ran without error before. One that now times out, crashes or raises diverged
-            # because of what the model's code does (it is not deterministic, or depended on a cell that raised):
-            # a model error. Retrying it as infrastructure would only diverge again (and drop the rollout).
+        for k, (cell, outcome) in enumerate(self._cells):
+            # Every cell replayed here ran to completion before, ending with `outcome`. One that now ends otherwise
+            # (times out, crashes, raises where it had not, or the reverse) diverged because of what the model's code
+            # does (it is not deterministic): a model error. Retrying it as infrastructure would only diverge again.
             try:
                 result = process.run(cell, self.timeout)
-                failure = None if result["error_type"] is None else result["text"].splitlines()[-1]
+                failure = None
+                if result["error_type"] != outcome:
+                    lines = (result["text"] or "").splitlines()
+                    ended = f"raised {result['error_type']}" if result["error_type"] else "succeeded"
+                    first = f"raised {outcome}" if outcome else "succeeded"
+                    failure = f"it {ended} where it had {first}" + (f": {lines[-1]}" if result["error_type"] else "")
             except SandboxError as exc:
                 failure = f"{type(exc).__name__}: {exc}"
             if failure is not None:
@@ -190,10 +198,10 @@ class PythonSandboxEnv:
                 )
         return process
 
-    def _checkpoint(self) -> list[str]:
+    def _checkpoint(self) -> list[tuple[str, str | None]]:
         return list(self._cells)
 
-    def _restore(self, state: list[str]) -> None:
+    def _restore(self, state: list[tuple[str, str | None]]) -> None:
         # Lazy: the interpreter restarts and replays `state` on the next call, only if there is one.
         self._close()
         self._cells = list(state)
