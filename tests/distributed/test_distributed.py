@@ -203,6 +203,7 @@ def _parity_args(model: str) -> list[str]:
     return ["--model", model, "--scenario", "parity", "--rows_per_rank", "6", "--num_generations", "4"]
 
 
+@pytest.mark.timeout(2 * TIMEOUT + 120)  # two launches (2 processes, then 1), each under its own TIMEOUT
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_variable_rows_across_processes_match_one_process(tiny_model_dir, tmp_path, loss_type):
     """2 DDP processes vs 1 process on the union of their generation batches: same rows, advantages, loss, gradient.
@@ -492,6 +493,7 @@ def _tracin_run(tiny_model_dir, tmp_path, name: str, processes: int, selection: 
     return launch(config, out, *common, *per_process) + [out]
 
 
+@pytest.mark.timeout(3 * TIMEOUT + 120)  # three launches (1 process, ZeRO-2, ZeRO-3), each under its own TIMEOUT
 @pytest.mark.parametrize(
     "selection",
     [
