@@ -91,3 +91,16 @@ def pytest_sessionfinish(session, exitstatus):
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and not reporter.stats.get("passed"):
         session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
+
+
+@pytest.fixture
+def tool_clock(monkeypatch):
+    """`rollout_helpers.ToolClock` in place of the wall clock of `tool_timeout`: a tool times out iff it calls
+    `tool_clock.hang()` (see the class)."""
+    import threading
+
+    from rollout_helpers import ToolClock
+
+    clock = ToolClock(threading.Thread.join)
+    monkeypatch.setattr(threading.Thread, "join", lambda thread, timeout=None: clock.join(thread, timeout))
+    return clock

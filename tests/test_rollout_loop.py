@@ -254,6 +254,8 @@ def test_malformed_unknown_and_bad_arguments_reach_the_model(tiny_tokenizer, fee
 
 
 class NastyEnv:
+    clock = None  # the test's `tool_clock`: `hang` declares itself hung to it before blocking
+
     def __init__(self):
         self.log = []
         self.release = threading.Event()
@@ -270,6 +272,7 @@ class NastyEnv:
 
     def hang(self) -> str:
         """Blocks until released, then changes the state."""
+        NastyEnv.clock.hang()
         self.release.wait()
         self.log.append("late")
         self.finished.set()
@@ -284,18 +287,19 @@ class NastyEnv:
         return 42
 
 
-def test_hanging_huge_and_non_string_tools_never_stall(tiny_tokenizer):
+def test_hanging_huge_and_non_string_tools_never_stall(tiny_tokenizer, tool_clock):
+    NastyEnv.clock = tool_clock  # the hung call times out when it blocks; the others always return in time
     turns = [call("hang"), call("huge"), call("number")]
     b = ScriptBackend(tiny_tokenizer, [["ok<|im_end|>"] * 3])
     envs = [NastyEnv() for _ in turns]
     prompts, prompt_ids, completion_ids, completions, logprobs = start(b, turns)
     tools = [{"hang": e.hang, "huge": e.huge, "number": e.number} for e in envs]
-    loop = AgenticRolloutLoop(b, cfg(tool_timeout=0.5, max_tool_output_chars=1000))
+    loop = AgenticRolloutLoop(b, cfg(tool_timeout=30.0, max_tool_output_chars=1000))
     (_, completions, *_), result = loop.run(
         prompts, prompt_ids, completion_ids, completions, logprobs, tools, [{}] * 3, envs
     )
     hang, huge, number = (c[1]["content"] for c in completions)
-    assert hang == render_tool_error("tool did not return within 0.5 s")
+    assert hang == render_tool_error("tool did not return within 30 s")
     assert len(huge) <= 1000 and "truncated" in huge
     assert number == "42"
     assert result.infra_failed == [False, False, False]  # a timeout is a model error, not infrastructure
@@ -303,15 +307,16 @@ def test_hanging_huge_and_non_string_tools_never_stall(tiny_tokenizer):
     tools[0]["hang"].__self__.release.set()  # let the abandoned thread end
 
 
-def test_a_timed_out_call_never_touches_the_environment_after_the_restore(tiny_tokenizer):
+def test_a_timed_out_call_never_touches_the_environment_after_the_restore(tiny_tokenizer, tool_clock):
     """The hung call completes after the loop rolled back: it changes only the retired instance; the rollout
     continued (and the trainer's pool holds) a fresh instance restored to the state before the call."""
+    NastyEnv.clock = tool_clock
     b = ScriptBackend(tiny_tokenizer, [[call("number")], ["ok<|im_end|>"]])
     env = NastyEnv()
     envs = [env]
     prompts, prompt_ids, completion_ids, completions, logprobs = start(b, [call("hang")])
     tools = [{"hang": env.hang, "huge": env.huge, "number": env.number}]
-    config = rollback_cfg(tool_timeout=0.2, rollback_on_errors=["ToolTimeout"])
+    config = rollback_cfg(tool_timeout=30.0, rollback_on_errors=["ToolTimeout"])
     loop = AgenticRolloutLoop(b, config)
     (_, completions, *_), result = loop.run(
         prompts, prompt_ids, completion_ids, completions, logprobs, tools, [{}], envs

@@ -70,10 +70,11 @@ def test_trl_deprecation_warnings_fail_the_suite(tmp_path):
 
     from trl_agentic import AgenticGRPOConfig
 
+    values = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, use_transformers_paged=True)
     with pytest.raises(FutureWarning, match="use_transformers_paged"):
-        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, use_transformers_paged=True)  # attributed to this test module
+        GRPOConfig(**values)  # attributed to this test module
     with pytest.raises(FutureWarning, match="use_transformers_paged"):
-        AgenticGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, use_transformers_paged=True)  # attributed to trl_agentic.config
+        AgenticGRPOConfig(**values)  # attributed to trl_agentic.config
     for module in ("trl.trainer.grpo_trainer", "trl_agentic.trainer"):
         with pytest.raises(DeprecationWarning):
             warnings.warn_explicit("deprecated", DeprecationWarning, "x.py", 1, module=module)
