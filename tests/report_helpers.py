@@ -75,7 +75,7 @@ def synthetic_trajectories(tokenizer, steps=3):
             "error_messages": ["Invalid expression '12 x 3'"],
             "segments": segments,
         }
-        negative.update(describe_segments(segments))
+        negative.update(describe_segments(segments, [True]))  # the loop recorded the failed call
         trajectories.append(negative)
     snapshot = dict(trajectories[1], id="s3-r9", kind="snapshot", segment_index=1, parent="s3-r1")
     trajectories.append(snapshot)

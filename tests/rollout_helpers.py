@@ -187,6 +187,11 @@ def run_tools_loop(backend, first_turns, tools, config: LoopConfig, envs=None, l
     return p, prompt_ids, trl_tuple, result
 
 
+def thousandth_bonus(segment: dict) -> float:
+    """A per-segment reward term (`snapshot_reward_func`) of +0.001: a tiny reward difference (issue 35, item 1)."""
+    return 0.001
+
+
 def context_length_penalty(segment: dict) -> float:
     """A per-segment reward term (`snapshot_reward_func`): -0.001 per token of the segment's prompt + completion."""
     return -0.001 * (len(segment["prompt_ids"]) + len(segment["completion_ids"]))

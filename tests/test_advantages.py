@@ -14,7 +14,7 @@ from trl_agentic.advantages import group_advantages, negative_sample_rewards
 NAN = float("nan")
 
 
-def reference_advantages(rewards, group_ids, scale, baseline_mask=None):
+def reference_advantages(rewards, group_ids, scale, baseline_mask=None, anchors=None, std_floor=0.1):
     """Plain per-group Python loop, written independently of the vectorised implementation."""
     n = len(rewards)
     in_stats = [not math.isnan(rewards[i]) and (baseline_mask is None or bool(baseline_mask[i])) for i in range(n)]
@@ -29,23 +29,26 @@ def reference_advantages(rewards, group_ids, scale, baseline_mask=None):
         if len(values) < 2:
             continue
         mean = statistics.fmean(values)
-        std = statistics.stdev(values)
+        divisor = {"group": statistics.stdev(values) + 1e-4, "batch": (batch_std or 0.0) + 1e-4, "none": 1.0}[scale]
         for i in rows:
-            if math.isnan(rewards[i]):
+            if in_stats[i]:
+                out[i] = (rewards[i] - mean) / divisor
+        m = len(values)
+        bound = max([(m - 1) / math.sqrt(m)] + [abs(out[i]) for i in rows if in_stats[i]])
+        for i in rows:
+            if in_stats[i] or math.isnan(rewards[i]):
                 continue
-            adv = rewards[i] - mean
-            if scale == "group":
-                adv /= std + 1e-4
-            elif scale == "batch":
-                adv /= batch_std + 1e-4
-            out[i] = adv
-        if scale != "none":
-            # Rows outside the baseline: clipped to what a baseline row of the group can reach.
-            m = len(values)
-            bound = max([(m - 1) / math.sqrt(m)] + [abs(out[i]) for i in rows if in_stats[i]])
-            for i in rows:
-                if not in_stats[i] and not math.isnan(rewards[i]):
-                    out[i] = max(-bound, min(bound, out[i]))
+            if scale == "none":
+                out[i] = rewards[i] - mean
+                continue
+            # Rows outside the baseline: from their anchor (a baseline row of the group) or the mean, floored divisor.
+            a = anchors[i] if anchors is not None else -1
+            if 0 <= a < n and in_stats[a] and a in rows:
+                base_reward, base_advantage = rewards[a], out[a]
+            else:
+                base_reward, base_advantage = mean, 0.0
+            value = base_advantage + (rewards[i] - base_reward) / max(divisor, std_floor)
+            out[i] = max(-bound, min(bound, value))
     return out
 
 
@@ -145,21 +148,24 @@ def _batches(draw):
     group_ids = draw(st.lists(st.sampled_from(id_pool), min_size=n, max_size=n))
     mask = draw(st.one_of(st.none(), st.lists(st.booleans(), min_size=n, max_size=n)))
     scale = draw(st.sampled_from(["group", "batch", "none"]))
-    return rewards, group_ids, mask, scale
+    anchors = draw(st.one_of(st.none(), st.lists(st.integers(min_value=-1, max_value=n), min_size=n, max_size=n)))
+    floor = draw(st.sampled_from([0.1, 0.5, 1e-3]))
+    return rewards, group_ids, mask, scale, anchors, floor
 
 
 @settings(max_examples=300, deadline=None)
 @given(_batches())
 def test_matches_python_loop(batch):
-    rewards, group_ids, mask, scale = batch
+    rewards, group_ids, mask, scale, anchors, floor = batch
     rewards_t = torch.tensor(rewards, dtype=torch.float64)
     ids_t = torch.tensor(group_ids, dtype=torch.long)
     mask_t = None if mask is None else torch.tensor(mask, dtype=torch.bool)
+    anchors_t = None if anchors is None else torch.tensor(anchors, dtype=torch.long)
     rewards_before, ids_before = rewards_t.clone(), ids_t.clone()
 
-    adv = group_advantages(rewards_t, ids_t, scale=scale, baseline_mask=mask_t)
+    adv = group_advantages(rewards_t, ids_t, scale=scale, baseline_mask=mask_t, anchors=anchors_t, std_floor=floor)
 
-    expected = torch.tensor(reference_advantages(rewards, group_ids, scale, mask), dtype=torch.float64)
+    expected = torch.tensor(reference_advantages(rewards, group_ids, scale, mask, anchors, floor), dtype=torch.float64)
     assert adv.shape == (len(rewards),)
     assert adv.dtype == torch.float64
     assert not torch.isnan(adv).any()
@@ -188,15 +194,18 @@ def test_matches_trl_fixed_size_groups(scale, num_generations):
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
-@pytest.mark.parametrize("num_generations", [2, 4, 8])
-def test_bit_identical_to_trl_for_small_groups_on_cpu(scale, num_generations):
-    # Not required by the API, but the trainer's features-off parity relies on it: the std uses TRL's operation order.
-    gen = torch.Generator().manual_seed(99)
+@pytest.mark.parametrize("num_generations", [2, 3, 4, 5, 6, 7, 8, 9, 16])
+def test_bit_identical_to_trl_for_every_group_size(scale, num_generations):
+    """TRL's layout (contiguous groups of G) gives TRL's advantages bit for bit, whatever G (issue 36: with
+    `index_add` sums, G = 5, 6, 7, 9-16 differed by up to 7e-7, `scale="none"` too). Non-integer rewards, so that the
+    summation order matters; a tenth of them unscorable."""
+    gen = torch.Generator().manual_seed(99 + num_generations)
     rewards = torch.rand(32 * num_generations, generator=gen, dtype=torch.float32) * 2 - 0.5
     rewards[torch.rand(rewards.shape, generator=gen) < 0.1] = NAN
     group_ids = torch.arange(32).repeat_interleave(num_generations)
     adv = group_advantages(rewards, group_ids, scale=scale)
     assert torch.equal(adv, trl_fixed_size_advantages(rewards, num_generations, scale))
+    assert adv.abs().max() > 0.1
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
@@ -359,3 +368,90 @@ def test_negative_sample_rewards():
     assert negative_sample_rewards([["SyntaxError"], []], default=-0.25) == [-0.25, -0.25]
     assert negative_sample_rewards([], default=-0.5, per_error=per_error) == []
     assert all(isinstance(r, float) for r in negative_sample_rewards([["X"]], default=-1))
+
+
+# -- rows outside the baseline: continuous in their reward (issue 35, item 1) ------------------------------------------
+
+
+def test_a_tiny_reward_difference_gives_a_tiny_advantage_in_a_tied_group():
+    """Issue 35: a snapshot row 0.001 above its episode moved by +1.5 in a tied group (clipped to (m - 1) / sqrt(m))
+    but by +0.0017 in a group with spread. Now 0.001 / max(d, 0.1) in both (hand-computed)."""
+    ids = torch.zeros(5, dtype=torch.long)
+    mask = torch.tensor([True, True, True, True, False])
+    tied_rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.001], dtype=torch.float64)
+    # Measured from the group mean (no anchors, as a custom estimator calls it): d = 1e-4 < floor 0.1.
+    plain = group_advantages(tied_rewards, ids, baseline_mask=mask)
+    assert plain[:4].tolist() == [0.0] * 4
+    assert plain[4].item() == pytest.approx(0.001 / 0.1, rel=1e-9)
+    # Measured from its episode (the trainer's path): the episode's advantage (0) plus the same difference.
+    anchors = torch.tensor([0, 1, 2, 3, 1])
+    tied = group_advantages(tied_rewards, ids, baseline_mask=mask, anchors=anchors)
+    assert tied[4].item() == pytest.approx(0.01, rel=1e-9)
+    # A group with spread (d >= floor): the episode's advantage plus 0.001 / d, i.e. TRL's (r - mean) / d.
+    rewards = torch.tensor([0.0, 1.0, 1.0, 0.0, 1.001], dtype=torch.float64)
+    spread = group_advantages(rewards, ids, baseline_mask=mask, anchors=anchors)
+    _, std = _hand_mean_std([0.0, 1.0, 1.0, 0.0])
+    assert spread[4].item() == pytest.approx(spread[1].item() + 0.001 / (std + 1e-4), rel=1e-9)
+    assert spread[4].item() == pytest.approx((1.001 - 0.5) / (std + 1e-4), rel=1e-9)
+
+
+def test_an_outside_row_with_its_episodes_reward_gets_its_episodes_advantage_in_every_group():
+    """A snapshot segment in 'episode' mode (reward = its episode's) gets its episode's advantage exactly, even in a
+    group whose spread is below the floor."""
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.99, 0.99, 1.0], dtype=torch.float32)
+    mask = torch.tensor([True, True, True, True, False, False])
+    anchors = torch.tensor([0, 1, 2, 3, 3, 0])
+    adv = group_advantages(rewards, torch.zeros(6, dtype=torch.long), baseline_mask=mask, anchors=anchors)
+    assert adv[4].item() == adv[3].item() and adv[5].item() == adv[0].item()
+    assert abs(adv[3].item()) > 1.0  # d = 0.005 + 1e-4: the episodes themselves are far apart
+
+
+_group_rewards = st.lists(
+    st.one_of(st.floats(-1.0, 1.0, allow_nan=False), st.sampled_from([0.0, 1.0, 1.0, 0.5])), min_size=2, max_size=8
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    _group_rewards,
+    st.floats(-1.0, 1.0, allow_nan=False),
+    st.floats(1e-9, 0.5, allow_nan=False),
+    st.sampled_from(["group", "batch", "none"]),
+    st.sampled_from([0.1, 0.3, 1.0]),
+    st.one_of(st.none(), st.integers(0, 7)),
+    st.lists(st.floats(-1.0, 1.0, allow_nan=False), min_size=0, max_size=6),
+)
+def test_outside_rows_are_lipschitz_in_their_reward(baseline, r, eps, scale, floor, anchor, other_group):
+    """For any group (ties included): |A(r + eps) - A(r)| <= K * eps with K = 1 / std_floor (K = 1 for scale "none"),
+    and the documented bound holds for rewards in [-1, 1]."""
+    m = len(baseline)
+    rows = baseline + other_group
+    ids = [0] * m + [1] * len(other_group) + [0]
+    mask = torch.tensor([True] * len(rows) + [False])
+    anchors = None if anchor is None else torch.tensor(list(range(len(rows))) + [min(anchor, m - 1)])
+
+    def outside_advantage(reward):
+        rewards = torch.tensor(rows + [reward], dtype=torch.float64)
+        adv = group_advantages(
+            rewards, torch.tensor(ids), scale=scale, baseline_mask=mask, anchors=anchors, std_floor=floor
+        )
+        return adv[-1].item(), adv
+
+    before, adv = outside_advantage(r)
+    after, _ = outside_advantage(r + eps)
+    k = 1.0 if scale == "none" else 1.0 / floor
+    assert abs(after - before) <= k * eps * (1 + 1e-9) + 1e-12
+    total = len(rows)
+    if scale == "group":
+        bound = (m - 1) / math.sqrt(m)
+    elif scale == "batch":
+        bound = math.sqrt((m - 1) * (total - 1) / m)
+    else:
+        bound = 2.0
+    assert adv[:m].abs().max().item() <= bound * (1 + 1e-9) + 1e-12
+    assert abs(before) <= bound * (1 + 1e-9) + 1e-12
+
+
+def test_std_floor_must_be_positive():
+    with pytest.raises(ValueError, match="std_floor"):
+        group_advantages(torch.zeros(2), torch.zeros(2, dtype=torch.long), std_floor=0.0)

@@ -37,6 +37,7 @@ BAD_VALUES = [
     ("rlvcr_level_prompt_template", "Think at level {level}."),
     ("rlvcr_cost_max", 0.0),
     ("rlvcr_k", -1.0),
+    ("advantage_std_floor", 0.0),
     ("rlvcr_max_thinking_tokens", 0),
     ("rlvcr_score_batch_size", 2.5),
     ("rlvcr_expand_steps", "some"),

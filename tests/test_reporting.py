@@ -13,6 +13,7 @@ from report_helpers import completion, synthetic_trajectories, tool_call
 
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_agentic.envs.calculator import CalculatorEnv, answer_reward
+from trl_agentic.errors import FailedToolMessage
 from trl_agentic.reporting import (
     CompactProgressCallback,
     TrajectoryRecorder,
@@ -118,13 +119,19 @@ def test_split_segments_round_trips_text_and_marks_errors(tiny_tokenizer):
     assert [s["role"] for s in segments] == ["model", "env", "model"]
     assert "".join(s["text"] for s in segments) == tiny_tokenizer.decode(ids, skip_special_tokens=False)
     assert all(len(s["tokens"]) == len(s["advantages"]) for s in segments)
-    info = describe_segments(segments)
+    info = describe_segments(segments, [True])  # the loop recorded that the call failed
     assert [c["arguments"] for c in info["tool_calls"]] == [{"expression": "12 x 3"}, {"expression": "12 * 3"}]
     assert info["tool_results"] == [{"content": "{'error': 'Invalid expression'}", "error": True}]
-    # A result that merely prints an error is not a failed call (model code may catch and print exceptions).
-    printed = describe_segments([{"role": "env", "text": "<tool_response>\nValueError: caught\n</tool_response>"}])
-    assert printed["tool_results"] == [{"content": "ValueError: caught", "error": False}]
     assert info["levels"] == [2] and segments[1]["error"]
+    # The flags come from the loop, never from the text: a call that returned the same text did not fail.
+    returned = describe_segments(split_segments(tiny_tokenizer, ids, mask, advantages), [False])
+    assert returned["tool_results"] == [{"content": "{'error': 'Invalid expression'}", "error": False}]
+    printed = describe_segments(
+        [{"role": "env", "text": "<tool_response>\nValueError: caught\n</tool_response>"}], [False]
+    )
+    assert printed["tool_results"] == [{"content": "ValueError: caught", "error": False}]
+    # Without a record (TRL's own loop keeps only the failure count) the flag is unknown.
+    assert describe_segments(segments)["tool_results"][0]["error"] is None
 
 
 # ---------------------------------------------------------------------------------------------------- recorder
@@ -147,7 +154,11 @@ def test_recorder_maps_rows_rewards_negatives_and_token_advantages(tiny_tokenize
         tok,
         [
             (tool_call("12 * 3"), True),
-            ("\n<|im_start|>user\n<tool_response>\n36\n</tool_response><|im_end|>\n<|im_start|>assistant\n", False),
+            (
+                "\n<|im_start|>user\n<tool_response>\n{'error': 'just a dict'}\n</tool_response><|im_end|>\n"
+                "<|im_start|>assistant\n",
+                False,
+            ),
             ("Answer: 36<|im_end|>", True),
         ],
     )
@@ -187,6 +198,10 @@ def test_recorder_maps_rows_rewards_negatives_and_token_advantages(tiny_tokenize
         logprobs=None,
         error_types=["ValueError"],
         error_messages=["bad"],
+        messages=[
+            {"role": "assistant", "content": tool_call("12 x 3")},
+            FailedToolMessage(role="tool", name="calculate", content="{'error': 'bad'}"),
+        ],
     )
     loop_result = LoopResult(
         [negative],
@@ -194,6 +209,7 @@ def test_recorder_maps_rows_rewards_negatives_and_token_advantages(tiny_tokenize
         [1, 1],
         LoopStats(),
         [[{"turn": 1, "error_types": ["ValueError"], "errors": ["bad"]}], []],
+        tool_failed=[[False], []],  # the first rollout's call returned (printing an error-looking dict)
     )
     recorder = TrajectoryRecorder(tok)
     recorder.record(_fake_trainer(), batch, inputs, torch.tensor([[1.0], [0.0]]), loop_result)
@@ -209,7 +225,9 @@ def test_recorder_maps_rows_rewards_negatives_and_token_advantages(tiny_tokenize
     assert [s["role"] for s in first["segments"]] == ["model", "env", "model"]
     assert all(a == pytest.approx(0.7) for s in first["segments"] for a in s["advantages"])
     assert first["tool_calls"] == [{"name": "calculate", "arguments": {"expression": "12 * 3"}}]
-    assert neg["tool_results"][0]["error"]
+    assert neg["tool_results"] == [{"content": "{'error': 'bad'}", "error": True}]
+    assert first["tool_results"] == [{"content": "{'error': 'just a dict'}", "error": False}]
+    assert not any(s.get("error") for s in first["segments"])
 
 
 def test_recorder_skips_evaluation_batches_and_other_processes(tiny_tokenizer):

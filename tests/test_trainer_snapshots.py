@@ -141,7 +141,7 @@ def _std(values):
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
-def _train(tmp_path, model_dir, tokenizer, generation_cls=None, **overrides):
+def _train(tmp_path, model_dir, tokenizer, generation_cls=None, reward_funcs=reads_reward, **overrides):
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Read the notes."}]] * 16})
     fields = dict(
         output_dir=str(tmp_path),
@@ -161,7 +161,7 @@ def _train(tmp_path, model_dir, tokenizer, generation_cls=None, **overrides):
     )
     args = AgenticGRPOConfig(**{**fields, **overrides})
     trainer = AgenticGRPOTrainer(
-        model=model_dir, reward_funcs=reads_reward, args=args, train_dataset=dataset, environment_factory=NotesEnv
+        model=model_dir, reward_funcs=reward_funcs, args=args, train_dataset=dataset, environment_factory=NotesEnv
     )
     generation = (generation_cls or ScriptedGeneration)(tokenizer)
     trainer._generate_single_turn = generation
@@ -305,6 +305,28 @@ def test_snapshot_rows_reach_the_batch_and_are_trained_on(tiny_model_dir, tiny_t
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 1 and all(math.isfinite(x) for x in losses)
     assert batch["num_items_in_batch"].item() == loss_mask.sum().item()
+
+
+def test_a_tiny_segment_term_in_tied_groups_gives_a_tiny_advantage(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """Issue 35, item 1: every rollout scores 1 (both groups tie) and each snapshot segment gets +0.001. 009b255 gave
+    each segment the clip bound (4 - 1) / sqrt(4) = 1.5; now its episode's advantage (0) + 0.001 / max(1e-4, 0.1)."""
+
+    def constant_reward(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    _, _, captured, _, _ = _train(
+        tmp_path,
+        tiny_model_dir,
+        tiny_tokenizer,
+        reward_funcs=constant_reward,
+        snapshot_advantage="episode",
+        snapshot_reward_func="rollout_helpers:thousandth_bonus",
+    )
+    batch = captured[0][0]
+    snapshot = batch["row_kind"] == RowKind.SNAPSHOT
+    assert int(snapshot.sum()) == sum(SNAPSHOTS[p] for p in ORDER)
+    assert batch["advantages"][~snapshot].tolist() == [0.0] * 8
+    assert batch["advantages"][snapshot].tolist() == pytest.approx([0.001 / 0.1] * int(snapshot.sum()), rel=1e-4)
 
 
 class TruncatedA(ScriptedGeneration):

@@ -18,6 +18,7 @@ import pytest
 import torch
 from datasets import Dataset
 from trl import GRPOTrainer
+from trl.trainer.utils import nanstd
 
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
 
@@ -90,6 +91,49 @@ def test_reward_aggregation_and_advantages_match_trl(tiny_model_dir, tmp_path, s
     # The comparison can fail: some rewards were None and the advantages are not all zero.
     rewards = trainer._last_rewards_per_func
     assert torch.isnan(rewards).any() and trl_output["advantages"].abs().sum() > 0
+
+
+def sevenths_reward(completions, **kwargs):
+    # Non-integer rewards: the summation order of a group's mean matters (it does not for 0/1 rewards).
+    return [len(c[0]["content"]) / 7 for c in completions]
+
+
+def _trl_formula(rewards, num_generations, scale):
+    """TRL 1.16's `sum_then_normalize` lines, written out on the rewards (NaN = unscorable)."""
+    grouped = rewards.view(-1, num_generations)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+    if scale == "batch":
+        std = nanstd(rewards).expand_as(rewards)
+    else:
+        std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
+    advantages = rewards - mean
+    if scale != "none":
+        advantages = advantages / (std + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("num_generations", [6, 16])
+def test_features_off_advantages_are_trls_for_any_group_size(tiny_model_dir, tmp_path, num_generations, scale):
+    """Features off, the trainer's advantages are TRL's bit for bit for group sizes where the summation order matters
+    (issue 36: 009b255's `index_add` sums differed from TRL's `nanmean` for G = 5, 6, 7, 9-16)."""
+    trainer, _ = _trainer(
+        tiny_model_dir,
+        tmp_path,
+        scale_rewards=scale,
+        num_generations=num_generations,
+        per_device_train_batch_size=2 * num_generations,
+        reward_weights=[0.3, 1.0],
+    )
+    trainer.reward_funcs = [sevenths_reward, length_reward]
+    rows = [{"prompt": [{"role": "user", "content": f"Say {w}."}]} for w in ("alpha", "gamma")]
+    rows = [dict(r) for r in rows for _ in range(num_generations)]  # two groups, as TRL's sampler repeats prompts
+    ours = trainer._generate_and_score_completions([dict(r) for r in rows])
+    per_func = trainer._last_rewards_per_func
+    rewards = (per_func * torch.tensor([0.3, 1.0])).nansum(dim=1)
+    expected = _trl_formula(rewards, num_generations, scale)
+    assert torch.equal(ours["advantages"], expected)
+    assert rewards.unique().numel() > 2 and expected.abs().max() > 0.1  # groups with spread, non-integer rewards
 
 
 def test_unscorable_rows_match_trl(tiny_model_dir, tmp_path):

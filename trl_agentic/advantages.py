@@ -2,8 +2,9 @@
 
 `group_advantages` generalises the advantage computation of TRL 1.16's `GRPOTrainer` (fixed-size groups laid out as
 `rewards.view(-1, num_generations)`) to groups of varying size identified by arbitrary ids, with NaN (unscorable)
-rewards and an optional baseline mask. It is fully vectorised: per-group sums are segment reductions (`index_add`), so
-the cost does not grow with a Python loop over groups.
+rewards and an optional baseline mask. It is fully vectorised (no Python loop over groups): the rows are scattered into
+a NaN-padded `(groups, largest group)` table and reduced with TRL's own operations (`torch.nanmean` and TRL's `nanstd`
+lines), so that TRL's layout gives TRL's advantages bit for bit for every group size.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from torch import Tensor
 __all__ = ["group_advantages", "negative_sample_rewards"]
 
 _SCALES = ("group", "batch", "none")
+# Default smallest divisor of an outside row's reward difference (see `AgenticGRPOConfig.advantage_std_floor`).
+DEFAULT_STD_FLOOR = 0.1
 # Same epsilon as TRL's GRPOTrainer, so that full fixed-size groups reproduce its advantages.
 _EPS = 1e-4
 
@@ -24,20 +27,32 @@ def group_advantages(
     *,
     scale: str = "group",
     baseline_mask: Tensor | None = None,
+    anchors: Tensor | None = None,
+    std_floor: float = DEFAULT_STD_FLOOR,
 ) -> Tensor:
     """
     Compute GRPO advantages for rows grouped by arbitrary ids.
 
     Each row's advantage is its reward minus the mean reward of its group, optionally divided by a standard deviation
     plus `1e-4`, following TRL 1.16's `GRPOTrainer`. The group statistics (mean and unbiased std) are taken over the
-    group's *statistics rows*: the rows whose reward is not NaN and, when `baseline_mask` is given, whose mask is set.
-    Every non-NaN row of the group, in the baseline or not, is then scored against these statistics.
+    group's *statistics rows* (the *baseline*): the rows whose reward is not NaN and, when `baseline_mask` is given,
+    whose mask is set. Baseline rows get exactly TRL's `A = (r - mean) / d`, with `d = std + 1e-4` (`scale="group"`),
+    the batch's std + `1e-4` (`"batch"`) or `d = 1` (`"none"`).
 
-    Rows outside the baseline (a non-NaN reward, mask unset) are scored the same way and then, unless
-    `scale="none"`, clipped to `[-C, C]`, where `C` is the larger of `(m - 1) / sqrt(m)` (`m` = the group's
-    statistics rows; no standardised baseline row can exceed it) and the largest `|advantage|` of the group's
-    baseline rows. So when the baseline has no spread, an outside row gets `±(m - 1) / sqrt(m)` instead of
-    `(r - mean) / 1e-4`, and an outside row whose reward equals a baseline row's gets exactly that row's advantage.
+    A row outside the baseline (a non-NaN reward, mask unset) is measured from an *anchor*: its entry of `anchors` when
+    that is a baseline row of the same group (the trainer passes the row's episode, i.e. the rollout a negative sample
+    or a snapshot segment comes from), the group mean otherwise (anchor advantage 0). Unless `scale="none"`:
+
+        A = clip(A_anchor + (r - r_anchor) / max(d, std_floor), -C, C)
+
+    with `C` the larger of `(m - 1) / sqrt(m)` (`m` = the group's baseline rows; no standardised baseline row can
+    exceed it) and the largest `|A|` of the group's baseline rows. So, in every group, ties included:
+
+    - an outside row is continuous in its reward: `|A(r + eps) - A(r)| <= eps / std_floor` (`K = 1 / std_floor`;
+      `K = 1` with `scale="none"`, where nothing is divided or clipped);
+    - an outside row whose reward equals its anchor's gets exactly its anchor's advantage (a snapshot segment scored
+      with its episode's reward gets its episode's), and where `d >= std_floor` the rule is TRL's `(r - mean) / d`;
+    - it never exceeds what a baseline row of its group can reach (`C`).
 
     Bounds (for rewards in `[-1, 1]`): every advantage is finite, and `|A| <= (m - 1) / sqrt(m)` with
     `scale="group"`, `|A| <= sqrt((m - 1) (N - 1) / m)` with `scale="batch"` (`N` = statistics rows of the batch),
@@ -48,10 +63,10 @@ def group_advantages(
         - A group with fewer than two statistics rows has no usable spread, so all its rows get advantage 0 (TRL gets
           the same result implicitly, as its `nanstd` of a single value is NaN and later zeroed by `nan_to_num`).
 
-    For full fixed-size groups (with or without NaN rows, no mask) this equals TRL's `rewards.view(-1, G)` computation
-    up to floating-point rounding: the std is evaluated in the same order as TRL's `nanstd` (mean of squared
-    deviations times `n / (n - 1)`), which makes the result bit-identical for small groups on CPU; larger groups may
-    differ by a few ulps because `torch.nanmean` sums in a different order than `index_add`.
+    For TRL's layout (contiguous fixed-size groups in increasing id order, with or without NaN rows, no mask) this is
+    TRL's `rewards.view(-1, G)` computation bit for bit, for every `G` (float32: the same tensor, the same operations;
+    tested for G = 2-9 and 16 in `tests/test_advantages.py`). With every feature off the trainer goes further and keeps
+    TRL's own advantages (`BatchAugmenter`).
 
     Args:
         rewards (`Tensor`):
@@ -68,12 +83,19 @@ def group_advantages(
         baseline_mask (`Tensor`, *optional*):
             Boolean tensor of shape `(N,)`. When given, only rows where it is `True` (and the reward is not NaN) enter
             the group mean and std, and the batch std for `scale="batch"`.
+        anchors (`Tensor`, *optional*):
+            Integer tensor of shape `(N,)`: for a row outside the baseline, the index of the row it is measured from.
+            Ignored for baseline rows and where the anchor is not a baseline row of the same group.
+        std_floor (`float`, *optional*, defaults to `0.1`):
+            Smallest divisor of an outside row's reward difference (`AgenticGRPOConfig.advantage_std_floor`, where the
+            default is justified). Must be positive.
 
     Returns:
         `Tensor`: Advantages of shape `(N,)`, with the dtype and device of `rewards`. The inputs are not modified.
 
     Raises:
-        ValueError: If `scale` is not one of `"group"`, `"batch"`, `"none"`, or if the shapes or dtypes are invalid.
+        ValueError: If `scale` is not one of `"group"`, `"batch"`, `"none"`, if `std_floor` is not positive, or if the
+            shapes or dtypes are invalid.
     """
     if scale not in _SCALES:
         raise ValueError(f"Invalid `scale`: {scale!r}. Must be one of {', '.join(repr(s) for s in _SCALES)}.")
@@ -92,48 +114,52 @@ def group_advantages(
             )
         if baseline_mask.dtype != torch.bool:
             raise ValueError(f"`baseline_mask` must be a boolean tensor, got {baseline_mask.dtype}.")
+    if anchors is not None and (anchors.shape != rewards.shape or anchors.is_floating_point()):
+        raise ValueError(f"`anchors` must be an integer tensor of shape {tuple(rewards.shape)}.")
+    if not std_floor > 0:
+        raise ValueError(f"`std_floor` must be positive, got {std_floor}.")
 
     if rewards.numel() == 0:
         return torch.empty_like(rewards)
 
     device, dtype = rewards.device, rewards.dtype
-    # Dense group index 0..G-1, whatever the original ids look like.
+    # Dense group index 0..G-1 (sorted ids), whatever the original ids look like.
     uniques, inverse = torch.unique(group_ids.to(device), return_inverse=True)
     num_groups = uniques.numel()
 
     valid = ~torch.isnan(rewards)
     stats = valid if baseline_mask is None else valid & baseline_mask.to(device)
-    # Zero (not NaN) in the non-statistics rows, so that they add nothing to the segment sums.
-    stat_rewards = torch.where(stats, rewards, torch.zeros_like(rewards))
-
-    counts = torch.zeros(num_groups, dtype=torch.long, device=device).index_add_(0, inverse, stats.long())
-    sums = torch.zeros(num_groups, dtype=dtype, device=device).index_add_(0, inverse, stat_rewards)
-    # clamp avoids 0/0 for groups without statistics rows; those are zeroed at the end anyway.
-    means = sums / counts.clamp(min=1)
-    row_means = means[inverse]
-
-    advantages = rewards - row_means
+    # The statistics rows laid out as a (groups, largest group) table, NaN elsewhere, each group's rows in row order.
+    # For TRL's layout (contiguous groups of G in id order) the table *is* TRL's `rewards.view(-1, G)`, and the
+    # statistics below are TRL's operations on it, so the advantages are TRL's bit for bit for every G.
+    table = _group_table(torch.where(stats, rewards, torch.full_like(rewards, torch.nan)), inverse, num_groups)
+    counts = (~torch.isnan(table)).sum(dim=1)
+    means = torch.nanmean(table, dim=1)
+    # A group without statistics rows has a NaN mean; its rows are zeroed at the end.
+    advantages = rewards - means[inverse]
     if scale == "group":
-        centred = torch.where(stats, advantages, torch.zeros_like(advantages))
-        sq_sums = torch.zeros(num_groups, dtype=dtype, device=device).index_add_(0, inverse, centred * centred)
-        # Unbiased std sqrt(sum / (n - 1)), written in the operation order of TRL's `nanstd` to reproduce its bits.
-        # The correction is in the rewards' dtype: float32 as in TRL, and not rounded to float32 for float64 rewards.
-        correction = counts.to(dtype) / (counts - 1).clamp(min=1).to(dtype)
-        stds = torch.sqrt((sq_sums / counts.clamp(min=1)) * correction)
-        advantages = advantages / (stds[inverse] + _EPS)
+        divisor = _nanstd(table, dim=1)[inverse] + _EPS
     elif scale == "batch":
-        n = stats.sum()
-        batch_mean = stat_rewards.sum() / n.clamp(min=1)
-        centred = torch.where(stats, rewards - batch_mean, torch.zeros_like(rewards))
-        correction = n.to(dtype) / (n - 1).clamp(min=1).to(dtype)
-        batch_std = torch.sqrt(((centred * centred).sum() / n.clamp(min=1)) * correction)
-        advantages = advantages / (batch_std + _EPS)
+        divisor = (_nanstd(torch.where(stats, rewards, torch.nan)) + _EPS).expand_as(rewards)
+    if scale != "none":
+        advantages = advantages / divisor
 
-    if scale != "none" and not bool(stats[valid].all()):
-        # Rows outside the baseline are scored like the baseline rows, then clipped to the largest magnitude a
-        # baseline row of their group can reach: without the clip, a baseline without spread (std 0) divides them by
-        # 1e-4. The bound is `(m - 1) / sqrt(m)` for `m` baseline rows (the extreme of a sample standardised by its
-        # own unbiased std), or the group's largest baseline advantage if that is larger (`scale="batch"`).
+    outside = valid & ~stats
+    if scale != "none" and bool(outside.any()):
+        # Rows outside the baseline: their anchor's advantage plus their reward difference over a divisor floored at
+        # `std_floor` (continuous in the reward even when the baseline has no spread and `d` is 1e-4), clipped to the
+        # largest magnitude a baseline row of their group can reach: `(m - 1) / sqrt(m)` for `m` baseline rows (the
+        # extreme of a sample standardised by its own unbiased std), or the group's largest baseline advantage if that
+        # is larger (`scale="batch"`).
+        anchor_reward, anchor_advantage = means[inverse], torch.zeros_like(advantages)
+        if anchors is not None:
+            a = anchors.to(device=device, dtype=torch.long).clamp(0, rewards.numel() - 1)
+            usable = (anchors.to(device) >= 0) & (anchors.to(device) < rewards.numel()) & stats[a]
+            usable &= inverse[a] == inverse
+            anchor_reward = torch.where(usable, rewards[a], anchor_reward)
+            anchor_advantage = torch.where(usable, advantages[a], anchor_advantage)
+        floored = torch.clamp(divisor, min=std_floor)
+        scored = anchor_advantage + (rewards - anchor_reward) / floored
         m = counts.to(dtype)
         bound = (m - 1) / torch.sqrt(m.clamp(min=1))
         in_baseline = torch.where(stats, advantages.abs(), torch.zeros_like(advantages))
@@ -141,11 +167,36 @@ def group_advantages(
             0, inverse, in_baseline, reduce="amax"
         )
         bound = torch.maximum(bound, largest)[inverse]
-        advantages = torch.where(stats, advantages, torch.maximum(torch.minimum(advantages, bound), -bound))
+        advantages = torch.where(outside, torch.maximum(torch.minimum(scored, bound), -bound), advantages)
 
     # NaN rows and groups with fewer than two statistics rows carry no learning signal.
     keep = valid & (counts[inverse] >= 2)
     return torch.where(keep, advantages, torch.zeros_like(advantages))
+
+
+def _group_table(values: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
+    """`values` scattered into a `(num_groups, largest group)` table, NaN-filled, each group's rows in row order."""
+    sizes = torch.bincount(inverse, minlength=num_groups)
+    order = torch.argsort(inverse, stable=True)
+    starts = torch.cumsum(sizes, 0) - sizes
+    position = torch.empty_like(inverse)
+    position[order] = torch.arange(inverse.numel(), device=inverse.device) - starts[inverse[order]]
+    table = values.new_full((num_groups, int(sizes.max())), torch.nan)
+    table[inverse, position] = values
+    return table
+
+
+def _nanstd(x: Tensor, dim: int | None = None) -> Tensor:
+    """TRL 1.16's `trl.trainer.utils.nanstd` (same operations in the same order, NaN below two values), except that
+    Bessel's correction is computed in `x`'s dtype (TRL's is float32 whatever the input: exact for float32)."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(x), dim=dim, keepdim=True)
+    correction = count.to(x.dtype) / (count - 1).to(x.dtype)
+    correction = torch.where(count > 1, correction, torch.full_like(correction, torch.nan))
+    variance *= correction
+    std = torch.sqrt(variance)
+    return std.squeeze() if dim is None else std.squeeze(dim)
 
 
 def negative_sample_rewards(

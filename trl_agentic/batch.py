@@ -26,7 +26,7 @@ from transformers.utils import logging
 from trl.trainer.utils import use_adapter
 
 from .advantages import negative_sample_rewards
-from .estimators import AdvantageBatch, EstimatorResult
+from .estimators import AdvantageBatch, EstimatorResult, grpo_estimator
 from .rollout.trl_backend import any_rank
 from .rollout.types import ExtraRow, RowKind
 
@@ -222,9 +222,14 @@ class BatchAugmenter:
             tool_mask=batch["tool_mask"] if "tool_mask" in batch else torch.ones_like(batch["completion_mask"]),
             loss_mask=loss_mask,
             scale=t.scale_rewards,
+            std_floor=args.advantage_std_floor,
         )
         try:
-            result, error = t.advantage_estimator(estimator_batch, t), None
+            if self._trl_advantages_hold(t, len(kinds) - num_local * nproc, infra):
+                # Features off in this batch: TRL's own advantages, exactly as `GRPOTrainer` computed them.
+                result, error = output["advantages"], None
+            else:
+                result, error = t.advantage_estimator(estimator_batch, t), None
         except Exception as e:  # noqa: BLE001 - re-raised on every process (a custom estimator's bug on one rank)
             result, error = None, e
         if nproc > 1:
@@ -275,6 +280,13 @@ class BatchAugmenter:
         return batch
 
     # ------------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _trl_advantages_hold(trainer, num_extra_rows: int, infra: torch.Tensor) -> bool:
+        """Whether the batch is one `GRPOTrainer` would train on, advantages included: the default estimator, no extra
+        row on any process, no rollout lost to infrastructure (whose reward TRL would have kept). Then TRL's own
+        `advantages` are kept, so that features off stays TRL's computation bit for bit, whatever TRL computes."""
+        return trainer.advantage_estimator is grpo_estimator and num_extra_rows == 0 and not bool(infra.any())
+
     @staticmethod
     def _own_keep(keep: list[bool], all_meta: list[list], rank: int) -> list[bool]:
         start = sum(len(m) for m in all_meta[:rank])

@@ -63,8 +63,9 @@ class AgenticGRPOConfig(GRPOConfig):
             a `trl_agentic.errors.ToolCallError` (the Python sandbox reports the model code's exception, e.g.
             `"NameError"`, and `"SandboxTimeout"` for code past its time limit). The loop's own errors are
             `"ToolCallParseError"` (malformed call markup), `"ToolNotFoundError"`, `"ToolTimeout"` (`tool_timeout`),
-            `"ToolError"` (a tool returned `{"error": ...}`). Text is never searched: a tool result that merely
-            prints `"ValueError: ..."` is not an error. Defaults to the seed's list.
+            and the BFCL environment raises its APIs' `{"error": ...}` reports as `"ToolError"`. A call failed only when
+            it raised: whatever a tool returns (a printed `"ValueError: ..."`, a returned `{"error": ...}`) is a
+            result, never searched. Defaults to the seed's list.
         rollback_feedback (`str`, *optional*, defaults to `"none"`):
             What the model sees before it retries: `"none"` restores the trajectory exactly to the checkpoint and
             re-samples; `"hint"` inserts `rollback_hint_template` as environment tokens (masked from the loss) that
@@ -96,6 +97,14 @@ class AgenticGRPOConfig(GRPOConfig):
             `"episodes"` (only the regular rollouts; negatives and snapshots are scored against them, then clipped
             to the largest advantage a rollout of the group can reach, `(m - 1) / sqrt(m)` for `m` rollouts, so a
             baseline without spread cannot blow them up; docs/concepts.md).
+        advantage_std_floor (`float`, *optional*, defaults to `0.1`):
+            Smallest divisor of the reward difference of a row outside its group's baseline (negatives under
+            `group_baseline="episodes"`, snapshot segments under `snapshot_advantage="episode"`): such a row gets its
+            episode's advantage plus `(r - r_episode) / max(d, advantage_std_floor)`, `d` the baseline rows' divisor
+            (`std + 1e-4`), clipped as above. A reward difference `eps` then moves it by at most
+            `eps / advantage_std_floor` in every group, ties included. The default is a tenth of the unit of 0/1
+            rewards: a group of `m` rollouts with 0/1 rewards and any spread has `std >= 1 / sqrt(m)`, at least 0.1
+            up to `m = 100`, so there the floor changes nothing. Set it to about a tenth of your task's reward unit.
         tool_timeout (`float`, *optional*, defaults to `0.0`):
             Wall-clock limit in seconds of one tool call; a call past it is reported to the model as a `ToolTimeout`
             error (a model error) and its environment is retired: the rollout continues on a fresh instance restored
@@ -255,6 +264,14 @@ class AgenticGRPOConfig(GRPOConfig):
             "help": "Rows in a group's mean/std: 'all_rows' (seed) or 'episodes' (regular rollouts only; the other rows "
             "are scored against them and clipped to what a rollout can reach).",
             "choices": ["all_rows", "episodes"],
+        },
+    )
+    advantage_std_floor: float = field(
+        default=0.1,
+        metadata={
+            "help": "Smallest divisor of the reward difference of a row outside its group's baseline (its episode's "
+            "advantage + (r - r_episode) / max(std + 1e-4, floor)): a reward change eps moves it by at most "
+            "eps / floor, ties included. 0.1 is below the std of any 0/1-reward group of <= 100 rollouts with spread."
         },
     )
     tool_timeout: float = field(
@@ -507,7 +524,7 @@ class AgenticGRPOConfig(GRPOConfig):
                 f"`rlvcr_expand` (True) needs `rlvcr_mode` = 'copo' (expansion rows carry CoPO advantages), "
                 f"got `rlvcr_mode` = {self.rlvcr_mode!r}."
             )
-        for name in ("rlvcr_cost_max", "rlvcr_k"):
+        for name in ("rlvcr_cost_max", "rlvcr_k", "advantage_std_floor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"`{name}` must be positive, got {getattr(self, name)!r}.")
         for name in (

@@ -2,35 +2,41 @@
 
 A tool call ends in one of three ways:
 
-- **a result**: the tool returned a value. Its text is shown to the model as it is, even if it contains words like
-  `"ValueError: ..."` (model-written code may catch an exception and print it: that is not a failed call).
-- **a model error**: the tool raised anything other than an infrastructure error. The call failed because of what the
-  model asked (unknown tool, wrong arguments, code that raised, looped past its time limit, crashed or ran out of
-  memory). Its *type* is the exception's class name, or the `error_type` of a `ToolCallError` (e.g. the sandbox
-  reports `"NameError"` for model code that raised `NameError`). A tool that returns `{"error": ...}` (TRL's own
-  convention) has failed too, with type `"ToolError"`. Model errors whose type is listed in `rollback_on_errors` can
-  trigger a rollback (and a negative row); the others are shown to the model and the rollout goes on.
+- **a result**: the tool returned a value. Whatever it is, it is data, shown to the model as TRL shows it: a string
+  that contains `"ValueError: ..."` (model-written code may catch an exception and print it) and a return value that
+  looks like an error, such as `{"error": "..."}` or code printing it, are results. TRL's own loop counts only raised
+  exceptions as failures (`tools/failure_frequency`), and so does ours.
+- **a model error**: the tool raised anything other than an infrastructure error (or the loop refused the call: an
+  unknown tool, malformed call markup, a call past `tool_timeout`). The call failed because of what the model asked.
+  Its *type* is the exception's class name, or the `error_type` of a `ToolCallError` (e.g. the sandbox reports
+  `"NameError"` for model code that raised `NameError`). An environment whose API reports failures as return values
+  raises a `ToolCallError` for them (BFCL's APIs: type `"ToolError"`). Model errors whose type is listed in
+  `rollback_on_errors` can trigger a rollback (and a negative row); the others are shown to the model and the rollout
+  goes on.
 - **an infrastructure error**: the tool raised an `InfrastructureError` (or a type listed in `infra_error_types`):
   the failure is not the model's (a sandbox that cannot start, a tool server that refuses connections). The call is
   retried in place; if it keeps failing, the rollout is kept out of the loss and of its group's statistics.
 
-Types are read from the exception's class hierarchy, never searched for in text.
+Types are read from the exception's class hierarchy, never from text.
 
 Every error reaches the model exactly as TRL's `GRPOTrainer` renders it: the tool message content is
-`str({"error": message})`, e.g. `"{'error': \"name 'x' is not defined\"}"`. `tool_error_message` recognises that format
-wherever tool results are read back (reward helpers, evaluation, the HTML report).
+`str({"error": message})`, e.g. `"{'error': \"name 'x' is not defined\"}"`. A successful result can print the same
+text, so text never tells a failure: the failure is recorded where it happens. trl-agentic's loop builds the tool
+message of a failed call as a `FailedToolMessage` (a dict equal to TRL's message, rendered identically), which
+`tool_call_failed` reads wherever tool messages are read back (evaluation, the HTML report, `LoopResult.tool_failed`).
+Under TRL's own loop (every loop feature off) TRL keeps only the count; an environment that needs per-call outcomes in
+its reward records them itself (`CalculatorEnv.calls` / `failures`, read by `tool_use_reward`).
 """
 
 from __future__ import annotations
 
-import ast
-
 __all__ = [
+    "FailedToolMessage",
     "InfrastructureError",
     "ToolCallError",
     "error_type_names",
     "render_tool_error",
-    "tool_error_message",
+    "tool_call_failed",
 ]
 
 
@@ -84,22 +90,27 @@ def render_tool_error(message: str) -> str:
     return str({"error": message})
 
 
-def tool_error_message(content) -> str | None:
+class FailedToolMessage(dict):
     """
-    The error message of a tool result in TRL's error format, or None when the result is not an error.
+    The tool message (`{"role": "tool", "name": ..., "content": ...}`) of a call that failed.
+
+    A plain `dict` subclass: it compares equal to the same message built by TRL, chat templates render it identically,
+    and it survives copies and pickling (`gather_object`). Its type is the record that the call failed.
+    """
+
+
+def tool_call_failed(message) -> bool:
+    """
+    Whether a tool message is that of a failed call (the tool raised, or the loop refused the call).
+
+    Read from the message's type (`FailedToolMessage`), never from its text: a successful result may print anything,
+    `{"error": ...}` included. A message built by TRL's own loop carries no record (TRL keeps only the failure count),
+    so it reads as not failed.
 
     Args:
-        content: A tool message's content (or a tool's return value).
+        message: A chat message (`dict`).
 
     Returns:
-        `str | None`: The `"error"` entry (when not None) of `content` if it is a dict or the `str` of one, else
-        None.
+        `bool`
     """
-    if isinstance(content, str) and content.startswith("{") and "'error':" in content:
-        try:
-            content = ast.literal_eval(content)
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            return None
-    if isinstance(content, dict) and content.get("error") is not None:
-        return str(content["error"])
-    return None
+    return isinstance(message, FailedToolMessage)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from .advantages import group_advantages
+from .advantages import DEFAULT_STD_FLOOR, group_advantages
 
 
 @dataclass
@@ -34,6 +34,7 @@ class AdvantageBatch:
         tool_mask: `(B, T)` 1 on model-generated tokens, 0 on environment tokens (tool results, hints).
         loss_mask: `(B, T)` local trainable-token mask (`completion_mask * tool_mask`, zero for lost rollouts).
         scale: TRL's `scale_rewards` (`"group"`, `"batch"` or `"none"`).
+        std_floor: `advantage_std_floor`, the smallest divisor of an outside-baseline row's reward difference.
     """
 
     rewards: Tensor
@@ -49,6 +50,7 @@ class AdvantageBatch:
     tool_mask: Tensor
     loss_mask: Tensor
     scale: str
+    std_floor: float = DEFAULT_STD_FLOOR
 
 
 @dataclass
@@ -71,8 +73,16 @@ Estimator = Callable[[AdvantageBatch, object], "Tensor | EstimatorResult"]
 
 
 def grpo_estimator(batch: AdvantageBatch, trainer=None) -> Tensor:
-    """GRPO over variable-size groups: `group_advantages` on the gathered rewards, then this process's rows."""
-    advantages = group_advantages(batch.rewards, batch.group_ids, scale=batch.scale, baseline_mask=batch.baseline_mask)
+    """GRPO over variable-size groups: `group_advantages` on the gathered rewards (a row outside the baseline measured
+    from its episode), then this process's rows."""
+    advantages = group_advantages(
+        batch.rewards,
+        batch.group_ids,
+        scale=batch.scale,
+        baseline_mask=batch.baseline_mask,
+        anchors=batch.episode_ids,
+        std_floor=batch.std_floor,
+    )
     return advantages[batch.local_index]
 
 

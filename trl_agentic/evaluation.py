@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .envs.protocol import tool_methods, with_observation
-from .errors import tool_error_message
+from .errors import tool_call_failed
 from .rollout.context import DELETE_CONTEXT_TOOL, delete_context
 from .rollout.loop import AgenticRolloutLoop, LoopConfig
 from .rollout.rendering import ChatRenderer, grpo_chat_template  # noqa: F401 - grpo_chat_template re-exported
@@ -376,8 +376,8 @@ def evaluate_policy(
             for k, row in enumerate(chunk):
                 messages = completions[k]
                 tool_msgs = [m for m in messages if m.get("role") == "tool"]
-                # The loop renders every failure in TRL's error format (malformed calls, unknown tools, exceptions).
-                failures = sum(tool_error_message(m.get("content")) is not None for m in tool_msgs)
+                # Calls that raised or that the loop refused (malformed, unknown tool, timeout): recorded by the loop.
+                failures = sum(tool_call_failed(m) for m in tool_msgs)
                 rewards = [values[k] for values in per_func]
                 records.append(
                     {

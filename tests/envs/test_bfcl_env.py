@@ -26,6 +26,7 @@ from trl_agentic.envs.protocol import (
     restore_env,
     tool_methods,
 )
+from trl_agentic.errors import ToolCallError
 
 # Tasks whose ground truth cannot be replayed through the environment, and why.
 UNREPLAYABLE = {
@@ -79,8 +80,14 @@ def test_tool_call_reaches_the_api_with_the_models_arguments():
     env = environment_class(tool_group(task))()
     env.reset(bfcl_id=task.id)
     assert env.cd(folder="document") == {"current_working_directory": "document"}
-    result = env.mv(source="nope.txt", destination="x")  # the API's own error report
-    assert "error" in result
+    # The API reports a failure as a returned {"error": ...}: raised as a typed error, rendered by TRL as the same
+    # text, counted as a failed call by both loops (a returned value never is).
+    api = env._apis[env._owners["mv"]]
+    expected = api.mv(source="nope.txt", destination="x")
+    assert set(expected) == {"error"}
+    with pytest.raises(ToolCallError) as info:
+        env.mv(source="nope.txt", destination="x")
+    assert info.value.error_type == "ToolError" and str({"error": str(info.value)}) == str(expected)
     with pytest.raises(TypeError):  # an argument the API method does not take
         env.cd(directory="document")
     assert env._turn_calls == [

@@ -253,17 +253,24 @@ def test_answer_reward_end_to_end_with_generated_tasks():
 
 
 def test_tool_use_reward_counts_only_successful_tool_calls():
-    env = CalculatorEnv()
-    try:
-        env.calculate("1 / 0")
-    except ZeroDivisionError as exc:
-        trl_error = str({"error": str(exc)})  # exactly how TRL's tool loop renders a raised tool error
+    """The bonus reads what the environment recorded (the tool returned or raised), never the text the model saw: a
+    result that looks like TRL's error rendering is a success, a raised error is not (009b255 read the text)."""
+    succeeded, failed, mixed, unused = CalculatorEnv(), CalculatorEnv(), CalculatorEnv(), CalculatorEnv()
+    result = succeeded.calculate("2 + 3")
+    with pytest.raises(ZeroDivisionError):
+        failed.calculate("1 / 0")
+    with pytest.raises(ValueError):
+        mixed.calculate("2 ^ 3")
+    mixed.calculate("2 ** 3")
+    looks_like_an_error = str({"error": "division by zero"})
     completions = [
-        _conversation("Answer: 5", tool_results=(env.calculate("2 + 3"),)),
-        _conversation("Answer: 5", tool_results=(trl_error,)),
-        _conversation("Answer: 5", tool_results=(trl_error, "5")),
+        _conversation("Answer: 5", tool_results=(looks_like_an_error,)),  # text is not read
+        _conversation("Answer: 5", tool_results=(result,)),
+        _conversation("Answer: 5", tool_results=(looks_like_an_error, "8")),
         _conversation("Answer: 5"),
-        "Answer: 5",
     ]
-    assert tool_use_reward(completions) == [TOOL_USE_BONUS, 0.0, TOOL_USE_BONUS, 0.0, 0.0]
+    environments = [succeeded, failed, mixed, unused]
+    assert tool_use_reward(completions, environments=environments) == [TOOL_USE_BONUS, 0.0, TOOL_USE_BONUS, 0.0]
     assert TOOL_USE_BONUS == 0.1
+    with pytest.raises(ValueError, match="environment_factory=CalculatorEnv"):
+        tool_use_reward(completions)

@@ -349,3 +349,51 @@ def test_a_venv_under_the_sandbox_directory_runs_from_its_own_mount(tmp_path):
     inside = sandbox_isolation.RELOCATED_PYTHON + "/0"
     # The venv's interpreter with the venv's packages, in bubblewrap's namespaces; nothing of the host's /tmp inside.
     assert result.stdout.splitlines() == [f"{inside} [] False {inside}/bin/python", "private"]
+
+
+# -- what counts as a failed call (issue 35, item 2) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["best_effort"])
+def test_printed_error_dict_is_a_result_not_a_failure(tiny_tokenizer, policy):
+    """Model code printing `{'error': 'just a dict'}` ran fine: a result, whatever it looks like. 009b255 read the text
+    as TRL's error rendering: a failed call, and with `ToolError` in `rollback_on_errors` a rollback and a negative row.
+    A call that raises is a failure, recorded on its message (`tool_call_failed`), not in its text."""
+    from rollout_helpers import ScriptBackend, call, run_tools_loop
+
+    from trl_agentic.rollout.loop import LoopConfig
+
+    env = EnvFactory(**POLICIES[policy])(timeout=30.0)
+    try:
+        env.reset()
+        printing = call("python", code="print({'error': 'just a dict'})")
+        raising = call("python", code="undefined_name")
+        backend = ScriptBackend(tiny_tokenizer, [[raising], ["done<|im_end|>"]])
+        config = LoopConfig(
+            enable_tool_rollback=True,
+            save_negative_samples=True,
+            rollback_on_errors=["ToolError", "NameError"],
+            infra_error_types=["InfrastructureError"],
+        )
+        _, _, (_, completions, _, _, n_calls, n_failures, _), result = run_tools_loop(
+            backend, [printing], [{"python": env.python}], config, envs=[env]
+        )
+    finally:
+        env._close()
+    # The printing call stays in the trajectory as a result; the raising one was rolled back into a negative row.
+    tools = [m for m in completions[0] if m["role"] == "tool"]
+    assert [m["content"] for m in tools] == ["{'error': 'just a dict'}"]
+    assert (n_calls, n_failures) == (2, 1)
+    assert result.stats.rollback_attempts == 1
+    from trl_agentic.errors import tool_call_failed
+
+    assert not tool_call_failed(tools[0]) and result.tool_failed == [[False]]
+    (negative,) = result.extra_rows
+    assert negative.error_types[0] == "NameError"
+    (failed,) = [m for m in negative.messages if m["role"] == "tool"]
+    assert tool_call_failed(failed)
+    assert failed == {
+        "role": "tool",
+        "name": "python",
+        "content": str({"error": "NameError: name 'undefined_name' is not defined"}),
+    }

@@ -8,8 +8,6 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import tool_error_message
-
 SYSTEM_PROMPT = (
     "Solve the math problem. Use the `calculate` tool for the arithmetic, then give the final answer on its own "
     'line as "Answer: <number>".'
@@ -408,27 +406,30 @@ def answer_reward(completions: list, answer: list, **kwargs) -> list[float]:
     return rewards
 
 
-def tool_use_reward(completions: list, **kwargs) -> list[float]:
+def tool_use_reward(completions: list, environments: list | None = None, **kwargs) -> list[float]:
     """
     TRL reward function: a small bonus (`TOOL_USE_BONUS`, 0.1) for completions with at least one successful tool call.
 
-    A tool message counts as successful unless its content is an error as TRL renders it (`"{'error': ...}"`, what the
-    trainer sends back when the tool raised). Meant to be combined with `answer_reward` early in training.
+    A call is successful when `calculate` returned (it raises on a bad expression); the environment counts its calls
+    and failures (`CalculatorEnv.calls` / `failures`), so nothing is read from the text the model saw, and a rollback
+    or a timed-out call's restore rolls the counters back with the rest of the state. Meant to be combined with
+    `answer_reward` early in training, with `environment_factory=CalculatorEnv` (TRL passes `environments`).
 
     Args:
         completions (`list`):
-            One message list per completion (plain strings get 0).
+            One message list per completion.
+        environments (`list[CalculatorEnv]`):
+            The completions' environments, as TRL passes them to reward functions.
         **kwargs: Dataset columns and trainer arguments (ignored).
 
     Returns:
         `list[float]`: `TOOL_USE_BONUS` or 0.0 per completion.
+
+    Raises:
+        ValueError: Without `environments` (the calculator is not the trainer's environment).
     """
-    rewards = []
-    for completion in completions:
-        messages = [] if isinstance(completion, str) else completion
-        success = any(
-            message.get("role") == "tool" and tool_error_message(_text(message.get("content"))) is None
-            for message in messages
+    if environments is None:
+        raise ValueError(
+            "`tool_use_reward` reads the calls from the environments: train with `environment_factory=CalculatorEnv`."
         )
-        rewards.append(TOOL_USE_BONUS if success else 0.0)
-    return rewards
+    return [TOOL_USE_BONUS if env.calls > env.failures else 0.0 for env in environments[: len(completions)]]

@@ -11,7 +11,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-from ..errors import tool_error_message
+from ..errors import tool_call_failed
 from ..rollout.parsing import parse_tool_calls
 from ..rollout.types import RowKind
 
@@ -170,9 +170,14 @@ def split_segments(tokenizer, completion_ids: list[int], tool_mask: list[int], a
     return segments
 
 
-def describe_segments(segments: list[dict]) -> dict:
-    """Tool calls, tool results (with error flags) and RLVCR levels found in a trajectory's segments."""
+def describe_segments(segments: list[dict], failed: list[bool] | None = None) -> dict:
+    """Tool calls, tool results (with error flags) and RLVCR levels found in a trajectory's segments.
+
+    `failed[k]` says whether the k-th tool result's call failed, as the rollout loop recorded it (never read from the
+    text); without it (TRL's own loop keeps no per-call record) the flags are None.
+    """
     calls, results, levels = [], [], []
+    flags = iter(failed or [])
     for segment in segments:
         text = segment["text"].replace("<|im_end|>", "")
         if segment["role"] == "model":
@@ -186,7 +191,7 @@ def describe_segments(segments: list[dict]) -> dict:
             segment["levels"] = [int(level) for level in _LEVEL.findall(text)]
         else:
             found = [
-                {"content": content, "error": tool_error_message(content) is not None}
+                {"content": content, "error": next(flags, None) if failed is not None else None}
                 for content in _TOOL_RESPONSE.findall(segment["text"])
             ]
             results += found
@@ -267,6 +272,7 @@ class TrajectoryRecorder(TrainerCallback):
         names = list(getattr(trainer, "reward_func_names", []))
         extras = list(loop_result.extra_rows) if loop_result is not None else []
         rollback_log = loop_result.rollback_log if loop_result is not None else [[] for _ in range(num_local)]
+        tool_failed = loop_result.tool_failed if loop_result is not None else []
         args = trainer.args
         extra_cursor = 0
         rows = []
@@ -296,6 +302,7 @@ class TrajectoryRecorder(TrainerCallback):
                 else:
                     row["reward"] = None
                 row["rollbacks"] = rollback_log[r] if r < len(rollback_log) else []
+                failed = tool_failed[r] if r < len(tool_failed) else None
             else:
                 extra = None
                 if kind in (RowKind.NEGATIVE, RowKind.SNAPSHOT):
@@ -306,6 +313,9 @@ class TrajectoryRecorder(TrainerCallback):
                             extra = candidate
                             break
                 parent = extra.parent if extra is not None else None
+                failed = (
+                    None if extra is None else [tool_call_failed(m) for m in extra.messages if m.get("role") == "tool"]
+                )
                 source = inputs[parent] if parent is not None and parent < num_local else {}
                 row["parent"] = f"s{step}-r{parent}" if parent is not None else None
                 row["rollbacks"] = []
@@ -327,7 +337,7 @@ class TrajectoryRecorder(TrainerCallback):
             row["question"] = _question(source.get("prompt")) if source else ""
             row["answer"] = source.get("answer") if source else None
             row["segments"] = split_segments(self.tokenizer, ids, mask, adv[:length])
-            row.update(describe_segments(row["segments"]))
+            row.update(describe_segments(row["segments"], failed))
             rows.append(row)
         self.trajectories.extend(_keep_groups(rows, self.max_rows_per_step))
 

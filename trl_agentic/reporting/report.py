@@ -3,9 +3,10 @@
 Per trajectory: the step, group and row kind (regular rollout, negative sample, snapshot segment, estimator
 expansion), the reward and mean advantage, the question and expected answer, then the completion turn by turn: the
 model's tokens coloured by their advantage (green positive, red negative, hover for the value), the tool calls it
-made, the tool results (errors in red), the rollbacks of the rollout with their errors (linked to the negative
-samples they produced), snapshot segment indices and RLVCR thinking levels when present. A few filters (row kind,
-step, rollbacks only, text search) run in a small inline script.
+made, the tool results (failed calls in red, as the rollout loop recorded them, never read from the text), the
+rollbacks of the rollout with their errors (linked to the negative samples they produced), snapshot segment indices and
+RLVCR thinking levels when present. A few filters (row kind, step, rollbacks only, text search) run in a small inline
+script.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..envs.protocol import checkpoint_env, has_user_turns, next_user_turn, restore_env
+from ..errors import tool_call_failed
 from .context import DELETE_CONTEXT_TOOL, apply_deletion, delete_context
 from .parsing import parse_tool_calls
 from .tools import PARSE_ERROR, ErrorPolicy, ToolOutcome, failure, gather_async_calls, run_tool_call
@@ -256,7 +257,14 @@ class AgenticRolloutLoop:
             stats.tool_failures,
             [[] for _ in range(n)],
         )
-        return trl_tuple, LoopResult(self._extra_rows, infra_failed, num_segments, stats, rollback_log, segment_starts)
+        # Per rollout, whether each tool call of its last segment (the regular row) failed, read from the messages.
+        tool_failed = [
+            [tool_call_failed(m) for m in r.completion_msgs[r.segment_msg_start :] if m.get("role") == "tool"]
+            for r in rollouts
+        ]
+        return trl_tuple, LoopResult(
+            self._extra_rows, infra_failed, num_segments, stats, rollback_log, segment_starts, tool_failed
+        )
 
     def _any_rank(self, flag: bool, error: BaseException | None) -> bool:
         """Whether any rank has work; raises on every rank when any rank failed (never a rank left waiting)."""
@@ -322,7 +330,7 @@ class AgenticRolloutLoop:
         stats.tool_failures += sum(o.failed for o in outcomes)
         stats.malformed_calls += len(r.parse_errors)
         stats.truncated_outputs += sum(o.truncated for o in outcomes)
-        tool_messages = [{"role": "tool", "name": o.name, "content": o.content} for o in outcomes]
+        tool_messages = [o.message() for o in outcomes]
         calls, r.calls, r.parse_errors, r.pending = r.calls, [], [], None
 
         if any(o.category == "infra" for o in outcomes):

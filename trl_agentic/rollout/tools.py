@@ -4,7 +4,8 @@ Every failure becomes a message the model reads, rendered exactly as TRL renders
 (`str({"error": message})`), never an exception in the trainer: unknown tools, wrong arguments, exceptions, hangs past
 `tool_timeout`, huge or non-string results. Each outcome gets a category:
 
-- `"ok"`: a result (its text is not searched for error words);
+- `"ok"`: the tool returned (whatever it returned, `{"error": ...}` included, is a result; its text is never
+  searched: TRL's loop also counts only raised exceptions as failures);
 - `"model"`: a model error whose type is listed in `rollback_on_errors` (may trigger a rollback);
 - `"error"`: any other model error (shown to the model, the rollout goes on);
 - `"infra"`: an infrastructure error (`InfrastructureError` or a type listed in `infra_error_types`).
@@ -17,7 +18,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import error_type_names, render_tool_error, tool_error_message
+from ..errors import FailedToolMessage, error_type_names, render_tool_error
 
 
 class ToolTimeout(TimeoutError):
@@ -28,7 +29,6 @@ class ToolTimeout(TimeoutError):
 UNKNOWN_TOOL = "ToolNotFoundError"
 BAD_CALL = "ToolCallError"
 PARSE_ERROR = "ToolCallParseError"
-RETURNED_ERROR = "ToolError"  # a tool returned {"error": ...} (TRL's convention) instead of raising
 
 
 @dataclass
@@ -56,6 +56,10 @@ class ToolOutcome:
     @property
     def failed(self) -> bool:
         return self.category != "ok"
+
+    def message(self) -> dict:
+        """The tool message the model reads: TRL's `{"role", "name", "content"}`, a `FailedToolMessage` when failed."""
+        return (FailedToolMessage if self.failed else dict)(role="tool", name=self.name, content=self.content)
 
 
 @dataclass
@@ -230,16 +234,12 @@ def run_tool_call(
         outcome = failure(name, names[0], truncate(str(e), max_chars), policy, names)
         outcome.timed_out = isinstance(e, ToolTimeout)
         return outcome
+    # The tool returned: a result, whatever it says (TRL's loop does not count it as a failure either).
     if isinstance(result, list):  # content blocks: TRL passes them through as the message's content
         content, cut = truncate_blocks(result, max_chars)
         return ToolOutcome(name=name, content=content, category="ok", truncated=cut)
     full = result if isinstance(result, str) else _to_text(result)
-    returned_error = tool_error_message(result)
-    if returned_error is not None:  # TRL's convention for tools that report errors themselves
-        outcome = failure(name, RETURNED_ERROR, returned_error, policy)
-        outcome.content = truncate(full, max_chars)
-    else:
-        outcome = ToolOutcome(name=name, content=truncate(full, max_chars), category="ok")
+    outcome = ToolOutcome(name=name, content=truncate(full, max_chars), category="ok")
     outcome.truncated = max_chars is not None and len(full) > max_chars
     return outcome
 

@@ -63,7 +63,7 @@ class LoopStats:
     """Counters of one call of the rollout loop (local to this process)."""
 
     tool_calls: int = 0
-    tool_failures: int = 0  # exceptions, unknown tools, malformed calls, error texts returned by tools
+    tool_failures: int = 0  # calls that raised, unknown tools, timeouts, malformed calls (never a returned value)
     malformed_calls: int = 0
     truncated_outputs: int = 0  # tool outputs longer than `max_tool_output_chars`, cut before the model saw them
     rollback_attempts: int = 0
@@ -99,3 +99,5 @@ class LoopResult:
     rollback_log: list[list[dict]]  # per rollout: one entry per rollback (turn, error types) for reports
     segment_starts: list[int] = field(default_factory=list)  # per rollout: index in its completion messages where
     # its last segment (the regular row) starts (0 unless it deleted context)
+    tool_failed: list[list[bool]] = field(default_factory=list)  # per rollout: for each tool message of its last
+    # segment, in order, whether the call failed (`trl_agentic.errors.tool_call_failed`)

@@ -10,8 +10,9 @@ An episode (`reset(bfcl_id=...)`):
 
 - the task's API classes are instantiated from its `initial_config`, as the official checker does;
 - each tool call runs the API method with the model's arguments, unchanged, and is recorded (as the call string the
-  checker reads) under the current user turn; the method's return value is the tool result (TRL shows its `str`; a
-  `{"error": ...}` dict, the APIs' way of reporting a failure, is a failed call for the rollout loop);
+  checker reads) under the current user turn; the method's return value is the tool result (TRL shows its `str`),
+  except a `{"error": "..."}` dict, the APIs' way of reporting a failure: it is raised as a `ToolCallError` of type
+  `"ToolError"`, which TRL renders as the same text and both loops count as a failed call (a returned value never is);
 - when the assistant ends a turn without tool calls, `_next_user_turn` moves to the next user message, or ends the
   conversation after the last one. In `miss_func` tasks a function held out so far becomes available at its turn:
   BFCL's message for that turn ("I have updated some more functions...") is sent with the function's schema in front
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ...errors import ToolCallError
 from ..protocol import UserTurn
 from .calls import format_call
 from .checker import official_verdict, turn_credit
@@ -78,6 +80,10 @@ def tool_group(task: BFCLTask, *, hide_excluded: bool = True) -> ToolGroup:
     if hide_excluded:
         hidden |= set(task.excluded_functions)
     return ToolGroup(tuple(sorted(task.involved_classes)), tuple(sorted(hidden)))
+
+
+# Error type of an API's `{"error": ...}` report (`rollback_on_errors` in configs/bfcl.yaml lists it).
+API_ERROR = "ToolError"
 
 
 def _run_tool(env: BFCLEnv, name: str, arguments: dict) -> Any:
@@ -133,7 +139,11 @@ class BFCLEnv:
         # A copy, as the checker's own evaluation of the call string gets fresh values: the APIs keep argument objects
         # in their state (e.g. a tweet's `mentions` list, extended by a later `mention` call), which must not alias the
         # arguments of the conversation's messages.
-        return method(**copy.deepcopy(arguments))
+        result = method(**copy.deepcopy(arguments))
+        if isinstance(result, dict) and set(result) == {"error"} and isinstance(result["error"], str):
+            # The API's failure report: raised, so that the loops count it (TRL renders `str({"error": message})`).
+            raise ToolCallError(result["error"], error_type=API_ERROR)
+        return result
 
     # -- several user turns ----------------------------------------------------------------------------------------
     def _next_user_turn(self, assistant_message: dict) -> str | UserTurn | None:
