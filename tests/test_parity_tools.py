@@ -254,6 +254,8 @@ def _assert_same_training(tiny_model_dir, tmp_path, scenario: dict) -> list[str]
             assert (key in batch) == (key in ref_batch), key
             if key in ref_batch:
                 assert torch.equal(batch[key], ref_batch[key]), key
+        rows = ref_batch["prompt_ids"].size(0)  # our group ids are TRL's layout: row i in group i // G
+        assert rows >= 8 and torch.equal(batch["group_id"], torch.arange(rows) // 4)
     # Same losses, rewards and metrics TRL logs; ours logs extra keys only.
     steps = [h for h in history if "loss" in h]
     ref_steps = [h for h in ref_history if "loss" in h]
