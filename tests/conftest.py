@@ -79,3 +79,28 @@ def pytest_collection_modifyitems(config, items):
     for i in range(max(len(live), len(rest))):
         ordered += live[i : i + 1] + rest[i : i + 1]
     items[:] = ordered
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A run in which no test passed (everything skipped or deselected) fails like one that collected nothing (exit 5):
+    a tier of `make test` cannot pass empty. `--collect-only` is left alone."""
+    if exitstatus != pytest.ExitCode.OK or session.config.option.collectonly:
+        return
+    if hasattr(session.config, "workerinput"):
+        return  # a pytest-xdist worker: the controller, which sees every report, decides
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not reporter.stats.get("passed"):
+        session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
+
+
+@pytest.fixture
+def tool_clock(monkeypatch):
+    """`rollout_helpers.ToolClock` in place of the wall clock of `tool_timeout`: a tool times out iff it calls
+    `tool_clock.hang()` (see the class)."""
+    import threading
+
+    from rollout_helpers import ToolClock
+
+    clock = ToolClock(threading.Thread.join)
+    monkeypatch.setattr(threading.Thread, "join", lambda thread, timeout=None: clock.join(thread, timeout))
+    return clock

@@ -195,3 +195,27 @@ def thousandth_bonus(segment: dict) -> float:
 def context_length_penalty(segment: dict) -> float:
     """A per-segment reward term (`snapshot_reward_func`): -0.001 per token of the segment's prompt + completion."""
     return -0.001 * (len(segment["prompt_ids"]) + len(segment["completion_ids"]))
+
+
+class ToolClock:
+    """Stands in for the wall clock of `tool_timeout` (sync tools): waiting for a tool's thread ends when the tool
+    returned, or when it declared itself hung (`hang()`, called by the tool just before it blocks), never after some
+    number of seconds. So a tool that returns is never timed out however loaded the machine, and one that hangs always
+    is; `tool_timeout` only has to be non-zero. Installed by the `tool_clock` fixture (tests/conftest.py)."""
+
+    THREAD_NAME = "trl-agentic-tool"  # the threads `trl_agentic.rollout.tools` runs timed sync calls in
+
+    def __init__(self, join):
+        self._join = join  # the real `threading.Thread.join`
+        self._hung: set = set()
+
+    def hang(self) -> None:
+        import threading
+
+        self._hung.add(threading.current_thread())
+
+    def join(self, thread, timeout=None):
+        if thread.name != self.THREAD_NAME or timeout is None:
+            return self._join(thread, timeout)
+        while thread.is_alive() and thread not in self._hung:
+            self._join(thread, 0.01)  # a polling interval, not a time limit: the outcome does not depend on it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 
 from trl_agentic.envs.python_sandbox import PythonSandboxEnv
 
@@ -30,6 +31,21 @@ class EnvFactory:
     def close(self):
         for env in self.envs:
             env._close()
+
+
+@contextmanager
+def time_limit(env: PythonSandboxEnv, seconds: float):
+    """Runs the cells of the block under a `seconds` limit, then restores the env's own (generous) one.
+
+    A short limit is only ever given to a cell that never ends by itself (an endless loop, a fork bomb), so whether
+    it is stopped does not depend on how loaded the machine is; every other cell, the replay of the episode after a
+    restart included, runs under the generous default.
+    """
+    generous, env.timeout = env.timeout, seconds
+    try:
+        yield
+    finally:
+        env.timeout = generous
 
 
 class SandboxProcesses:

@@ -4,7 +4,7 @@ no rollout is lost or duplicated, and the loss stays finite."""
 import json
 import math
 import random
-import time
+import threading
 
 import torch
 from datasets import Dataset
@@ -27,6 +27,8 @@ class FaultyEnv:
     ledger: list[str] = []
     rng = random.Random(0)
     leaked = 0  # class-level on purpose: state that leaks between episodes
+    clock = None  # the test's `tool_clock`: a hanging call declares itself hung to it, then blocks until released
+    release = threading.Event()
 
     def reset(self, **kwargs):
         self.calls = 0
@@ -44,7 +46,8 @@ class FaultyEnv:
         if fault == "raise":
             raise RuntimeError("tool exploded")
         if fault == "hang":
-            time.sleep(2.0)
+            FaultyEnv.clock.hang()
+            FaultyEnv.release.wait()
             return "late"
         if fault == "huge":
             return "y" * 3_000_000
@@ -79,8 +82,9 @@ class Script:
         return [self.tok.encode(s, add_special_tokens=False) for s in out], None
 
 
-def test_many_faulty_rollouts_complete_counted_and_finite(tiny_model_dir, tiny_tokenizer, tmp_path):
+def test_many_faulty_rollouts_complete_counted_and_finite(tiny_model_dir, tiny_tokenizer, tmp_path, tool_clock):
     FaultyEnv.ledger, FaultyEnv.rng, FaultyEnv.leaked = [], random.Random(0), 0
+    FaultyEnv.clock, FaultyEnv.release = tool_clock, threading.Event()
     n_prompts, group = 4, 4
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"task {i}"}] for i in range(n_prompts)] * 3})
     args = AgenticGRPOConfig(
@@ -101,7 +105,7 @@ def test_many_faulty_rollouts_complete_counted_and_finite(tiny_model_dir, tiny_t
         max_negative_samples_per_group=2,
         max_tool_retries=1,
         rollback_on_errors=["NameError"],
-        tool_timeout=0.3,
+        tool_timeout=30.0,  # never reached: `tool_clock` times out exactly the hanging calls
         max_tool_output_chars=2000,
         max_infra_retries=1,
     )
@@ -118,7 +122,10 @@ def test_many_faulty_rollouts_complete_counted_and_finite(tiny_model_dir, tiny_t
         return batch
 
     trainer._augmenter = capture
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        FaultyEnv.release.set()  # let the abandoned calls end
 
     assert len(seen) == 3
     injected = {f: FaultyEnv.ledger.count(f) for f in FAULTS}

@@ -8,6 +8,7 @@ token ids, masks, rewards, losses and the weights after two steps, compared bit 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -71,10 +72,19 @@ class Counter:
 
 class Script:
     """`_generate_single_turn` for both trainers: the k-th copy of a prompt in a first-turn call gets variant k; later
-    turns follow from the number of tool results in the context."""
+    turns follow from the number of tool results in the context. `turn(k, rounds, room)`, when given, writes the turn
+    instead (`room`: completion tokens left before `max_completion_length`)."""
 
-    def __init__(self, tokenizer, tool: str, always_call: bool = False):
-        self.tok, self.tool, self.always_call = tokenizer, tool, always_call
+    def __init__(self, tokenizer, tool: str, always_call: bool = False, turn=None, budget: int | None = None):
+        self.tok, self.tool, self.always_call, self.turn, self.budget = tokenizer, tool, always_call, turn, budget
+        self.header = self.tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+
+    def _room(self, ids: list[int]) -> int | None:
+        if self.budget is None:
+            return None
+        h = len(self.header)
+        start = next(i + h for i in range(len(ids)) if ids[i : i + h] == self.header)  # the first assistant turn's
+        return self.budget - (len(ids) - start)
 
     def __call__(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         seen: dict[tuple, int] = {}
@@ -88,6 +98,10 @@ class Script:
                 k = variant + sum(map(ord, context)) % 3
             else:
                 k = int(context.split("[v")[-1].split("]")[0]) + rounds
+            if self.turn is not None:
+                turns = context.count("<|im_start|>assistant") - 1  # assistant turns so far
+                texts.append(f"[v{k}] " + self.turn(k, turns, self._room(ids)))
+                continue
             if self.always_call or (rounds < 2 and k % 3 != 2):
                 a = -1 if k % 4 == 3 else k
                 texts.append(f"[v{k}] " + _call(self.tool, **self._args(a, k)))
@@ -113,10 +127,12 @@ class Recorded:
 
     def __init__(self):
         self.completions = []
+        self.states = []  # the environments' totals when the rewards were computed
         self.__name__ = "tool_reward"
 
     def __call__(self, completions, environments=None, **kwargs):
         self.completions.append(json.dumps(completions, sort_keys=True))
+        self.states.append([env.total for env in environments] if environments else None)
         rewards = []
         for k, messages in enumerate(completions):
             tools = [m for m in messages if m["role"] == "tool"]
@@ -133,6 +149,7 @@ def _dataset():
 def _train(trainer_cls, config_cls, model_dir, out_dir, scenario: dict):
     scenario = dict(scenario)
     tool, always = scenario.pop("tool"), scenario.pop("always_call", False)
+    turn, tools = scenario.pop("turn", None), scenario.pop("tools", None)
     ours_only = scenario.pop("ours_only", {})
     if trainer_cls is AgenticGRPOTrainer:
         scenario.update(ours_only)
@@ -144,7 +161,7 @@ def _train(trainer_cls, config_cls, model_dir, out_dir, scenario: dict):
         seed=11,
         max_steps=2,
         learning_rate=5e-2,
-        per_device_train_batch_size=4,
+        per_device_train_batch_size=8,  # two groups of 4 per generation batch
         num_generations=4,
         max_completion_length=400,
         logging_steps=1,
@@ -152,9 +169,14 @@ def _train(trainer_cls, config_cls, model_dir, out_dir, scenario: dict):
     )
     args = config_cls(**{**values, **scenario})
     reward = Recorded()
-    kwargs = {"environment_factory": Counter} if tool == "bump" else {"tools": [add if tool == "add" else multiply]}
+    if tools is not None:
+        kwargs = {"environment_factory": tools} if isinstance(tools, type) else {"tools": list(tools)}
+    elif tool == "bump":
+        kwargs = {"environment_factory": Counter}
+    else:
+        kwargs = {"tools": [add if tool == "add" else multiply]}
     trainer = trainer_cls(model=model_dir, reward_funcs=reward, args=args, train_dataset=_dataset(), **kwargs)
-    trainer._generate_single_turn = Script(trainer._tokenizer, tool, always)
+    trainer._generate_single_turn = Script(trainer._tokenizer, tool, always, turn, args.max_completion_length)
     batches = []
     original = trainer._generate_and_score_completions
 
@@ -169,7 +191,7 @@ def _train(trainer_cls, config_cls, model_dir, out_dir, scenario: dict):
         {k: v for k, v in h.items() if k not in ("step_time", "train_runtime")} for h in trainer.state.log_history
     ]
     weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    return history, batches, reward.completions, weights
+    return history, batches, (reward.completions, reward.states), weights
 
 
 SCENARIOS = {
@@ -178,7 +200,7 @@ SCENARIOS = {
     "environment_dr_grpo": dict(tool="bump", loss_type="dr_grpo"),
     "iteration_cap": dict(tool="add", always_call=True, max_tool_calling_iterations=2, loss_type="grpo"),
     "reference_model": dict(tool="bump", beta=0.1, loss_type="dapo"),
-    "gradient_accumulation": dict(tool="add", per_device_train_batch_size=2, gradient_accumulation_steps=2),
+    "gradient_accumulation": dict(tool="add", per_device_train_batch_size=4, gradient_accumulation_steps=2),
     "num_iterations": dict(tool="multiply", num_iterations=2, loss_type="grpo"),
     # A time limit needs trl-agentic's loop (TRL has none): with nothing hanging, ours must be TRL's, bit for bit, so
     # turning a robustness field or a feature on does not change what the model reads.
@@ -203,15 +225,28 @@ TRL_KEYS = (
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_features_off_with_tools_matches_grpo_trainer(tiny_model_dir, tmp_path, name):
     scenario = SCENARIOS[name]
+    ref_completions, _ = _assert_same_training(tiny_model_dir, tmp_path, scenario)
+    # The comparison can fail: tools were called and failed.
+    calls = [m for c in json.loads(ref_completions[0]) for m in c if m["role"] == "tool"]
+    assert calls and any(_error_text(m["content"]) for c in ref_completions for m in _tools(c))
+    if scenario.get("always_call"):
+        assert all(len(_tools_of(c)) == 2 for c in json.loads(ref_completions[0]))  # stopped by the iteration cap
+
+
+def _assert_same_training(tiny_model_dir, tmp_path, scenario: dict) -> list[str]:
+    """Trains `GRPOTrainer` and `AgenticGRPOTrainer` on `scenario` and asserts they are the same, bit for bit: tool
+    messages, token ids, masks, advantages, log-probs, logged metrics and the weights after 2 steps. Returns the
+    conversations TRL's reward function saw (one JSON string per call)."""
     ref = _train(GRPOTrainer, GRPOConfig, tiny_model_dir, tmp_path / "trl", scenario)
     ours = _train(AgenticGRPOTrainer, AgenticGRPOConfig, tiny_model_dir, tmp_path / "ours", scenario)
     history = ours[0]
     ran_ours = any("tools/truncated_turns" in h for h in history)  # logged by trl-agentic's loop only
     assert ran_ours == bool(scenario.get("ours_only")), "the scenario did not run the loop it meant to"
-    ref_history, ref_batches, ref_completions, ref_weights = ref
-    history, batches, completions, weights = ours
+    ref_history, ref_batches, (ref_completions, ref_states), ref_weights = ref
+    history, batches, (completions, states), weights = ours
     # Same tool messages (TRL's error rendering included) seen by the reward function, call for call.
     assert completions == ref_completions
+    assert states == ref_states  # and the environments were left in the same states
     # Same tokens, masks, advantages and log-probs, bit for bit (ours only adds its own bookkeeping keys).
     assert len(batches) == len(ref_batches) >= 1
     for batch, ref_batch in zip(batches, ref_batches):
@@ -219,6 +254,8 @@ def test_features_off_with_tools_matches_grpo_trainer(tiny_model_dir, tmp_path, 
             assert (key in batch) == (key in ref_batch), key
             if key in ref_batch:
                 assert torch.equal(batch[key], ref_batch[key]), key
+        rows = ref_batch["prompt_ids"].size(0)  # our group ids are TRL's layout: row i in group i // G
+        assert rows >= 8 and torch.equal(batch["group_id"], torch.arange(rows) // 4)
     # Same losses, rewards and metrics TRL logs; ours logs extra keys only.
     steps = [h for h in history if "loss" in h]
     ref_steps = [h for h in ref_history if "loss" in h]
@@ -227,16 +264,13 @@ def test_features_off_with_tools_matches_grpo_trainer(tiny_model_dir, tmp_path, 
         assert {k: step[k] for k in ref_step} == ref_step
     for key, value in ref_weights.items():
         assert torch.equal(weights[key], value), key
-    # The comparison can fail: tools were called and failed, advantages were non-zero, and the weights moved.
-    calls = [m for c in json.loads(ref_completions[0]) for m in c if m["role"] == "tool"]
-    assert calls and any(_error_text(m["content"]) for c in ref_completions for m in _tools(c))
+    # The comparison can fail: advantages were non-zero, and the weights moved.
     assert any(b["advantages"].abs().sum() > 0 for b in ref_batches)
     from transformers import AutoModelForCausalLM
 
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert any(not torch.equal(start[k], weights[k]) for k in start)
-    if scenario.get("always_call"):
-        assert all(len(_tools_of(c)) == 2 for c in json.loads(ref_completions[0]))  # stopped by the iteration cap
+    return ref_completions, ref_states
 
 
 def _tools(recorded: str) -> list[dict]:
@@ -245,3 +279,206 @@ def _tools(recorded: str) -> list[dict]:
 
 def _tools_of(completion: list[dict]) -> list[dict]:
     return [m for m in completion if m["role"] == "tool"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# trl-agentic's own loop renders exactly as TRL's `_tool_call_loop` in the cases its re-implementation has to get right:
+# the order of a turn's sync and async results, list results, concurrent async calls, and the completion budget. Each
+# scenario turns on a feature that needs our loop but is never triggered (a time limit nothing reaches, rollback on an
+# error type nothing raises).
+
+NOT_TRIGGERED = {
+    "timeout": dict(tool_timeout=30.0),
+    "rollback": dict(enable_tool_rollback=True, save_negative_samples=True, rollback_on_errors=["NeverRaisedError"]),
+}
+
+
+def _calls(*calls: tuple[str, dict], end: str = "<|im_end|>") -> str:
+    blocks = [f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls]
+    return "\n".join(blocks) + end
+
+
+async def square(x: int) -> str:
+    """
+    Square a number, slowly.
+
+    Args:
+        x: The number (not 3).
+    """
+    await asyncio.sleep(0)
+    if x == 3:
+        raise ValueError("3 is unlucky")
+    return str(x * x)
+
+
+def shout(word: str) -> str:
+    """
+    Upper-case a word.
+
+    Args:
+        word: The word.
+    """
+    return word.upper()
+
+
+def _async_then_sync(k: int, turns: int, room) -> str:
+    # An async call before a sync one: TRL puts the sync result first, then the async results in call order.
+    if turns >= 2 or k % 3 == 2:
+        return "Done.<|im_end|>"
+    return _calls(("square", {"x": k + turns}), ("shout", {"word": f"w{k}"}), ("square", {"x": k + 1}))
+
+
+def lookup(key: str) -> list:
+    """
+    Look a key up.
+
+    Args:
+        key: The key.
+    """
+    if key == "k2":
+        raise KeyError(key)
+    return [{"type": "text", "text": f"value of {key}"}, {"type": "text", "text": "(cached)"}]
+
+
+def _list_result(k: int, turns: int, room) -> str:
+    if turns >= 1 or k % 4 == 3:
+        return "Done.<|im_end|>"
+    return _calls(("lookup", {"key": f"k{k % 3}"}), ("shout", {"word": "x"}))
+
+
+_RUNNING: list[str] = []
+
+
+async def probe(tag: str) -> str:
+    """
+    Report how many probes run at once.
+
+    Args:
+        tag: A name for this probe.
+    """
+    _RUNNING.append(tag)
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    seen = len(_RUNNING)  # 2 when the turn's two calls run concurrently (TRL gathers them), 1 one after the other
+    await asyncio.sleep(0)
+    _RUNNING.remove(tag)
+    if tag.endswith("3"):
+        raise RuntimeError(f"{tag} broke")
+    return f"{tag}: {seen} running"
+
+
+def _concurrent(k: int, turns: int, room) -> str:
+    if turns >= 2 or k % 3 == 2:
+        return "Done.<|im_end|>"
+    return _calls(("probe", {"tag": f"a{k + turns}"}), ("probe", {"tag": f"b{k}"}))
+
+
+class Tape:
+    """A stateful environment with a long-output tool, for the completion budget."""
+
+    def reset(self, **row):
+        self.total = 0
+
+    def bump(self, n: int) -> str:
+        """
+        Add to the tape.
+
+        Args:
+            n: An even number.
+        """
+        if n % 2:
+            raise ValueError(f"{n} is odd")
+        self.total += n
+        return str(self.total)
+
+    def fill(self, n: int) -> str:
+        """
+        A long output.
+
+        Args:
+            n: Its length.
+        """
+        self.total += 100
+        return "." * n
+
+
+def _budget(k: int, turns: int, room: int) -> str:
+    """Under `max_completion_length=160`: a tool result that does not fit (dropped, the rollout ends there), a turn
+    cut by the budget, and a turn whose tool call ends exactly at the budget without an end of turn (TRL still runs
+    the call, then drops its result: no room)."""
+    if turns == 0:
+        kind = k % 4
+        if kind == 0:
+            return _calls(("fill", {"n": 400}))  # its result cannot fit
+        if kind == 3:
+            return "Nothing to do.<|im_end|>"
+        return _calls(("bump", {"n": k}))  # odd k: an error result (fits)
+    if turns == 1 and k % 2 == 0:
+        return "z" * 400  # cut to the room left
+    if turns == 1:
+        call = _calls(("bump", {"n": 2}), end="")
+        pad = room - len(call.encode()) - len(f"[v{k}] ".encode())  # byte-level tokenizer: one token per byte
+        assert pad >= 0, room
+        return "y" * pad + call  # ends exactly at the budget, no end-of-turn token
+    return "Done.<|im_end|>"
+
+
+LOOP_SCENARIOS = {
+    "async_then_sync_timeout": dict(tools=[square, shout], turn=_async_then_sync, ours_only=NOT_TRIGGERED["timeout"]),
+    "async_then_sync_rollback": dict(
+        tools=[square, shout], turn=_async_then_sync, ours_only=NOT_TRIGGERED["rollback"], loss_type="grpo"
+    ),
+    "list_result": dict(tools=[lookup, shout], turn=_list_result, ours_only=NOT_TRIGGERED["timeout"]),
+    "concurrent_async": dict(tools=[probe], turn=_concurrent, ours_only=NOT_TRIGGERED["rollback"]),
+    "budget_timeout": dict(
+        tools=Tape, turn=_budget, max_completion_length=160, ours_only=NOT_TRIGGERED["timeout"], loss_type="grpo"
+    ),
+    "budget_rollback": dict(tools=Tape, turn=_budget, max_completion_length=160, ours_only=NOT_TRIGGERED["rollback"]),
+}
+
+
+@pytest.mark.parametrize("name", list(LOOP_SCENARIOS))
+def test_our_loop_renders_as_trl(tiny_model_dir, tmp_path, name):
+    scenario = {"tool": None, **LOOP_SCENARIOS[name]}
+    recorded, states = _assert_same_training(tiny_model_dir, tmp_path, scenario)
+    conversations = [c for call in recorded for c in json.loads(call)]
+    rounds = [r for c in conversations for r in _tool_rounds(c)]
+    # The scenario reached what it is about (in TRL's run; ours is the same).
+    if name.startswith("async_then_sync"):
+        assert any([m["name"] for m in r] == ["shout", "square", "square"] for r in rounds), rounds
+        assert any(_error_text(m["content"]) for r in rounds for m in r)
+    elif name == "list_result":
+        assert any(isinstance(m["content"], list) for r in rounds for m in r)
+        assert any(_error_text(m["content"]) for r in rounds for m in r)
+    elif name == "concurrent_async":
+        contents = [m["content"] for r in rounds for m in r]
+        assert any(c.endswith("2 running") for c in contents) and any(_error_text(c) for c in contents)
+    else:
+        # A tool result that could not fit (dropped: the conversation ends with the call), a turn cut by the budget,
+        # and a turn cut right after a complete call, which TRL ran (its bump is in the environment's total) and
+        # whose result it dropped.
+        assert [{"n": 400}] in [
+            [c["function"]["arguments"] for c in conv[-1].get("tool_calls", [])] for conv in conversations
+        ]
+        assert any(conv[-1]["content"].endswith("z" * 20) and "tool_calls" not in conv[-1] for conv in conversations)
+        totals = [t for call_states in states for t in call_states]
+        cut_calls = [
+            (conv, total)
+            for conv, total in zip(conversations, totals)
+            if conv[-1]["role"] == "assistant" and conv[-1].get("tool_calls") and "yyy" in conv[-1]["content"]
+        ]
+        assert cut_calls
+        for conv, total in cut_calls:
+            assert total == 2 + 2 and conv[-2]["content"] == "2"  # the first bump's result, then the cut turn's bump
+
+
+def _tool_rounds(conversation: list[dict]) -> list[list[dict]]:
+    """The tool messages of each round of a conversation (consecutive tool messages)."""
+    rounds, current = [], []
+    for message in conversation + [{"role": "end"}]:
+        if message["role"] == "tool":
+            current.append(message)
+        elif current:
+            rounds.append(current)
+            current = []
+    return rounds

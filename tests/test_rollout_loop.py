@@ -254,6 +254,8 @@ def test_malformed_unknown_and_bad_arguments_reach_the_model(tiny_tokenizer, fee
 
 
 class NastyEnv:
+    clock = None  # the test's `tool_clock`: `hang` declares itself hung to it before blocking
+
     def __init__(self):
         self.log = []
         self.release = threading.Event()
@@ -270,6 +272,7 @@ class NastyEnv:
 
     def hang(self) -> str:
         """Blocks until released, then changes the state."""
+        NastyEnv.clock.hang()
         self.release.wait()
         self.log.append("late")
         self.finished.set()
@@ -284,18 +287,19 @@ class NastyEnv:
         return 42
 
 
-def test_hanging_huge_and_non_string_tools_never_stall(tiny_tokenizer):
+def test_hanging_huge_and_non_string_tools_never_stall(tiny_tokenizer, tool_clock):
+    NastyEnv.clock = tool_clock  # the hung call times out when it blocks; the others always return in time
     turns = [call("hang"), call("huge"), call("number")]
     b = ScriptBackend(tiny_tokenizer, [["ok<|im_end|>"] * 3])
     envs = [NastyEnv() for _ in turns]
     prompts, prompt_ids, completion_ids, completions, logprobs = start(b, turns)
     tools = [{"hang": e.hang, "huge": e.huge, "number": e.number} for e in envs]
-    loop = AgenticRolloutLoop(b, cfg(tool_timeout=0.5, max_tool_output_chars=1000))
+    loop = AgenticRolloutLoop(b, cfg(tool_timeout=30.0, max_tool_output_chars=1000))
     (_, completions, *_), result = loop.run(
         prompts, prompt_ids, completion_ids, completions, logprobs, tools, [{}] * 3, envs
     )
     hang, huge, number = (c[1]["content"] for c in completions)
-    assert hang == render_tool_error("tool did not return within 0.5 s")
+    assert hang == render_tool_error("tool did not return within 30 s")
     assert len(huge) <= 1000 and "truncated" in huge
     assert number == "42"
     assert result.infra_failed == [False, False, False]  # a timeout is a model error, not infrastructure
@@ -303,15 +307,16 @@ def test_hanging_huge_and_non_string_tools_never_stall(tiny_tokenizer):
     tools[0]["hang"].__self__.release.set()  # let the abandoned thread end
 
 
-def test_a_timed_out_call_never_touches_the_environment_after_the_restore(tiny_tokenizer):
+def test_a_timed_out_call_never_touches_the_environment_after_the_restore(tiny_tokenizer, tool_clock):
     """The hung call completes after the loop rolled back: it changes only the retired instance; the rollout
     continued (and the trainer's pool holds) a fresh instance restored to the state before the call."""
+    NastyEnv.clock = tool_clock
     b = ScriptBackend(tiny_tokenizer, [[call("number")], ["ok<|im_end|>"]])
     env = NastyEnv()
     envs = [env]
     prompts, prompt_ids, completion_ids, completions, logprobs = start(b, [call("hang")])
     tools = [{"hang": env.hang, "huge": env.huge, "number": env.number}]
-    config = rollback_cfg(tool_timeout=0.2, rollback_on_errors=["ToolTimeout"])
+    config = rollback_cfg(tool_timeout=30.0, rollback_on_errors=["ToolTimeout"])
     loop = AgenticRolloutLoop(b, config)
     (_, completions, *_), result = loop.run(
         prompts, prompt_ids, completion_ids, completions, logprobs, tools, [{}], envs
@@ -345,12 +350,23 @@ def test_a_turn_cut_by_the_budget_is_not_rolled_back_nor_a_negative(tiny_tokeniz
     assert tool_mask[0][-12:] == [1] * 12  # still the model's tokens (TRL's mask_truncated_completions decides)
 
 
-def test_a_truncated_first_turn_is_not_executed(tiny_tokenizer):
+@pytest.mark.parametrize("n", [1, "x"])
+def test_a_truncated_first_turn_runs_its_calls_as_trl_and_drops_their_results(tiny_tokenizer, n):
+    """A first turn cut by the budget right after a complete call: TRL's loop runs the call (its side effects happen)
+    and drops its result, which cannot fit (the cut filled the budget). Ours does the same, and never rolls such a turn
+    back nor makes it a negative, even when the call fails with an error listed in `rollback_on_errors`."""
     b = ScriptBackend(tiny_tokenizer, [])
     env = LedgerEnv()
-    complete_call_without_eos = call("add", n=1).replace("<|im_end|>", "")
-    *_, result = run_loop(b, [complete_call_without_eos], [env], rollback_cfg())
-    assert env.log == [] and result.stats.truncated_turns == 1 and result.stats.tool_calls == 0
+    complete_call_without_eos = call("add", n=n).replace("<|im_end|>", "")
+    b.max_completion_length = len(b.enc(complete_call_without_eos))
+    config = rollback_cfg(rollback_on_errors=["TypeError"])
+    _, _, (tool_mask, completions, completion_ids, *_), result = run_loop(
+        b, [complete_call_without_eos], [env], config
+    )
+    assert env.log == [n] and result.stats.truncated_turns == 1 and result.stats.tool_calls == 1
+    assert completion_ids[0] == b.enc(complete_call_without_eos) and tool_mask[0] == [1] * len(completion_ids[0])
+    assert [m["role"] for m in completions[0]] == ["assistant"]  # the result was dropped
+    assert result.extra_rows == [] and result.stats.rollback_attempts == 0 and b.calls == []
 
 
 class ConversationEnv(LedgerEnv):
@@ -649,3 +665,76 @@ def test_a_user_turn_adding_its_own_delete_context_is_refused(tiny_tokenizer):
     env.reset()
     with pytest.raises(ValueError, match="adds a tool named `delete_context`"):
         run_tools_loop(b, ["Hi.<|im_end|>"], [{"add": env.add}], cfg(enable_context_snapshots=True), envs=[env])
+
+
+@pytest.fixture
+def event_loop_thread():
+    """An event loop running in a daemon thread, as TRL runs the async tools' loop."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+
+
+class AsyncEnv(LedgerEnv):
+    async def slow(self, n: int) -> str:
+        """
+        Waits forever for n == 0 (the call's time limit stops it), else returns n.
+
+        Args:
+            n: A number.
+        """
+        import asyncio
+
+        if n == 0:
+            await asyncio.Event().wait()
+        self.log.append(n)
+        return str(n)
+
+
+def test_async_calls_run_after_the_sync_ones_together_and_time_out_alone(tiny_tokenizer, event_loop_thread):
+    """TRL's order (sync results, then async ones in call order); a never-ending async call is cancelled at
+    `tool_timeout` and reported, the other async call of the turn still returns; a call with bad arguments fails
+    where TRL reports it, among the sync results. The timeout is deterministic: the returning call completes in its
+    first step, before the event loop can run the timer (tool_timeout=30 only makes a wrong design slow, not flaky)."""
+    env = AsyncEnv()
+    turn = (
+        "<tool_call>"
+        + '{"name": "slow", "arguments": {"n": 0}}</tool_call><tool_call>{"name": "add", "arguments": {"n": 2}}'
+        + '</tool_call><tool_call>{"name": "slow", "arguments": {"n": 5}}</tool_call>'
+        + '<tool_call>{"name": "slow", "arguments": {"m": 1}}</tool_call><|im_end|>'
+    )
+    b = ScriptBackend(tiny_tokenizer, [["Done.<|im_end|>"]])
+    p, prompt_ids, completion_ids, completions, lps = start(b, [turn])
+    config = cfg(tool_timeout=1.0)
+    trl_tuple, result = AgenticRolloutLoop(b, config, async_loop=event_loop_thread).run(
+        p, prompt_ids, completion_ids, completions, lps, [{"add": env.add}], [{"slow": env.slow}], [env]
+    )
+    tools = [(m["name"], m["content"]) for m in trl_tuple[1][0] if m["role"] == "tool"]
+    assert tools == [
+        ("add", "2"),
+        ("slow", render_tool_error("AsyncEnv.slow() got an unexpected keyword argument 'm'")),
+        ("slow", render_tool_error("tool did not return within 1 s")),
+        ("slow", "5"),
+    ]
+    assert result.stats.tool_calls == 4 and result.stats.tool_failures == 2
+    assert result.stats.retired_environments == 1 and env.log == [2, 5]
+
+
+def test_list_results_pass_through_and_images_are_refused(tiny_tokenizer):
+    """A list result is the message content, as in TRL's loop; `max_tool_output_chars` cuts its text blocks; an
+    image block stops the loop (it does not handle images, like images in prompts)."""
+    blocks = [{"type": "text", "text": "a" * 30}, {"type": "text", "text": "b" * 30}]
+    image = [{"type": "image", "image": "img"}, {"type": "text", "text": "c"}]
+    b = ScriptBackend(tiny_tokenizer, [["Done.<|im_end|>"] * 2])
+    tools = [{"get": lambda: list(blocks)}, {"get": lambda: blocks[:1]}]
+    _, _, trl_tuple, result = run_tools_loop(b, [call("get")] * 2, tools, cfg(max_tool_output_chars=40))
+    cut, whole = (c[1]["content"] for c in trl_tuple[1])
+    assert whole == blocks[:1] and result.stats.truncated_outputs == 1
+    assert [x["type"] for x in cut] == ["text", "text"] and cut[0]["text"] == "a" * 30
+    assert cut[1]["text"].endswith("[truncated 20 chars]")
+    assert blocks[1]["text"] == "b" * 30  # the tool's own value is not modified
+    with pytest.raises(NotImplementedError, match="images"):
+        run_tools_loop(ScriptBackend(tiny_tokenizer, []), [call("get")], [{"get": lambda: image}], cfg())

@@ -6,6 +6,7 @@ changing the expected strings.
 
 import inspect
 
+import pytest
 import trl
 from trl import GRPOTrainer
 
@@ -57,3 +58,24 @@ def test_tool_loop_contract_unchanged():
     assert "rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids_list)" in scoring
     assert '"num_items_in_batch": num_items_in_batch' in scoring
     assert "vllm_importance_sampling_ratio = torch.exp(logps_diff)" in scoring
+
+
+def test_trl_deprecation_warnings_fail_the_suite(tmp_path):
+    """pyproject's `filterwarnings` turns a deprecation that TRL issues into an error, whether it is attributed to a
+    TRL module, to trl-agentic's code (TRL warns with `stacklevel=2`, at our call site: how it would deprecate a
+    method we override) or to a test; other libraries' deprecations stay quiet."""
+    import warnings
+
+    from trl import GRPOConfig
+
+    from trl_agentic import AgenticGRPOConfig
+
+    values = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, use_transformers_paged=True)
+    with pytest.raises(FutureWarning, match="use_transformers_paged"):
+        GRPOConfig(**values)  # attributed to this test module
+    with pytest.raises(FutureWarning, match="use_transformers_paged"):
+        AgenticGRPOConfig(**values)  # attributed to trl_agentic.config
+    for module in ("trl.trainer.grpo_trainer", "trl_agentic.trainer"):
+        with pytest.raises(DeprecationWarning):
+            warnings.warn_explicit("deprecated", DeprecationWarning, "x.py", 1, module=module)
+    warnings.warn_explicit("deprecated", DeprecationWarning, "x.py", 1, module="transformers.utils")  # quiet

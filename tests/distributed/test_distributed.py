@@ -203,6 +203,7 @@ def _parity_args(model: str) -> list[str]:
     return ["--model", model, "--scenario", "parity", "--rows_per_rank", "6", "--num_generations", "4"]
 
 
+@pytest.mark.timeout(2 * TIMEOUT + 120)  # two launches (2 processes, then 1), each under its own TIMEOUT
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_variable_rows_across_processes_match_one_process(tiny_model_dir, tmp_path, loss_type):
     """2 DDP processes vs 1 process on the union of their generation batches: same rows, advantages, loss, gradient.
@@ -285,6 +286,70 @@ def test_variable_rows_across_processes_match_one_process(tiny_model_dir, tmp_pa
     assert any(not torch.equal(start[k], final_single[k]) for k in start)
     for name, w in final_single.items():
         assert torch.allclose(final_multi[name], w, rtol=0, atol=1e-6), name
+
+
+TRL_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch")
+
+
+@pytest.mark.timeout(TIMEOUT + 120)  # one launch (both trainers, one after the other) under its own TIMEOUT
+@pytest.mark.parametrize(
+    "launcher, num_generations, loss_type",
+    [
+        # 12 rows per generation batch in groups of 4: group 1 (rows 4-7) is split across the ranks; per-row loss.
+        ("ddp", 4, "grpo"),
+        # Groups of 6 (a size whose mean TRL's nanmean and a segment sum round differently), one per rank; the
+        # token-level loss normalised by the global token count.
+        ("zero2", 6, "dapo"),
+    ],
+)
+def test_features_off_matches_grpo_trainer_on_two_processes(
+    tiny_model_dir, tmp_path, launcher, num_generations, loss_type
+):
+    """Features off on 2 processes (DDP on gloo, DeepSpeed ZeRO-2): `AgenticGRPOTrainer` equals TRL's `GRPOTrainer`
+    on 2 processes, bit for bit on every rank: rewards, the batches each rank trains on, every micro-step loss, the
+    logged metrics and the weights after 4 optimizer steps (2 generation batches of 12 rows, real sampling,
+    non-integer rewards). `scripts/parity_trl.py` trains both in one launch."""
+    out = tmp_path / "run"
+    args = ["--model", tiny_model_dir, "--num_generations", str(num_generations), "--loss_type", loss_type]
+    records = launch(
+        cpu_config(launcher, tmp_path), out, *args, script=SCRIPTS / "parity_trl.py", dumps="parity_rank*.json"
+    )
+    assert [r["num_processes"] for r in records] == [2, 2]
+    assert ("MULTI_CPU" if launcher == "ddp" else "DEEPSPEED") in records[0]["distributed_type"]
+    refs = [torch.load(out / f"GRPOTrainer_rank{rank}.pt") for rank in (0, 1)]
+    for rank, ref in enumerate(refs):
+        ours = torch.load(out / f"AgenticGRPOTrainer_rank{rank}.pt")
+        assert len(ref["rewards"]) == len(ours["rewards"]) == 2
+        for mine, theirs in zip(ours["rewards"], ref["rewards"]):
+            assert torch.equal(mine, theirs), rank
+        assert len(ref["batches"]) == len(ours["batches"]) == 2
+        for batch, ref_batch in zip(ours["batches"], ref["batches"]):
+            for key in TRL_KEYS:
+                assert torch.equal(batch[key], ref_batch[key]), (rank, key)
+            assert ref_batch["prompt_ids"].size(0) == 6  # this rank's half of the 12 rows
+            assert torch.equal(batch["group_id"], (torch.arange(6) + 6 * rank) // num_generations)
+        assert len(ref["losses"]) == len(ours["losses"]) == 4
+        for mine, theirs in zip(ours["losses"], ref["losses"]):
+            assert torch.equal(mine, theirs), rank
+        steps = [h for h in ours["history"] if "loss" in h]
+        ref_steps = [h for h in ref["history"] if "loss" in h]
+        assert len(steps) == len(ref_steps) == 4
+        for step, ref_step in zip(steps, ref_steps):
+            assert {k: step[k] for k in ref_step} == ref_step, rank
+        assert ref["weights"].keys() == ours["weights"].keys()
+        for key, value in ref["weights"].items():
+            assert torch.equal(ours["weights"][key], value), (rank, key)
+    # The comparison can fail: the ranks trained on different rows with non-zero advantages and non-integer rewards,
+    # every rank ended with the same weights, and training moved them.
+    assert not torch.equal(refs[0]["batches"][0]["completion_ids"], refs[1]["batches"][0]["completion_ids"])
+    assert all(b["advantages"].abs().sum() > 0 for ref in refs for b in ref["batches"])
+    assert any(r != r.round() for r in refs[0]["rewards"][0].flatten())
+    for key, value in refs[0]["weights"].items():
+        assert torch.equal(refs[1]["weights"][key], value), key
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert any(not torch.equal(start[k], refs[0]["weights"][k]) for k in start)
 
 
 @pytest.mark.parametrize(
@@ -542,6 +607,7 @@ def _tracin_run(tiny_model_dir, tmp_path, name: str, processes: int, selection: 
     return launch(config, out, *common, *per_process) + [out]
 
 
+@pytest.mark.timeout(3 * TIMEOUT + 120)  # three launches (1 process, ZeRO-2, ZeRO-3), each under its own TIMEOUT
 @pytest.mark.parametrize(
     "selection",
     [

@@ -180,6 +180,7 @@ def test_shipped_multinode_configs(name, stage):
     }
 
 
+@pytest.mark.timeout(2 * TIMEOUT + 120)  # two runs (two machines, then one), each under its own TIMEOUT
 def test_two_machines_match_one_machine(tmp_path):
     """Two "machines" (one process each, ZeRO-3, gloo) finish, and train exactly what one machine with two processes
     trains: the same adapter and rank-1 optimizer shard bit for bit, the same logged metrics (rollbacks and negative

@@ -15,7 +15,7 @@ import threading
 
 import pytest
 from rollout_helpers import ScriptBackend, call, run_tools_loop
-from sandbox_helpers import POLICIES, EnvFactory, SandboxProcesses
+from sandbox_helpers import POLICIES, EnvFactory, SandboxProcesses, time_limit
 
 from trl_agentic.envs.errors import CodeError, SandboxError, SandboxMemoryError, SandboxRestoreError, SandboxTimeout
 from trl_agentic.errors import InfrastructureError, ToolCallError
@@ -106,7 +106,7 @@ def test_fork_bomb_hits_the_process_limit(make_env):
 
 def test_persistent_fork_bomb_that_leaves_its_session_is_stopped(make_env):
     # Children leave the session with setsid() and ignore fork failures: only the time limit stops this one.
-    env = make_env(timeout=1.0, max_processes=16)
+    env = make_env(timeout=60.0, max_processes=16)
     processes = start(env)
     peak = []
     done = threading.Event()
@@ -120,7 +120,9 @@ def test_persistent_fork_bomb_that_leaves_its_session_is_stopped(make_env):
     watcher.start()
     try:
         code = "while True:\n    try:\n        if os.fork() == 0:\n            os.setsid()\n    except OSError:\n        pass"
-        text, error = attack(env, code)
+        # Nothing but the limit ends this cell; 3 s leaves the bomb time to fill its budget on a loaded machine.
+        with time_limit(env, 3.0):
+            text, error = attack(env, code)
     finally:
         done.set()
         watcher.join()
@@ -402,12 +404,19 @@ def test_trainer_environment_variables_do_not_leak(make_env, monkeypatch):
 def test_rollout_loop_goes_on_after_attacks(tiny_tokenizer, policy):
     """The env driven by the real rollout loop: each attack reaches the model as a tool message, the trajectory
     continues, and the state of the episode is intact at the end."""
-    factory = EnvFactory(**POLICIES[policy], timeout=1.0, max_processes=16)
+    factory = EnvFactory(**POLICIES[policy], timeout=60.0, max_processes=16)
     env = factory()
+    spin = "while True:\n    pass"
+
+    def python(code: str) -> str:
+        # Only the endless cell runs under the short limit; the others (and the replays) under the generous one.
+        with time_limit(env, 1.0 if code == spin else env.timeout):
+            return env.python(code)
+
     try:
         turns = [
             call("python", code="while True:\n    import os; os.fork()"),
-            call("python", code="while True:\n    pass"),
+            call("python", code=spin),
             call("python", code="import os\nos._exit(3)"),
             call("python", code="print(x + 1)"),
         ]
@@ -415,7 +424,7 @@ def test_rollout_loop_goes_on_after_attacks(tiny_tokenizer, policy):
         # The sandbox's failures are model errors (trl_agentic.errors): shown to the model, the rollout goes on.
         config = LoopConfig(rollback_on_errors=[], tool_timeout=0.0)
         env.python("x = 41")
-        _, _, trl_tuple, result = run_tools_loop(backend, [turns[0]], [{"python": env.python}], config, envs=[env])
+        _, _, trl_tuple, result = run_tools_loop(backend, [turns[0]], [{"python": python}], config, envs=[env])
         messages = trl_tuple[1][0]
         tool_contents = [m["content"] for m in messages if m["role"] == "tool"]
         assert len(tool_contents) == 4

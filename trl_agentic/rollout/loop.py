@@ -9,7 +9,8 @@ Each rollout is in one of three states after a generated turn: it asked for tool
 environment may then supply the next user message, `_next_user_turn`), or it is done (no more user turns, a
 truncated turn, or out of budget). Per iteration, every rollout with work is stepped:
 
-1. tools: checkpoint the environment (rollback on), run the calls one by one (an infrastructure error is retried in
+1. tools: checkpoint the environment (rollback on), run the calls as TRL's loop does: the sync calls one by one, then
+   the async calls together (`asyncio.gather`), their results in that order (an infrastructure error is retried in
    place; a call past `tool_timeout` leaves its environment behind, see `_isolate_timed_out_env`), then
    - on a model error matching `rollback_on_errors` with retries left: save the failed turn as a negative row (the
      failed turn only; earlier turns become its prompt), restore the environment, truncate the tokens and messages
@@ -23,8 +24,10 @@ of generation calls (a dummy one when it has nothing to do), because generation 
 vLLM server mode), and an exception on one rank is re-raised on every rank at the next synchronisation instead of
 leaving the others waiting in a collective.
 
-A turn cut by `max_completion_length` (it does not end with an end-of-sequence token) is never executed, rolled back
-or trained as a negative: the rollout ends there and the turn is counted in `truncated_turns`.
+A turn cut by `max_completion_length` (it does not end with an end-of-sequence token) is counted in `truncated_turns`
+and is never rolled back, trained as a negative, turned into a snapshot or checked for malformed calls. Tool calls that
+TRL's parser still finds in it run as in TRL's loop (their side effects on the environment happen), and their results
+are dropped when they do not fit the budget, which is always the case when the cut filled it.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from ..envs.protocol import checkpoint_env, has_user_turns, next_user_turn, rest
 from ..errors import tool_call_failed
 from .context import DELETE_CONTEXT_TOOL, apply_deletion, delete_context
 from .parsing import parse_tool_calls
-from .tools import PARSE_ERROR, ErrorPolicy, ToolOutcome, failure, run_tool_call
+from .tools import PARSE_ERROR, ErrorPolicy, ToolOutcome, failure, gather_async_calls, run_tool_call
 from .types import ExtraRow, LoopResult, LoopStats, RowKind
 
 
@@ -134,6 +137,7 @@ class _Rollout:
     retries: dict[int, int] = field(default_factory=dict)
     in_retry: bool = False
     regenerating: bool = False
+    cut: bool = False  # the last generated turn was cut by the budget (no end-of-turn token)
     segment_index: int = 0
     snapshots: list[ExtraRow] = field(default_factory=list)
     infra_failed: bool = False
@@ -281,19 +285,20 @@ class AgenticRolloutLoop:
     def _after_turn(self, i: int, r: _Rollout, ids: list[int], message: dict) -> None:
         """Decide what a freshly generated turn asks for: tools, the next user turn, or nothing (done)."""
         r.calls, r.parse_errors = [], []
-        if not ids or ids[-1] not in self.backend.stop_token_ids:
-            # Cut by the completion budget: its calls may be cut too, and there is no budget left to act on them.
-            r.pending = None
+        r.cut = not ids or ids[-1] not in self.backend.stop_token_ids
+        if r.cut:
             self._stats.truncated_turns += 1
-            return
         calls = message.get("tool_calls") if message else None
         r.calls = list(calls or [])
-        if not calls and self.config.detects_malformed_calls:
+        if not calls and self.config.detects_malformed_calls and not r.cut:
             parsed = parse_tool_calls(self.backend.decode(ids))
             if parsed.errors:  # TRL's parser gave up silently: tell the model what was wrong
                 r.calls, r.parse_errors = parsed.calls, parsed.errors
         if r.calls or r.parse_errors:
-            r.pending = _TOOLS
+            r.pending = _TOOLS  # in a cut turn too: TRL runs the calls its parser found (see the module docstring)
+            return
+        if r.cut:
+            r.pending = None  # no budget left for an answer
             return
         # A regenerated turn that calls no tool did not recover from the failed call: it is not counted as recovered
         # (nor is a later, unrelated tool round).
@@ -318,7 +323,9 @@ class AgenticRolloutLoop:
         if r.completion_msgs and r.turn_msg_start < len(r.completion_msgs):
             r.prompt_msgs.append(r.completion_msgs[r.turn_msg_start])
 
-        outcomes = self._run_calls(i, r)
+        outcomes, ordered_calls = self._run_calls(i, r)
+        if any(_has_image(o.content) for o in outcomes):
+            raise NotImplementedError("trl-agentic's tool loop does not handle images; use text environments.")
         stats.tool_calls += len(r.calls) + len(r.parse_errors)
         stats.tool_failures += sum(o.failed for o in outcomes)
         stats.malformed_calls += len(r.parse_errors)
@@ -334,7 +341,7 @@ class AgenticRolloutLoop:
             return
 
         model_errors = [o for o in outcomes if o.category == "model"]
-        if model_errors and cfg.enable_tool_rollback:
+        if model_errors and cfg.enable_tool_rollback and not r.cut:
             if r.retries.get(r.turn_k, 0) < cfg.max_tool_retries:
                 self._rollback(i, r, checkpoint, calls, tool_messages, model_errors, prompt_msg_start)
                 return
@@ -347,12 +354,12 @@ class AgenticRolloutLoop:
 
         r.completion_msgs.extend(tool_messages)
         r.prompt_msgs.extend(tool_messages)
-        if cfg.enable_context_snapshots:
+        if cfg.enable_context_snapshots and not r.cut:
             # Parse-error outcomes come first: the calls' own outcomes (and tool messages) are the last len(calls).
-            first = len(outcomes) - len(calls)
+            first = len(outcomes) - len(ordered_calls)
             deletes = [
                 (c, m)
-                for c, o, m in zip(calls, outcomes[first:], tool_messages[first:])
+                for c, o, m in zip(ordered_calls, outcomes[first:], tool_messages[first:])
                 if o.name == DELETE_CONTEXT_TOOL and not o.failed
             ]
             if deletes and self._snapshot(i, r, deletes, tool_messages):
@@ -423,40 +430,108 @@ class AgenticRolloutLoop:
         self._append_env_tokens(r, suffix)
         r.context = r.prompt_ids + r.completion_ids
 
-    def _run_calls(self, i: int, r: _Rollout) -> list[ToolOutcome]:
-        """Run the turn's calls in order; an infrastructure error is retried in place (the call failed before it did
-        anything, per the `InfrastructureError` contract), so calls that succeeded are never run twice."""
-        cfg, stats = self.config, self._stats
+    def _run_calls(self, i: int, r: _Rollout) -> tuple[list[ToolOutcome], list[dict]]:
+        """Run the turn's calls in TRL's order: the sync ones (and the calls that fail before running: unknown tool, an
+        async tool's wrong arguments) one by one, then the async ones together, as TRL gathers them. An
+        infrastructure error is retried in place (the call failed before it did anything, per the
+        `InfrastructureError` contract), so calls that succeeded are never run twice.
+
+        Returns:
+            The outcomes (parse errors first, then the calls' in the order above) and the calls in that order.
+        """
         outcomes = [failure("tool_call_parser", PARSE_ERROR, error, self.policy) for error in r.parse_errors]
+        ordered: list[dict] = []
+        deferred: list[tuple[dict, Any]] = []  # (async call, its coroutine)
         for call in r.calls:
             name = call.get("function", {}).get("name") if isinstance(call, dict) else None
-            if cfg.enable_context_snapshots and name == DELETE_CONTEXT_TOOL and i not in self._deletion_withdrawn:
-                outcomes.append(self._check_delete(r, call))
-                continue
-            env = self._env(i)
-            # With a time limit, the state before each call: a call that times out leaves its thread running.
-            before = checkpoint_env(env) if (cfg.tool_timeout and env is not None) else None
-            for attempt in range(cfg.max_infra_retries + 1):
-                started = time.perf_counter()
-                outcome = run_tool_call(
-                    call,
-                    self._sync_tools[i],
-                    self._async_tools[i],
-                    timeout=cfg.tool_timeout,
-                    max_chars=cfg.max_tool_output_chars,
-                    policy=self.policy,
-                    async_loop=self.async_loop,
-                )
-                stats.tool_seconds += time.perf_counter() - started
-                if outcome.timed_out and before is not None:
-                    self._isolate_timed_out_env(i, before)
+            if (
+                self.config.enable_context_snapshots
+                and name == DELETE_CONTEXT_TOOL
+                and i not in self._deletion_withdrawn
+            ):
+                outcome = self._check_delete(r, call)
+            else:
+                coroutine, outcome = self._start_async(i, call)
+                if coroutine is not None:
+                    deferred.append((call, coroutine))
+                    continue
+                outcome = outcome or self._run_sync(i, call)
+            outcomes.append(outcome)
+            ordered.append(call)
+            if outcome.category == "infra":
+                for _, coroutine in deferred:
+                    coroutine.close()  # never awaited: the rollout is lost, later calls of the turn are not run
+                return outcomes, ordered
+        if deferred:
+            outcomes += self._run_async(i, deferred)
+            ordered += [call for call, _ in deferred]
+        return outcomes, ordered
+
+    def _tool_call(self, i: int, call: dict, sync_tools: dict, async_tools: dict, timed: bool = True) -> ToolOutcome:
+        started = time.perf_counter()
+        outcome = run_tool_call(
+            call,
+            sync_tools,
+            async_tools,
+            timeout=self.config.tool_timeout if timed else 0.0,
+            max_chars=self.config.max_tool_output_chars,
+            policy=self.policy,
+            async_loop=self.async_loop,
+        )
+        self._stats.tool_seconds += time.perf_counter() - started
+        return outcome
+
+    def _run_sync(self, i: int, call: dict) -> ToolOutcome:
+        """One call run on its own (with infrastructure retries)."""
+        cfg, stats, env = self.config, self._stats, self._env(i)
+        # With a time limit, the state before each call: a call that times out leaves its thread running.
+        before = checkpoint_env(env) if (cfg.tool_timeout and env is not None) else None
+        for attempt in range(cfg.max_infra_retries + 1):
+            outcome = self._tool_call(i, call, self._sync_tools[i], self._async_tools[i])
+            if outcome.timed_out and before is not None:
+                self._isolate_timed_out_env(i, before)
+            if outcome.category != "infra":
+                break
+            if attempt < cfg.max_infra_retries:
+                stats.infra_retries += 1
+        return outcome
+
+    def _start_async(self, i: int, call: dict) -> tuple[Any, ToolOutcome | None]:
+        """`(coroutine, None)` for a call of an async tool; `(None, outcome)` when calling it raised at once (TRL
+        reports that failure in the sync order); `(None, None)` for any other call."""
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            return None, None
+        name, arguments = function.get("name"), function.get("arguments") or {}
+        if name in self._sync_tools[i] or name not in self._async_tools[i] or not isinstance(arguments, dict):
+            return None, None
+        try:
+            return self._async_tools[i][name](**arguments), None
+        except Exception as e:  # noqa: BLE001 - reported to the model, as run_tool_call does
+            return None, self._tool_call(i, call, {name: _Replay(e)}, {}, timed=False)
+
+    def _run_async(self, i: int, deferred: list[tuple[dict, Any]]) -> list[ToolOutcome]:
+        """Run async calls together (TRL's `asyncio.gather`), each then classified by `run_tool_call`; a call with an
+        infrastructure error is run again on its own."""
+        cfg, stats = self.config, self._stats
+        started = time.perf_counter()
+        results = gather_async_calls([c for _, c in deferred], cfg.tool_timeout, self.async_loop)
+        stats.tool_seconds += time.perf_counter() - started
+        outcomes = []
+        for (call, _), result in zip(deferred, results):
+            name = call["function"]["name"]
+            outcome = self._tool_call(i, call, {name: _Replay(result)}, {}, timed=False)
+            for _ in range(cfg.max_infra_retries):
                 if outcome.category != "infra":
                     break
-                if attempt < cfg.max_infra_retries:
-                    stats.infra_retries += 1
+                stats.infra_retries += 1
+                outcome = self._tool_call(i, call, {}, self._async_tools[i])
             outcomes.append(outcome)
-            if outcome.category == "infra":
-                break  # the rollout is lost: later calls of the turn are not run
+        env = self._env(i)
+        if env is not None and any(o.timed_out for o in outcomes):
+            # The timed-out coroutines were cancelled; a thread one of them started may still run: the rollout goes
+            # on with a fresh instance holding the state as it is now.
+            self._isolate_timed_out_env(i, checkpoint_env(env))
         return outcomes
 
     def _isolate_timed_out_env(self, i: int, state: Any) -> None:
@@ -640,6 +715,23 @@ class AgenticRolloutLoop:
             return snapshots[-k:]
         others = sorted(self.rng.sample(range(len(snapshots) - 1), k - 1))
         return [snapshots[j] for j in others] + [snapshots[-1]]
+
+
+class _Replay:
+    """A stand-in sync tool that returns a result obtained elsewhere (or raises its exception), so that
+    `run_tool_call` classifies it as it classifies any call."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def __call__(self, **_):
+        if isinstance(self.result, BaseException):
+            raise self.result
+        return self.result
+
+
+def _has_image(content) -> bool:
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content)
 
 
 def _message_ids(call: dict):

@@ -85,6 +85,69 @@ def truncate(text: str, max_chars: int | None) -> str:
     return text[: max(0, max_chars - len(marker))] + marker
 
 
+def truncate_blocks(blocks: list, max_chars: int | None) -> tuple[list, bool]:
+    """`truncate` for list content (content blocks): the text blocks share the `max_chars` budget, in order.
+
+    Returns:
+        `(blocks, cut)`: the blocks (the input itself when nothing was cut) and whether any text was cut.
+    """
+    if max_chars is None:
+        return blocks, False
+    out, left, cut = [], max_chars, False
+    for block in blocks:
+        if isinstance(block, dict) and isinstance(block.get("text"), str):
+            text = truncate(block["text"], left)
+            cut = cut or text != block["text"]
+            left = max(0, left - len(text))
+            block = {**block, "text": text}
+        out.append(block)
+    return (out if cut else blocks), cut
+
+
+def gather_async_calls(coroutines: list, timeout: float, async_loop: asyncio.AbstractEventLoop | None) -> list:
+    """Run a turn's async tool calls together on `async_loop`, as TRL's loop does (`asyncio.gather`, in call order).
+
+    Args:
+        coroutines: The calls' coroutines, in call order.
+        timeout: Seconds after which the calls still running are cancelled (`0` = no limit).
+        async_loop: The event loop (running in another thread) of the async tools.
+
+    Returns:
+        One entry per coroutine: its return value, or the exception it raised (`ToolTimeout` when cancelled at
+        `timeout`). Never raises for a tool's failure.
+    """
+    if async_loop is None:
+        for coroutine in coroutines:
+            coroutine.close()
+        return [RuntimeError("no event loop available for async tools")] * len(coroutines)
+    expired = ToolTimeout(f"tool did not return within {timeout:g} s")
+
+    async def run() -> list:
+        tasks = [asyncio.ensure_future(c) for c in coroutines]
+        _, pending = await asyncio.wait(tasks, timeout=timeout or None)
+        for task in pending:
+            task.cancel()
+        results = []
+        for task in tasks:
+            if task in pending or task.cancelled():
+                results.append(expired)
+            elif task.exception() is not None:
+                error = task.exception()
+                # e.g. a SystemExit raised by a tool: reported, never raised in the trainer
+                results.append(error if isinstance(error, Exception) else RuntimeError(repr(error)))
+            else:
+                results.append(task.result())
+        return results
+
+    future = asyncio.run_coroutine_threadsafe(run(), async_loop)
+    try:
+        # `run` returns at `timeout`; this limit only matters when a coroutine blocks the event loop itself.
+        return future.result(2 * timeout if timeout else None)
+    except TimeoutError:
+        future.cancel()
+        return [expired] * len(coroutines)
+
+
 def failure(
     name: str, error_type: str, message: str, policy: ErrorPolicy, names: list[str] | None = None
 ) -> ToolOutcome:
@@ -172,6 +235,9 @@ def run_tool_call(
         outcome.timed_out = isinstance(e, ToolTimeout)
         return outcome
     # The tool returned: a result, whatever it says (TRL's loop does not count it as a failure either).
+    if isinstance(result, list):  # content blocks: TRL passes them through as the message's content
+        content, cut = truncate_blocks(result, max_chars)
+        return ToolOutcome(name=name, content=content, category="ok", truncated=cut)
     full = result if isinstance(result, str) else _to_text(result)
     outcome = ToolOutcome(name=name, content=truncate(full, max_chars), category="ok")
     outcome.truncated = max_chars is not None and len(full) > max_chars
