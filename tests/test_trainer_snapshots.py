@@ -307,9 +307,11 @@ def test_snapshot_rows_reach_the_batch_and_are_trained_on(tiny_model_dir, tiny_t
     assert batch["num_items_in_batch"].item() == loss_mask.sum().item()
 
 
-def test_a_tiny_segment_term_in_tied_groups_gives_a_tiny_advantage(tiny_model_dir, tiny_tokenizer, tmp_path):
+@pytest.mark.parametrize("floor", [None, 0.5])
+def test_a_tiny_segment_term_in_tied_groups_gives_a_tiny_advantage(tiny_model_dir, tiny_tokenizer, tmp_path, floor):
     """Issue 35, item 1: every rollout scores 1 (both groups tie) and each snapshot segment gets +0.001. 009b255 gave
-    each segment the clip bound (4 - 1) / sqrt(4) = 1.5; now its episode's advantage (0) + 0.001 / max(1e-4, 0.1)."""
+    each segment the clip bound (4 - 1) / sqrt(4) = 1.5; now its episode's advantage (0) + 0.001 / max(1e-4, F), with
+    F = `advantage_std_floor` (default 0.1, or as configured)."""
 
     def constant_reward(completions, **kwargs):
         return [1.0] * len(completions)
@@ -321,12 +323,43 @@ def test_a_tiny_segment_term_in_tied_groups_gives_a_tiny_advantage(tiny_model_di
         reward_funcs=constant_reward,
         snapshot_advantage="episode",
         snapshot_reward_func="rollout_helpers:thousandth_bonus",
+        **({} if floor is None else {"advantage_std_floor": floor}),
     )
     batch = captured[0][0]
     snapshot = batch["row_kind"] == RowKind.SNAPSHOT
     assert int(snapshot.sum()) == sum(SNAPSHOTS[p] for p in ORDER)
     assert batch["advantages"][~snapshot].tolist() == [0.0] * 8
-    assert batch["advantages"][snapshot].tolist() == pytest.approx([0.001 / 0.1] * int(snapshot.sum()), rel=1e-4)
+    expected = 0.001 / (0.1 if floor is None else floor)
+    assert batch["advantages"][snapshot].tolist() == pytest.approx([expected] * int(snapshot.sum()), rel=1e-4)
+
+
+def hundredth_reads_reward(environments, **kwargs):
+    return [0.01 * env.reads for env in environments]
+
+
+def test_segments_get_their_episodes_advantage_when_the_spread_is_below_the_floor(
+    tiny_model_dir, tiny_tokenizer, tmp_path
+):
+    """'episode' mode: a snapshot segment (scored with its episode's reward) gets its episode's advantage exactly,
+    also in groups whose spread is below `advantage_std_floor` (rewards of 0.01 per read: std ~0.008 < 0.1). The
+    trainer measures a row outside the baseline from its episode; measured from the group mean, a segment of
+    episode B would get (0.02 - 0.01) / 0.1 = 0.1 instead of B's 1.21. Hand-computed from the rewards."""
+    _, _, captured, _, _ = _train(
+        tmp_path, tiny_model_dir, tiny_tokenizer, reward_funcs=hundredth_reads_reward, snapshot_advantage="episode"
+    )
+    batch = captured[0][0]
+    episode, adv = batch["episode_id"].tolist(), batch["advantages"].tolist()
+    rewards = [0.01 * REWARD[p] for p in ORDER]
+    hand = []
+    for i in range(8):
+        members = rewards[4 * (i // 4) : 4 * (i // 4) + 4]
+        mean = sum(members) / 4
+        hand.append((rewards[i] - mean) / (_std(members) + 1e-4))
+        assert _std(members) < 0.1
+    assert adv == pytest.approx([hand[e] for e in episode], rel=1e-4, abs=1e-6)
+    assert len(adv) == 17 and max(abs(a) for a in adv) > 1.0
+    # From the group mean with the floored divisor, B's segments would differ (the comparison can fail).
+    assert abs(hand[1] - (rewards[1] - 0.01) / 0.1) > 1.0
 
 
 class TruncatedA(ScriptedGeneration):

@@ -165,6 +165,21 @@ def _check_estimate(result, num_rows: int, width: int):
         )
     if rows and (extra is None or extra.size(0) != len(rows)):
         raise ValueError("An EstimatorResult with extra rows needs one advantage per extra row.")
+    if rows:
+        # Checked here, before the estimator stage's synchronisation point: `_append_estimator_rows` indexes the
+        # batch with the parents (a negative one would silently pick another row's group) and re-pads the advantages.
+        bad = [r.parent for r in rows if not isinstance(r.parent, int) or not 0 <= r.parent < num_rows]
+        if bad:
+            raise ValueError(
+                f"An extra row's parent must be a local row index in [0, {num_rows}), got parent {bad[0]}."
+            )
+        if extra.dim() not in (1, 2):
+            raise ValueError(f"Extra rows' advantages must have shape (K,) or (K, T), got {tuple(extra.shape)}.")
+        widest = max([width] + [len(r.completion_ids) for r in rows])
+        if extra.dim() == 2 and extra.size(1) > widest:
+            raise ValueError(
+                f"Extra rows' token-level advantages have width {extra.size(1)}, more than the widest row ({widest})."
+            )
     return advantages, rows, extra
 
 
@@ -535,7 +550,7 @@ class BatchAugmenter:
         """Append rows created by the advantage estimator (members of their parent's group) with their advantages."""
         if not rows:
             return self._append_rows(batch, rows, device)  # only joins the other processes' forward passes
-        parents = torch.tensor([r.parent for r in rows], device=device)  # checked by `_check_estimate`
+        parents = torch.tensor([r.parent for r in rows], device=device)  # in range: `_check_estimate`
         group_id, row_kind = batch["group_id"], batch["row_kind"]
         episode_id, segment_index, counted = batch["episode_id"], batch["segment_index"], batch["counted_row"]
         old = batch["advantages"]

@@ -21,8 +21,9 @@ normaliser is the generation batch's token count shared equally among its micro-
 With every such feature off, TRL's `bnpo` is kept as it is (TRL's own per-micro-batch normaliser: features off stays
 TRL bit for bit). `dapo`, `cispo` and `vespo` already divide by the global `num_items_in_batch`. Without padding and
 selection the per-row factor is exactly 1 and TRL's loss is returned untouched (bit for bit). Only the policy term is
-rescaled: TRL's entropy bonus and MoE auxiliary loss do not average over rows or tokens of the batch, so they are kept
-as they are.
+rescaled: TRL's entropy bonus and MoE auxiliary loss are kept as TRL computes them. The entropy bonus is, by TRL's
+definition, the mean entropy over each micro-batch's trained tokens (divided by the accumulation steps), so its
+per-token weight is not equalised: with padding rows, the tokens of a sparse micro-batch get a larger share of it.
 """
 
 from __future__ import annotations
