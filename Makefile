@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRL_EXPERIMENTAL_SILENCE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install install-sandbox install-browser install-tcmalloc install-vllm test test-fast test-slow test-distributed test-vllm demo bench ablation lint format clean
+.PHONY: install install-sandbox install-browser install-tcmalloc install-vllm test test-fast test-slow test-distributed test-vllm demo demo-record bench ablation lint format clean
 
 install: $(STAMP) install-sandbox
 
@@ -116,6 +116,11 @@ test-vllm: install-vllm
 
 demo: install
 	$(BIN)/trl-agentic train --config configs/quickstart.yaml
+
+# After `time make demo` on a fresh clone: commit its eval_results.json (docs/demo/) and write the README's table from
+# it (`make demo-record WALL="10 min 59 s"`); tests/test_readme_demo.py checks the two agree.
+demo-record:
+	$(BIN)/python -m trl_agentic.reporting.demo_record --wall "$(WALL)"
 
 bench: install install-vllm
 	OMP_NUM_THREADS=1 $(BIN)/python -m trl_agentic.bench --out docs/benchmarks.md --vllm-python $(VLLM_BIN)/python
