@@ -152,7 +152,11 @@ def test_render_gives_the_hand_computed_verdicts():
     # Seeds the observed sd needs for 0.1: 10 (test_stats.py: sd 0.1 needs 10 seeds).
     assert "| 10 | no effect" in row
     # Comparisons without cells are pending; the status counts the cells.
-    assert "| logsearch | `snapshots` − `trl_fit` (primary) | 0 | – | – | ∞ | – | pending (0 of 3 seeds) |" in text
+    planned = (4.302652730 + 1.060660172) * design.PLANNING_SD / math.sqrt(3)  # t_{.975,2} + t_{.8,2}, closed forms
+    assert (
+        f"| logsearch | `snapshots` − `trl_fit` (primary) | 0 | – | – | {planned:.3f} (planned) | – | pending (0 of 3 "
+        "seeds) |" in text
+    )
     expected = sum(len(t.seeds) * len(design.ARMS[t.name]) for t in design.TASKS.values()) + 4
     assert f"**Partial:** 25 of {expected} pre-registered cells" in text
     assert "recorded 2026-12-01 10:00 to 2026-12-05 10:00 at commits abc1234" in text
@@ -163,7 +167,14 @@ def test_render_gives_the_hand_computed_verdicts():
     half = T_975_4 * sd / math.sqrt(5)
     row = next(line for line in text.splitlines() if line.startswith("| calculator | rollback + negatives | 5 |"))
     assert f"{mean:.3f} [{mean - half:.3f}, {mean + half:.3f}]" in row
-    assert "| 102 | 40 | 16.0 | 512 | 1000 |" in row  # mean train seconds 100..104, eval 10 + 30, steps, rollouts
+    assert "| 102 | 40 | 16.0 | 512 | – | 1000 |" in row  # mean train seconds 100..104, eval 10 + 30, steps, rollouts
+    warm_row = next(line for line in text.splitlines() if line.startswith("| calculator | warm start only | 5 |"))
+    assert "| - | 75% |" in warm_row  # the spread check of every seed's warm start
+    # Peak context of a sampled evaluation, per arm of a comparison.
+    found["calculator", 0, "tracin"]["sampled_peak_context_tokens"] = 300.0
+    found["calculator", 0, "trl"]["sampled_peak_context_tokens"] = 500.0
+    row = next(line for line in report.render_results(found, {}, "x").splitlines() if "`tracin` − `trl`" in line)
+    assert row.endswith("| 300 / 500 |")
 
 
 def test_partial_seeds_failed_checks_and_stale_registrations_are_flagged():

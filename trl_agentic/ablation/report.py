@@ -62,8 +62,9 @@ def comparison_stats(cells: dict, c: design.Comparison, metric: str = "sampled")
     seeds = sorted(s for (t, s, a) in cells if t == c.task and a == c.a and (t, s, c.b) in cells)
     a = [_mean(cells[c.task, s, c.a][metric]) for s in seeds]
     b = [_mean(cells[c.task, s, c.b][metric]) for s in seeds]
-    if not seeds:
-        return {"seeds": 0, "interval": None, "verdict": "pending", "underpowered": True, "mde": math.inf}
+    if not seeds:  # the MDE the design planned for (sd `PLANNING_SD` over the pre-registered seeds)
+        planned = design.planned_mde(design.TASKS[c.task])
+        return {"seeds": 0, "interval": None, "verdict": "pending", "underpowered": True, "mde": planned}
     iv = stats.paired_t_interval(a, b, level=1 - design.ALPHA)
     verdict, underpowered = stats.verdict(iv.low, iv.high, design.MIN_EFFECT)
     mde = stats.minimum_detectable_effect(iv.sd, iv.n, design.ALPHA, design.POWER)
@@ -77,6 +78,18 @@ def comparison_stats(cells: dict, c: design.Comparison, metric: str = "sampled")
         "mde": mde,
         "seeds_needed": needed,
     }
+
+
+def _peak(cells: dict, c: design.Comparison) -> str:
+    """Mean peak context (tokens) of each arm over its seeds' sampled evaluations."""
+    means = []
+    for name in (c.a, c.b):
+        values = [
+            cell.get("sampled_peak_context_tokens") for (t, _, a), cell in cells.items() if t == c.task and a == name
+        ]
+        values = [v for v in values if v is not None]
+        means.append(f"{_mean(values):.0f}" if values else "–")
+    return " / ".join(means)
 
 
 def _expected(task: design.Task) -> list[tuple[str, int, str]]:
@@ -137,7 +150,8 @@ def readme_block(cells: dict, calibration: dict) -> str:
         c, s = row["comparison"], row["sampled"]
         diff = "–" if s["interval"] is None else f"{_fmt(s['interval'].mean, True)} {_interval(s['interval'], True)}"
         name = f"{'**' if c.primary else ''}`{c.a}` − `{c.b}`{'**' if c.primary else ''}"
-        lines.append(f"| {c.task} | {name}: {c.question} | {row['verdict']} | {diff} | {_fmt(s['mde'])} |")
+        mde = _fmt(s["mde"]) if s["interval"] is not None else f"{_fmt(s['mde'])} (planned)"
+        lines.append(f"| {c.task} | {name}: {c.question} | {row['verdict']} | {diff} | {mde} |")
     lines.append(README_END)
     return "\n".join(lines) + "\n"
 
@@ -176,21 +190,24 @@ def render_results(cells: dict, calibration: dict, registration: str | None) -> 
         "secondary: greedy success. Differences are paired by seed (both arms start from the seed's warm start and "
         "are evaluated on the same problems); intervals are Student t over seeds; MDE is the minimum detectable "
         f"effect at the observed sd (alpha {design.ALPHA}, power {design.POWER}); *seeds for {design.MIN_EFFECT}* is "
-        "how many seeds that sd needs to detect the minimum effect worth detecting.",
+        "how many seeds that sd needs to detect the minimum effect worth detecting; *peak context* is each arm's mean "
+        "longest context in a sampled evaluation episode (the snapshot claim: the same success in a smaller context).",
         "",
         "| task | comparison (a − b) | seeds | difference | 95 % interval | MDE | seeds for "
-        f"{design.MIN_EFFECT} | verdict | greedy difference [interval] |",
-        "|---|---|---:|---:|---|---:|---:|---|---|",
+        f"{design.MIN_EFFECT} | verdict | greedy difference [interval] | peak context a / b |",
+        "|---|---|---:|---:|---|---:|---:|---|---|---|",
     ]
     for row in verdict_rows(cells, calibration):
         c, s, g = row["comparison"], row["sampled"], row["greedy"]
         iv = s["interval"]
         greedy = "–" if g["interval"] is None else f"{_fmt(g['interval'].mean, True)} {_interval(g['interval'], True)}"
         needed = s.get("seeds_needed")
+        mde = _fmt(s["mde"]) if iv else f"{_fmt(s['mde'])} (planned)"
+        peak = _peak(cells, c)
         lines.append(
             f"| {c.task} | `{c.a}` − `{c.b}`{' (primary)' if c.primary else ''} | {s['seeds']} | "
-            f"{_fmt(iv.mean, True) if iv else '–'} | {_interval(iv, True) if iv else '–'} | {_fmt(s['mde'])} | "
-            f"{needed if needed is not None else '> 100' if iv else '–'} | {row['verdict']} | {greedy} |"
+            f"{_fmt(iv.mean, True) if iv else '–'} | {_interval(iv, True) if iv else '–'} | {mde} | "
+            f"{needed if needed is not None else '> 100' if iv else '–'} | {row['verdict']} | {greedy} | {peak} |"
         )
     lines += ["", *_calibration_lines(cells, calibration), *_arm_lines(cells)]
     return "\n".join(lines) + "\n"
@@ -249,17 +266,19 @@ def _arm_lines(cells: dict) -> list[str]:
         "",
         "Means over seeds with t intervals over seeds. *Train* and *eval* are wall times per seed on the recorded "
         "machine; *completion tokens* are those rolled out in training (model and tool tokens, TRL's "
-        "`completions/mean_length`), *peak context* the longest context of a sampled evaluation episode.",
+        "`completions/mean_length`), *groups with a spread* the share of GRPO groups with a reward spread over the "
+        "training steps (warm start: its spread check), *peak context* the longest context of a sampled evaluation "
+        "episode.",
         "",
         "| task | arm | seeds | sampled success | greedy success | train (s) | eval (s) | steps | rollouts | "
-        "completion tokens | peak context | fired (per seed) |",
-        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "groups with a spread | completion tokens | peak context | fired (per seed) |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for task in design.TASKS.values():
         for arm in design.ARMS[task.name]:
             found = [c for (t, _, a), c in sorted(cells.items()) if t == task.name and a == arm.name]
             if not found:
-                lines.append(f"| {task.name} | {arm.label} | 0 | – | – | – | – | – | – | – | – | – |")
+                lines.append(f"| {task.name} | {arm.label} | 0 | – | – | – | – | – | – | – | – | – | – |")
                 continue
             sampled = stats.t_interval([_mean(c["sampled"]) for c in found])
             greedy = stats.t_interval([_mean(c["greedy"]) for c in found])
@@ -277,10 +296,15 @@ def _arm_lines(cells: dict) -> list[str]:
                     fired[k] = fired.get(k, 0) + v / n
             fired_text = ", ".join(f"{k} {v:.0f}" for k, v in fired.items() if v) or "-"
             rollouts_text = f"{rollouts:.0f}" + (f" + {validation:.0f} validation" if validation else "")
+            # GRPO arms: the share of training groups with a reward spread, over steps and seeds; warm start: its check.
+            spreads = [v for c in found for v in c.get("spread_per_step", [])]
+            if arm.trainer == "warmstart":
+                spreads = [c["spread_check"]["fraction"] for c in found if "spread_check" in c]
+            spread_text = f"{_mean(spreads):.0%}" if spreads else "–"
             lines.append(
                 f"| {task.name} | {arm.label} | {n} | {_fmt(sampled.mean)} {_interval(sampled)} | "
                 f"{_fmt(greedy.mean)} {_interval(greedy)} | {train:.0f} | {evaluation:.0f} | {steps:.1f} | "
-                f"{rollouts_text if arm.trainer != 'warmstart' else '-'} | "
+                f"{rollouts_text if arm.trainer != 'warmstart' else '-'} | {spread_text} | "
                 f"{tokens:.0f} | {peak:.0f} | {fired_text} |"
             )
     lines.append("")
