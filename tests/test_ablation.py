@@ -78,6 +78,16 @@ def test_the_warm_start_rule(rungs, expected):
     assert (steps, ok) == expected and str(steps) in reason
 
 
+def test_a_fixed_warm_start_needs_no_calibration(tmp_path):
+    ctx = cells_mod.Context(out=tmp_path, cells=tmp_path, doc=tmp_path / "a.md", overrides={})
+    assert cells_mod.warmstart_steps(design.LOGSEARCH, ctx)[:2] == (48, True)
+    ctx.overrides = {"warmstart_steps": 3}
+    assert cells_mod.warmstart_steps(design.LOGSEARCH, ctx)[:2] == (3, True)
+    ctx.overrides = {"ablation_calibration_steps": []}
+    with pytest.raises(ValueError, match="no calibration ladder and no `warmstart_steps`"):
+        cells_mod.warmstart_steps(design.CALCULATOR, ctx)
+
+
 def test_budget_sums_the_cells():
     b = design.budget()
     calculator = sum(b["cells"]["calculator"].values()) * len(design.CALCULATOR.seeds)

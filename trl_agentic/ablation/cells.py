@@ -268,7 +268,13 @@ def warmstart_steps(task: Task, ctx: Context) -> tuple[int, bool, str]:
     p = plan(task, ctx.overrides)
     ladder = p["ablation_calibration_steps"]
     if not ladder:
-        steps = ctx.overrides.get("warmstart_steps", task.settings["warmstart_steps"])
+        steps = (
+            ctx.overrides["warmstart_steps"]
+            if "warmstart_steps" in ctx.overrides
+            else task.settings.get("warmstart_steps")
+        )
+        if steps is None:
+            raise ValueError(f"{task.name} has no calibration ladder and no `warmstart_steps`.")
         return steps, True, f"{steps} steps (fixed)"
     rungs = []
     for steps in ladder:
