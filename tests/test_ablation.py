@@ -345,6 +345,11 @@ def test_nothing_runs_without_a_registration(tmp_path):
     doc.write_text("# Ablation\n")
     with pytest.raises(RuntimeError, match="no pre-registration"):
         main(["run", "--tasks", "calculator", "--doc", str(doc), "--cells", str(tmp_path / "c"), "--readme", ""])
+    # Nor under a design other than the registered one: refused before any cell runs.
+    doc.write_text((ROOT / "docs" / "ablation.md").read_text().replace("`max_steps: 16`", "`max_steps: 12`", 1))
+    with pytest.raises(RuntimeError, match="differs from the registered one"):
+        main(["run", "--tasks", "calculator", "--doc", str(doc), "--cells", str(tmp_path / "c"), "--readme", ""])
+    assert not (tmp_path / "c").exists()
 
 
 # ------------------------------------------------------------------------------------------------ the first ablation

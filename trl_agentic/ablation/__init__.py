@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = cells_mod.Context(out=Path(a.out), cells=Path(a.cells), doc=Path(a.doc), overrides=overrides)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if a.action == "run":
-        cells_mod.registered_block(ctx.doc)  # nothing runs before the pre-registration
+        cells_mod.registered_block(ctx.doc)  # nothing runs before the pre-registration ...
+        report.check_registration(ctx.doc.read_text())  # ... nor under a design other than the registered one
         for name in a.tasks:
             task = design.TASKS[name]
             for seed in a.seeds if a.seeds is not None else task.seeds:

@@ -342,12 +342,12 @@ def plot(cells: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def render_doc(doc_text: str, cells: dict, calibration: dict, findings: str | None) -> str:
-    """docs/ablation.md: its pre-registration (kept verbatim; its design block must be the code's), the results and
-    the hand-written findings."""
+def check_registration(doc_text: str) -> str:
+    """The registered block of docs/ablation.md; raises when there is none or when its design block is not the code's
+    (`run` checks this before computing any cell, `render` before writing)."""
     start, end = doc_text.find(REGISTERED_START), doc_text.find(REGISTERED_END)
     if start < 0 or end < start:
-        raise RuntimeError("docs/ablation.md has no pre-registration block: nothing to render under.")
+        raise RuntimeError("docs/ablation.md has no pre-registration block: nothing to run or render under.")
     block = doc_text[start : end + len(REGISTERED_END)]
     d0, d1 = block.find(DESIGN_START), block.find(DESIGN_END)
     registered_design = block[d0 + len(DESIGN_START) : d1].strip("\n") + "\n" if 0 <= d0 < d1 else None
@@ -357,6 +357,14 @@ def render_doc(doc_text: str, cells: dict, calibration: dict, findings: str | No
             "not changed after the fact. Register the new design (a new block, committed before its cells) or "
             "restore the code."
         )
+    return block
+
+
+def render_doc(doc_text: str, cells: dict, calibration: dict, findings: str | None) -> str:
+    """docs/ablation.md: its pre-registration (kept verbatim; its design block must be the code's), the results and
+    the hand-written findings."""
+    block = check_registration(doc_text)
+    end = doc_text.find(REGISTERED_END)
     import hashlib
 
     registration = hashlib.sha256(block.encode()).hexdigest()[:12]
