@@ -270,6 +270,11 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
             for a in design.ARMS["calculator"]
         ),
     )  # fmt: skip
+    # The test's design (the PODS arm above) is registered in its own copy of the doc, as a real change would be.
+    text = doc.read_text()
+    start, end = text.index(report.DESIGN_START) + len(report.DESIGN_START), text.index(report.DESIGN_END)
+    doc.write_text(text[:start] + "\n" + design.design_markdown() + text[end:])
+    report.check_registration(doc.read_text())
     monkeypatch.setattr(report, "render_doc", lambda text, found, calibration, findings: text + "rendered\n")
     from trl_agentic.ablation import main
 
