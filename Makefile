@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRL_EXPERIMENTAL_SILENCE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install install-sandbox install-browser install-tcmalloc install-vllm test test-fast test-slow test-distributed test-vllm demo bench ablation lint format clean
+.PHONY: install install-sandbox install-browser install-tcmalloc install-vllm test test-fast test-slow test-distributed test-vllm demo demo-record bench ablation lint format clean
 
 install: $(STAMP) install-sandbox
 
@@ -117,15 +117,21 @@ test-vllm: install-vllm
 demo: install
 	$(BIN)/trl-agentic train --config configs/quickstart.yaml
 
+# After `time make demo` on a fresh clone: commit its eval_results.json (docs/demo/) and write the README's table from
+# it (`make demo-record WALL="10 min 59 s"`); tests/test_readme_demo.py checks the two agree.
+demo-record:
+	$(BIN)/python -m trl_agentic.reporting.demo_record --wall "$(WALL)"
+
 bench: install install-vllm
 	OMP_NUM_THREADS=1 $(BIN)/python -m trl_agentic.bench --out docs/benchmarks.md --vllm-python $(VLLM_BIN)/python
 
-# Issue 18's ablation: every feature vs TRL's GRPOTrainer vs more SFT, 3 seeds, 128 held-out problems (hours on a
-# 2-core CPU; resumable: finished cells are committed JSON in docs/ablation-cells and are reused, adapters are kept in
-# outputs/ablation). Writes docs/ablation.md and docs/ablation.png.
+# Issue 37's pre-registered ablation (docs/ablation.md): a verdict per feature against controls that isolate it,
+# seeds as the unit (~19 h on a 2-core CPU, estimated in the registration; resumable: finished cells are committed JSON
+# in docs/ablation-cells and are reused, adapters are kept in outputs/ablation). Writes docs/ablation.md, its PNG and
+# the README's table of verdicts.
 ablation: install install-tcmalloc
 	$(TCMALLOC_PRELOAD) $(BIN)/python -m trl_agentic.ablation run --out outputs/ablation --cells docs/ablation-cells \
-		--doc docs/ablation.md
+		--doc docs/ablation.md --readme README.md
 
 lint: install
 	$(BIN)/ruff check trl_agentic tests examples

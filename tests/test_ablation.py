@@ -1,234 +1,373 @@
-"""`make ablation`'s harness (issue 18): the statistics, and one complete resumable run on the tiny model."""
+"""`make ablation` (issue 37): the pre-registered design, the warm-start rule, the render against hand-computed
+intervals with synthetic cells, the README and docs/ablation.md against the committed cells, one resumable run on the
+tiny model, and the superseded first ablation re-rendering from its cells."""
 
 import json
 import math
-import random
+import re
+import shutil
+from pathlib import Path
 
 import pytest
 
-from trl_agentic import ablation
+from trl_agentic.ablation import cells as cells_mod
+from trl_agentic.ablation import design, report
+
+ROOT = Path(__file__).resolve().parents[1]
+T_975_4 = 2.776445105  # published t quantiles (NIST/SEMATECH table), independent of trl_agentic.stats
+T_80_4 = 0.940964577
 
 
-def test_bootstrap_interval_of_constant_values_is_the_value():
-    assert ablation.bootstrap_interval([[1.0, 1.0], [1.0, 1.0]]) == (1.0, 1.0, 1.0)
-    assert ablation.bootstrap_interval([[0.0] * 5]) == (0.0, 0.0, 0.0)
-    with pytest.raises(ValueError, match="same problems"):
-        ablation.bootstrap_interval([[1.0, 1.0], [1.0]])
+# ------------------------------------------------------------------------------------------------ the design
 
 
-def test_seeds_that_agree_on_every_problem_add_no_information():
-    """Problems are shared by the seeds: three identical seeds are one seed's evidence, not three times as much (a
-    per-seed problem resample would shrink the interval by about sqrt(3))."""
-    rng = random.Random(2)
-    values = [float(rng.random() < 0.4) for _ in range(128)]
-    _, low_1, high_1 = ablation.bootstrap_interval([values], samples=4000)
-    _, low_3, high_3 = ablation.bootstrap_interval([values] * 3, samples=4000)
-    assert high_3 - low_3 == pytest.approx(high_1 - low_1, rel=0.1)
+def test_the_registered_design_is_the_codes():
+    """docs/ablation.md holds the pre-registration, and its design block is what the code runs."""
+    text = (ROOT / "docs" / "ablation.md").read_text()
+    block = cells_mod.registered_block(ROOT / "docs" / "ablation.md")
+    assert block.count(report.DESIGN_START) == 1
+    inner = block[block.index(report.DESIGN_START) + len(report.DESIGN_START) : block.index(report.DESIGN_END)]
+    assert inner.strip("\n") + "\n" == design.design_markdown()
+    for needed in ("Decision rule", "Minimum effect worth detecting 0.1", "Estimated total", "seeds 0, 1, 2, 3, 4"):
+        assert needed in text
 
 
-def test_a_paired_difference_finds_what_separate_intervals_cannot():
-    """Arm A solves what arm B solves plus 8 more of 128 problems, in every seed: the separate intervals overlap, the
-    paired interval of A - B is all above 0 (and is exactly 8/128 wide of nothing else)."""
-    rng = random.Random(3)
-    b = [[float(rng.random() < 0.5) for _ in range(128)] for _ in range(3)]
-    flipped = [k for k in range(128) if b[0][k] == 0.0 and b[1][k] == 0.0 and b[2][k] == 0.0][:8]
-    a = [[1.0 if k in flipped else v for k, v in enumerate(seed)] for seed in b]
-    _, low_a, _ = ablation.bootstrap_interval(a)
-    _, _, high_b = ablation.bootstrap_interval(b)
-    assert low_a < high_b  # separately: no difference visible
-    mean, low, high = ablation.paired_difference(a, b)
-    assert mean == pytest.approx(8 / 128) and 0 < low <= mean <= high
-    with pytest.raises(ValueError):
-        ablation.paired_difference(a, b[:2])
+def test_every_comparison_names_arms_of_its_task_and_each_feature_has_a_primary():
+    for c in design.COMPARISONS:
+        names = {a.name for a in design.ARMS[c.task]}
+        assert {c.a, c.b} <= names
+    primaries = {(c.a, c.b) for c in design.COMPARISONS if c.primary}
+    assert primaries == {("rollback", "feedback"), ("tracin", "trl"), ("snapshots", "trl_fit")}
 
 
-def test_bootstrap_interval_matches_the_normal_approximation_for_one_large_seed():
-    rng = random.Random(1)
-    values = [float(rng.random() < 0.3) for _ in range(2000)]
-    p = sum(values) / len(values)
-    mean, low, high = ablation.bootstrap_interval([values], samples=2000)
-    half = 1.96 * math.sqrt(p * (1 - p) / len(values))
-    assert mean == pytest.approx(p)
-    assert low == pytest.approx(p - half, abs=0.006) and high == pytest.approx(p + half, abs=0.006)
+def test_arm_settings_are_valid_configs():
+    """Every arm's settings build its trainer's config (TRL's for the controls), before any model loads."""
+    for task in design.TASKS.values():
+        for arm in design.ARMS[task.name]:
+            settings = {**task.settings, "warmstart_steps": 4, **arm.overrides, "output_dir": "/tmp/x"}
+            task_args, args, _ = cells_mod._parse(settings, trl=arm.trainer == "trl")
+            assert args.max_steps == task.settings["max_steps"]
+            if arm.trainer == "trl":
+                assert type(args).__name__ == "GRPOConfig"
+            # Every GRPO arm of a task trains on the same rollouts per step, but PODS, which rolls out twice as many.
+            groups = args.generation_batch_size // args.num_generations
+            assert groups == task.settings["per_device_train_batch_size"] * 4 // task.settings["num_generations"]
 
 
-def test_bootstrap_interval_widens_with_disagreeing_seeds():
-    # Same pooled values, but split into seeds that disagree: resampling seeds must show that spread.
-    agree = [[0.0, 1.0] * 50, [0.0, 1.0] * 50]
-    disagree = [[0.0] * 100, [1.0] * 100]
-    _, low_a, high_a = ablation.bootstrap_interval(agree)
-    mean_d, low_d, high_d = ablation.bootstrap_interval(disagree)
-    assert mean_d == 0.5 and high_d - low_d > 2 * (high_a - low_a)
+def test_the_calculator_budget_fits_the_longest_warm_start_trace():
+    # Medium error-and-recover traces are 151-166 completion tokens (SmolLM2's tokenizer); hard ones up to 182.
+    assert design.CALCULATOR.settings["max_completion_length"] >= 182
+    assert "extra_reward_funcs" not in design.CALCULATOR.settings  # answer_reward alone: no tool-use bonus
+
+
+@pytest.mark.parametrize(
+    ("rungs", "expected"),
+    [
+        # 64 steps: 128 add 0.03 (< 0.05) and 70 % of groups vary: chosen.
+        ([(32, 0.30, 0.9), (64, 0.50, 0.7), (128, 0.53, 0.5), (256, 0.55, 0.4)], (64, True)),
+        # 32 plateaued but without the spread; 64 neither; 128 plateaued with the spread.
+        ([(32, 0.10, 0.5), (64, 0.14, 0.55), (128, 0.30, 0.8), (256, 0.33, 0.7)], (128, True)),
+        # Never plateaued: the longest with the spread (the last rung is only the ceiling), check failed.
+        ([(32, 0.1, 0.9), (64, 0.3, 0.8), (128, 0.5, 0.5), (256, 0.7, 0.3)], (64, False)),
+        # No rung keeps 60 %: the one with the most spread, check failed.
+        ([(32, 0.9, 0.2), (64, 0.95, 0.3), (128, 0.96, 0.1), (256, 0.97, 0.1)], (64, False)),
+    ],
+)
+def test_the_warm_start_rule(rungs, expected):
+    steps, ok, reason = design.choose_warmstart([design.Rung(*r) for r in rungs])
+    assert (steps, ok) == expected and str(steps) in reason
+
+
+def test_a_fixed_warm_start_needs_no_calibration(tmp_path):
+    ctx = cells_mod.Context(out=tmp_path, cells=tmp_path, doc=tmp_path / "a.md", overrides={})
+    assert cells_mod.warmstart_steps(design.LOGSEARCH, ctx)[:2] == (48, True)
+    ctx.overrides = {"warmstart_steps": 3}
+    assert cells_mod.warmstart_steps(design.LOGSEARCH, ctx)[:2] == (3, True)
+    ctx.overrides = {"ablation_calibration_steps": []}
+    with pytest.raises(ValueError, match="no calibration ladder and no `warmstart_steps`"):
+        cells_mod.warmstart_steps(design.CALCULATOR, ctx)
+
+
+def test_budget_sums_the_cells():
+    b = design.budget()
+    calculator = sum(b["cells"]["calculator"].values()) * len(design.CALCULATOR.seeds)
+    logsearch = sum(b["cells"]["logsearch"].values()) * len(design.LOGSEARCH.seeds)
+    assert b["total"] == pytest.approx(calculator + logsearch + b["calibration"])
+    # The equal-compute arms are charged the control's time.
+    assert b["cells"]["calculator"]["tracin"] == b["cells"]["calculator"]["trl"]
+
+
+# ------------------------------------------------------------------------------------------------ render
+
+
+def _cell(task, seed, arm, successes, n=10, **extra):
+    values = [1.0] * successes + [0.0] * (n - successes)
+    cell = {
+        "task": task,
+        "seed": seed,
+        "arm": arm,
+        "sampled": values,
+        "greedy": values,
+        "date": f"2026-12-0{seed + 1} 10:00",
+        "commit": "abc1234",
+        "preregistration": "x",
+        "train_seconds": 100.0 + seed,
+        "greedy_seconds": 10.0,
+        "sampled_seconds": 30.0,
+        "seconds": 140.0,
+        "rollouts": 512,
+        "completion_tokens": 1000.0,
+        "steps_done": 16,
+    }
+    if arm == "warmstart":
+        cell.update(
+            warmstart_steps=64,
+            spread_check={"groups_with_spread": 24, "prompts": 32, "fraction": 0.75},
+            trace_tokens={"max": 166, "max_faulty": 166, "max_clean": 76, "budget": 192},
+        )
+    cell.update(extra)
+    return cell
+
+
+def _synthetic():
+    found = {}
+    feedback, rollback = [5, 5, 5, 5, 5], [6, 7, 5, 6, 6]  # differences 0.1, 0.2, 0, 0.1, 0.1
+    trl, tracin = [5, 5, 5, 5, 5], [6, 4, 5, 6, 4]  # differences 0.1, -0.1, 0, 0.1, -0.1
+    for seed in range(5):
+        for arm, successes in (
+            ("warmstart", 4),
+            ("trl", trl[seed]),
+            ("feedback", feedback[seed]),
+            ("rollback", rollback[seed]),
+            ("tracin", tracin[seed]),
+        ):
+            found["calculator", seed, arm] = _cell("calculator", seed, arm, successes)
+    return found
+
+
+def test_render_gives_the_hand_computed_verdicts():
+    found = _synthetic()
+    text = report.render_results(found, {}, "x")
+    # rollback - feedback: mean 0.1, sd sqrt(0.02 / 4), t interval over 5 seeds.
+    sd = math.sqrt(0.02 / 4)
+    half = T_975_4 * sd / math.sqrt(5)
+    mde = (T_975_4 + T_80_4) * sd / math.sqrt(5)
+    row = next(line for line in text.splitlines() if "`rollback` − `feedback`" in line)
+    assert f"| 5 | +0.100 | [{0.1 - half:+.3f}, {0.1 + half:+.3f}] | {mde:.3f} |" in row
+    assert "| helps |" in row
+    # tracin - trl: mean 0, sd 0.1: no effect larger than 0.124, which is beyond 0.1: underpowered.
+    row = next(line for line in text.splitlines() if "`tracin` − `trl`" in line)
+    half = T_975_4 * 0.1 / math.sqrt(5)
+    assert f"no effect larger than {half:.3f}, underpowered" in row and f"[{-half:+.3f}, {half:+.3f}]" in row
+    # Seeds the observed sd needs for 0.1: 10 (test_stats.py: sd 0.1 needs 10 seeds).
+    assert "| 10 | no effect" in row
+    # Comparisons without cells are pending; the status counts the cells.
+    planned = (4.302652730 + 1.060660172) * design.PLANNING_SD / math.sqrt(3)  # t_{.975,2} + t_{.8,2}, closed forms
+    assert (
+        f"| logsearch | `snapshots` − `trl_fit` (primary) | 0 | – | – | {planned:.3f} (planned) | – | pending (0 of 3 "
+        "seeds) |" in text
+    )
+    expected = sum(len(t.seeds) * len(design.ARMS[t.name]) for t in design.TASKS.values()) + 4
+    assert f"**Partial:** 25 of {expected} pre-registered cells" in text
+    assert "recorded 2026-12-01 10:00 to 2026-12-05 10:00 at commits abc1234" in text
+    # Per arm: the mean over seeds of rollback's per-seed success, with its t interval.
+    values = [0.6, 0.7, 0.5, 0.6, 0.6]
+    mean = sum(values) / 5
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / 4)
+    half = T_975_4 * sd / math.sqrt(5)
+    row = next(line for line in text.splitlines() if line.startswith("| calculator | rollback + negatives | 5 |"))
+    assert f"{mean:.3f} [{mean - half:.3f}, {mean + half:.3f}]" in row
+    assert "| 102 | 40 | 16.0 | 512 | – | 1000 |" in row  # mean train seconds 100..104, eval 10 + 30, steps, rollouts
+    warm_row = next(line for line in text.splitlines() if line.startswith("| calculator | warm start only | 5 |"))
+    assert "| - | 75% |" in warm_row  # the spread check of every seed's warm start
+    # Peak context of a sampled evaluation, per arm of a comparison.
+    found["calculator", 0, "tracin"]["sampled_peak_context_tokens"] = 300.0
+    found["calculator", 0, "trl"]["sampled_peak_context_tokens"] = 500.0
+    row = next(line for line in report.render_results(found, {}, "x").splitlines() if "`tracin` − `trl`" in line)
+    assert row.endswith("| 300 / 500 |")
+
+
+def test_partial_seeds_failed_checks_and_stale_registrations_are_flagged():
+    found = {k: v for k, v in _synthetic().items() if k[1] < 3}
+    found["calculator", 0, "warmstart"]["preregistration"] = "old"
+    calibration = {
+        ("calculator", n): _cell(
+            "calculator", 0, "warmstart", k, spread_check={"groups_with_spread": 1, "prompts": 32, "fraction": f}
+        )
+        for n, k, f in ((32, 1, 0.2), (64, 2, 0.3), (128, 3, 0.2), (256, 4, 0.1))
+    }
+    text = report.render_results(found, calibration, "x")
+    row = next(line for line in text.splitlines() if "`rollback` − `feedback`" in line)
+    assert "(partial: 3 of 5 seeds)" in row and "warm-start check failed" in row
+    assert "ran under another pre-registration (old)" in text
+    assert "Chosen: 64 steps: no rung kept 60% of groups with a spread. Check **failed**." in text
+
+
+def test_the_readme_block_is_the_verdict_table():
+    found = _synthetic()
+    block = report.readme_block(found, {})
+    assert block.startswith(report.README_START) and block.rstrip().endswith(report.README_END)
+    rows = [line for line in block.splitlines() if line.startswith("| calculator") or line.startswith("| logsearch")]
+    assert len(rows) == len(design.COMPARISONS)
+    assert "**`rollback` − `feedback`**: rollback + negatives, feedback held equal | helps |" in block
+    readme = f"intro\n{report.README_START}\nold\n{report.README_END}\noutro\n"
+    assert report.replace_readme_block(readme, block) == "intro\n" + block.rstrip("\n") + "\noutro\n"
+
+
+def test_render_keeps_the_registration_and_refuses_a_changed_design():
+    doc = (ROOT / "docs" / "ablation.md").read_text()
+    block = cells_mod.registered_block(ROOT / "docs" / "ablation.md")
+    text = report.render_doc(doc, _synthetic(), {}, "## Findings\n\nBy hand.\n")
+    assert block in text and text.endswith("## Findings\n\nBy hand.\n")
+    assert report.render_doc(text, _synthetic(), {}, "## Findings\n\nBy hand.\n") == text  # re-rendering is stable
+    changed = doc.replace("`max_steps: 16`", "`max_steps: 12`", 1)
+    assert changed != doc
+    with pytest.raises(RuntimeError, match="differs from the registered one"):
+        report.render_doc(changed, {}, {}, None)
+    with pytest.raises(RuntimeError, match="no pre-registration"):
+        report.render_doc("# nothing\n", {}, {}, None)
+
+
+def test_readme_and_docs_match_the_committed_cells():
+    """The README's table and docs/ablation.md are what `make ablation` renders from docs/ablation-cells."""
+    found, calibration = report.load(ROOT / "docs" / "ablation-cells")
+    readme = (ROOT / "README.md").read_text()
+    start, end = readme.index(report.README_START), readme.index(report.README_END) + len(report.README_END)
+    assert readme[start:end] + "\n" == report.readme_block(found, calibration)
+    doc = (ROOT / "docs" / "ablation.md").read_text()
+    findings = (ROOT / "docs" / "ablation-findings.md").read_text()
+    assert report.render_doc(doc, found, calibration, findings) == doc
+
+
+# ------------------------------------------------------------------------------------------------ a run
 
 
 def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, monkeypatch):
-    work, out, doc = tmp_path / "work", tmp_path / "cells", tmp_path / "ablation.md"
+    """The calculator's calibration and all its arms for one seed on the tiny model, then a resume that computes
+    nothing, and a refusal of cells of other settings."""
+    doc = tmp_path / "ablation.md"
+    shutil.copy(ROOT / "docs" / "ablation.md", doc)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{report.README_START}\n{report.README_END}\n")
+    (tmp_path / "ablation-findings.md").write_text("## Findings\n\nBy hand.\n")
+    work, cells = tmp_path / "work", tmp_path / "cells"
     argv = [
-        "run", "--features", "rollback", "--seeds", "0", "--steps", "1", "--num_eval", "4",
-        "--out", str(work), "--cells", str(out), "--doc", str(doc),
-        "--set", f"model_name_or_path={tiny_model_dir}", "warmstart_steps=1", "warmstart_batch_size=2",
-        "gradient_accumulation_steps=1", "per_device_train_batch_size=4", "max_completion_length=24",
-        "learning_rate=1e-4",  # the GRPO arms' rate, below the warm start's 3e-4 (YAML 1.1 reads it as a string)
+        "run", "--tasks", "calculator", "--seeds", "0", "--out", str(work), "--cells", str(cells),
+        "--doc", str(doc), "--readme", str(readme),
+        "--set", f"model_name_or_path={tiny_model_dir}", "bf16=false", "max_steps=1", "num_eval_tasks=3",
+        "warmstart_batch_size=2", "per_device_train_batch_size=4", "gradient_accumulation_steps=1",
+        "num_generations=4", "max_completion_length=400", "max_tool_calling_iterations=1", "num_train_tasks=16",
+        "ablation_eval_samples=2", "ablation_spread_prompts=2", "ablation_calibration_steps=[1, 2]",
     ]  # fmt: skip
-    from trl_agentic import warmstart
-
-    schedules = []
-
-    def spy(*args, **kwargs):
-        result = real(*args, **kwargs)
-        schedules.append([h["learning_rate"] for h in result.log_history if "learning_rate" in h])
-        return result
-
-    real = warmstart.run_task_warmstart
-    monkeypatch.setattr(warmstart, "run_task_warmstart", spy)
-    (tmp_path / "ablation-findings.md").write_text("## Findings\n\nWritten by hand.\n")
-    assert ablation.main(argv) == 0
-    monkeypatch.setattr(warmstart, "run_task_warmstart", real)
-    # The warm start decays from its peak; the SFT arm, stopped by time, trains at the GRPO arms' rate, constant.
-    warm_rates, sft_rates = schedules[0], schedules[-1]
-    assert len(schedules) == 2 and warm_rates[0] == 3e-4 and sft_rates == [1e-4] * len(sft_rates)
-    cells = {arm: json.loads((out / "rollback" / "seed0" / f"{arm}.json").read_text()) for arm in ablation.ARMS}
-    for arm, cell in cells.items():
-        assert cell["arm"] == arm and cell["num_eval"] == 4
-        assert len(cell["success"]) == 4 and set(cell["success"]) <= {0.0, 1.0}
-    # The control is TRL's own trainer; the feature arm ours; the SFT arm trained at least one step.
-    assert cells["trl"]["trainer"] == "GRPOTrainer" and cells["agentic"]["trainer"] == "AgenticGRPOTrainer"
-    assert cells["sft"]["sft_steps"] >= 1 and cells["sft"]["sft_learning_rate"] == 1e-4
-    assert len(cells["warmstart"]["warmstart_losses"]) == 1
-    assert sorted(p.name for p in (out / "rollback" / "seed0").iterdir()) == sorted(f"{a}.json" for a in ablation.ARMS)
-    [adapter] = (work / "rollback" / "seed0").glob("warmstart-adapter-*/adapter_config.json")
-    assert adapter.parent.name == f"warmstart-adapter-{cells['warmstart']['settings_hash']}"
-    assert len({c["settings_hash"] for c in cells.values()}) == 1 and cells["sft"]["sft_budget"]["train_seconds"] > 0
+    # PODS needs a pool larger than its kept rows: 8 rolled out per prompt of the 4 kept (on this small batch).
+    monkeypatch.setitem(
+        design.ARMS,
+        "calculator",
+        tuple(
+            design.Arm(a.name, a.label, a.trainer, {**a.overrides, "num_generations": 8, "row_selection_keep": 4,
+                       "per_device_train_batch_size": 8}, a.time_budget_from, a.keep_rate_from, a.what)
+            if a.name == "max_variance" else a
+            for a in design.ARMS["calculator"]
+        ),
+    )  # fmt: skip
+    # The test's design (the PODS arm above) is registered in its own copy of the doc, as a real change would be.
     text = doc.read_text()
-    for label in ablation.ARM_LABELS.values():
-        assert f"| rollback | {label} | 1 | 4 |" in text
-    for a, b in ablation.PAIRS:
-        assert f"| rollback | {a} − {b} | 1 |" in text
-    assert "All 4 cells." in text
-    # What each arm trained on: 1 step × 4 rollouts for the GRPO arms; the warm start's 1 step × 2 traces.
-    regenerated = cells["agentic"]["fired"]["rollback/attempts"]
-    assert "| 2 traces | - |" in text and "| 4 rollouts | - |" in text
-    assert f"| 4 rollouts{f' + {regenerated:.0f} regenerated turns' if regenerated else ''} |" in text
-    assert f"| {2 * cells['sft']['sft_steps']} traces | - |" in text
-    assert (
-        f"Cells recorded {min(c['date'] for c in cells.values())} to {max(c['date'] for c in cells.values())}" in text
-    )
-    assert text.endswith("## Findings\n\nWritten by hand.\n")  # the hand-written part is kept on every render
-    partial, _ = ablation.render(out, ["rollback"], [0, 1], "cmd")
-    assert "**Partial: 4 of 8 cells** (missing: rollback seed 1 warmstart, rollback seed 1 trl," in partial
-    assert doc.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    start, end = text.index(report.DESIGN_START) + len(report.DESIGN_START), text.index(report.DESIGN_END)
+    doc.write_text(text[:start] + "\n" + design.design_markdown() + text[end:])
+    report.check_registration(doc.read_text())
+    monkeypatch.setattr(report, "render_doc", lambda text, found, calibration, findings: text + "rendered\n")
+    from trl_agentic.ablation import main
 
-    # Resume: finished cells are read back, nothing is trained again.
+    assert main(argv) == 0
+    seed0 = {p.stem: json.loads(p.read_text()) for p in (cells / "calculator" / "seed0").glob("*.json")}
+    assert set(seed0) == {a.name for a in design.ARMS["calculator"]}
+    ladder = sorted(p.name for p in (cells / "calculator" / "calibration").iterdir())
+    assert ladder == ["warmstart-1.json", "warmstart-2.json"]
+    warm = seed0["warmstart"]
+    # The chosen rung is seed 0's warm start, the same cell.
+    rung = json.loads((cells / "calculator" / "calibration" / f"warmstart-{warm['warmstart_steps']}.json").read_text())
+    assert rung == warm and warm["trace_tokens"]["max"] <= 400 and warm["trace_tokens"]["budget"] == 400
+    assert warm["spread_check"]["prompts"] == 2 and warm["spread_check"]["generations"] == 4
+    registration = cells_mod.registration_sha(doc)
+    for cell in seed0.values():
+        assert len(cell["greedy"]) == 3 and len(cell["sampled"]) == 3 and cell["eval_samples"] == 2
+        assert all(0.0 <= v <= 1.0 for v in cell["sampled"]) and cell["preregistration"] == registration
+        assert cell["settings_hash"] == warm["settings_hash"] and cell["commit"] == warm["commit"]
+    # The controls are TRL's trainer, the others ours, each with its arm's settings.
+    assert (
+        seed0["trl"]["trainer_class"] == "GRPOTrainer" and seed0["feedback"]["trainer_class"] == "AgenticGRPOTrainer"
+    )
+    assert seed0["rollback_episodes"]["arm_settings"]["group_baseline"] == "episodes"
+    assert seed0["random"]["arm_settings"]["row_selection_fraction"] == round(seed0["tracin"]["keep_rate"], 4)
+    assert seed0["tracin"]["arm_settings"]["time_budget_seconds"] == seed0["trl"]["train_seconds"]
+    assert seed0["tracin"]["validation_rollouts"] == 2 * 8  # one validation rollout: 2 prompts x 8
+    # At most `max_steps` (1), also for the arms stopped by a time budget.
+    assert {c.get("steps_done", 1) for c in seed0.values()} == {1}
+    assert seed0["max_variance"]["rollouts"] == 8 and seed0["trl"]["rollouts"] == 4
+    assert seed0["max_variance"]["fired"]["selection/num_kept"] == 4
+    assert seed0["trl"]["steps_done"] == 1 and len(seed0["trl"]["spread_per_step"]) == 1
+    assert (doc.read_text()).endswith("rendered\n") and doc.with_suffix(".png").exists()
+    assert "| calculator | **`rollback` − `feedback`**" in readme.read_text()
+
+    # Resume: every cell is read back, nothing trains or evaluates again.
     def fail(*args, **kwargs):
         raise AssertionError("a finished cell was recomputed")
 
-    monkeypatch.setattr(ablation, "_train_grpo", fail)
-    monkeypatch.setattr(ablation, "_evaluate", fail)
-    assert ablation.main(argv) == 0
-    # An SFT cell trained at another rate (recorded, or from before the rate was recorded: the warm start's) is refused.
-    sft_path = out / "rollback" / "seed0" / "sft.json"
-    recorded = json.loads(sft_path.read_text())
-    for stale in (
-        {**recorded, "sft_learning_rate": 3e-4},
-        {k: v for k, v in recorded.items() if k != "sft_learning_rate"},
-    ):
-        sft_path.write_text(json.dumps(stale))
-        with pytest.raises(RuntimeError, match="learning rate 0.0003, not the GRPO arms' 0.0001"):
-            ablation.main(argv)
-    sft_path.write_text(json.dumps(recorded))
-    # Cells of other settings are never mixed in: a run with 2 steps refuses the 1-step cells.
+    monkeypatch.setattr(cells_mod, "_compute", fail)
+    assert main(argv) == 0
+    # Cells of other settings are refused, never mixed in.
     with pytest.raises(RuntimeError, match="other settings"):
-        ablation.main([("2" if a == "1" and argv[k - 1] == "--steps" else a) for k, a in enumerate(argv)])
+        main([a.replace("max_steps=1", "max_steps=2") for a in argv])
 
 
-def test_a_new_machine_trains_the_warm_start_again_and_checks_it_is_the_recorded_one(tiny_model_dir, tmp_path):
-    """Cells are committed, adapters are not: a cell run where the adapter is missing recreates it first, and refuses to
-    go on when the recreated warm start is not the recorded one (the arms would not share a starting point)."""
-    work, cells = tmp_path / "work", tmp_path / "cells"
-    kwargs = dict(
-        steps=1,
-        num_eval=2,
-        cells=cells,
-        overrides={
-            "model_name_or_path": str(tiny_model_dir),
-            "warmstart_steps": 2,
-            "warmstart_batch_size": 2,
-            "gradient_accumulation_steps": 1,
-            "per_device_train_batch_size": 4,
-            "max_completion_length": 16,
-        },
+@pytest.mark.parametrize(("seconds", "steps"), [(1e9, 2), (0.0, 1)])
+def test_the_time_budget_stops_training_and_never_outlasts_max_steps(tiny_model_dir, tmp_path, seconds, steps):
+    """A budget not yet spent leaves `max_steps` in charge (the callback once cleared the stop it asked for and
+    trained on past it); a spent one stops after the first step."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2, save_strategy="no",
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=4, logging_steps=1,
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]] * 32})
+    trainer = GRPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=lambda completions, **k: [float(len(c[0]["content"])) for c in completions],
+        args=args,
+        train_dataset=dataset,
+        callbacks=[cells_mod.stop_at_time(seconds)],
     )
-    warm = ablation.run_cell("rollback", 0, "warmstart", work, **kwargs)
-    adapter = work / "rollback" / "seed0" / f"warmstart-adapter-{warm['settings_hash']}"
-    weights = (adapter / "adapter_model.safetensors").read_bytes()
-    import shutil
-
-    shutil.rmtree(work)  # a new machine: the committed cells only
-    trl = ablation.run_cell("rollback", 0, "trl", work, **kwargs)
-    assert trl["arm"] == "trl" and len(trl["success"]) == 2
-    assert (adapter / "adapter_model.safetensors").read_bytes() == weights
-
-    shutil.rmtree(work)
-    path = cells / "rollback" / "seed0" / "warmstart.json"
-    path.write_text(json.dumps({**warm, "warmstart_losses": [x + 0.5 for x in warm["warmstart_losses"]]}))
-    (cells / "rollback" / "seed0" / "trl.json").unlink()
-    with pytest.raises(RuntimeError, match="not the recorded"):
-        ablation.run_cell("rollback", 0, "trl", work, **kwargs)
+    trainer.train()
+    assert trainer.state.global_step == steps
 
 
-def test_held_out_problems_are_removed_from_every_training_set():
-    """Generators of different seeds can draw the same expression: the ablation trains on none of the held-out ones
-    (warm start, GRPO, the SFT arm's fresh traces), counted independently here."""
-    from trl_agentic.tasks import TaskArguments, build_task
+def test_nothing_runs_without_a_registration(tmp_path):
+    from trl_agentic.ablation import main
 
-    args = TaskArguments(task="calculator", task_difficulty="easy", num_train_tasks=256, num_eval_tasks=128)
-    task = build_task(args)
-    held_out = {row["expression"] for row in task.eval_dataset}
-    shared = [row for row in task.train_dataset if row["expression"] in held_out]
-    assert shared  # the easy generator does repeat itself across seeds
-    kept = ablation._without_problems(task, {ablation._problem_key(r) for r in task.eval_dataset})
-    assert len(kept.train_dataset) == len(task.train_dataset) - len(shared)
-    assert not {row["expression"] for row in kept.train_dataset} & held_out
-    assert not {row["expression"] for row in kept.warmstart_dataset} & held_out
-    assert ablation._problem_key({"task_seed": 7, "prompt": [{"content": "x"}]}) == "task_seed=7"
+    doc = tmp_path / "ablation.md"
+    doc.write_text("# Ablation\n")
+    with pytest.raises(RuntimeError, match="no pre-registration"):
+        main(["run", "--tasks", "calculator", "--doc", str(doc), "--cells", str(tmp_path / "c"), "--readme", ""])
+    # Nor under a design other than the registered one: refused before any cell runs.
+    doc.write_text((ROOT / "docs" / "ablation.md").read_text().replace("`max_steps: 16`", "`max_steps: 12`", 1))
+    with pytest.raises(RuntimeError, match="differs from the registered one"):
+        main(["run", "--tasks", "calculator", "--doc", str(doc), "--cells", str(tmp_path / "c"), "--readme", ""])
+    assert not (tmp_path / "c").exists()
 
 
-def test_only_the_agentic_arm_is_charged_with_tracin_validation_rollouts():
-    # Every arm of a feature shares its config; TRL's control ignores the TracIn fields and rolls out no validation.
-    settings = {
-        "use_cpu": True, "bf16": False, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
-        "num_generations": 4, "tracin_enabled": True,
-        "tracin_val_batch_size": 2, "tracin_val_num_generations": 4, "tracin_val_refresh_steps": 1,
-        "tracin_val_rollout_steps": 3,
-    }  # fmt: skip
-    cell = {"steps": 8, "settings": settings, "fired": {"rollback/attempts": 0}}
-    assert ablation._trained_on([{**cell, "arm": "trl"}]) == "32 rollouts"
-    # Validation rollouts at steps 0, 3 and 6: 3 x 2 prompts x 4 completions.
-    assert ablation._trained_on([{**cell, "arm": "agentic"}]) == "32 rollouts + 24 TracIn validation rollouts"
-    # Rollouts only at a refresh of V: refreshes at 0, 4 (the default every 4 steps); rollouts due every 3 steps.
-    default = {k: v for k, v in settings.items() if k != "tracin_val_refresh_steps"}
-    assert ablation._trained_on([{**cell, "settings": default, "arm": "agentic"}]) == (
-        "32 rollouts + 16 TracIn validation rollouts"
-    )
-    # The config's defaults for both (refresh every 4, roll out every 8): only at step 0 within 8 steps.
-    default = {k: v for k, v in default.items() if k != "tracin_val_rollout_steps"}
-    assert ablation._trained_on([{**cell, "settings": default, "arm": "agentic"}]) == (
-        "32 rollouts + 8 TracIn validation rollouts"
-    )
+# ------------------------------------------------------------------------------------------------ the first ablation
 
 
-def test_rollouts_are_counted_per_generation_window():
-    # TRL generates one generation batch every steps_per_generation x num_iterations micro-steps.
-    settings = {"use_cpu": True, "bf16": False, "per_device_train_batch_size": 4, "num_generations": 4}
-    cell = {"steps": 8, "arm": "trl", "fired": {}}
-    # 8 steps of 1 micro-step, a batch of 8 every 2: 4 batches.
-    spread = {**settings, "generation_batch_size": 8}
-    assert ablation._trained_on([{**cell, "settings": spread}]) == "32 rollouts"
-    # Each batch trained on twice: 2 batches of 4 in 8 steps.
-    reused = {**settings, "num_iterations": 2}
-    assert ablation._trained_on([{**cell, "settings": reused}]) == "16 rollouts"
-    # 2 micro-steps per optimizer step, a batch of 8 per step: 8 batches.
-    accumulated = {**settings, "gradient_accumulation_steps": 2}
-    assert ablation._trained_on([{**cell, "settings": accumulated}]) == "64 rollouts"
-    # 3 steps with each batch trained on twice: the second batch is rolled out at step 2.
-    assert ablation._trained_on([{**cell, "steps": 3, "settings": reused}]) == "8 rollouts"
+def test_the_first_ablation_re_renders_from_its_cells():
+    """The superseded report's tables are what its render gives from its moved cells."""
+    from trl_agentic.ablation import first
+
+    folder = ROOT / "docs" / "ablation-superseded" / "first"
+    text, _ = first.render(folder / "cells", list(first.FEATURES), [0, 1, 2], "cmd")
+    recorded = (folder / "ablation.md").read_text()
+    rows = [line for line in text.splitlines() if re.match(r"\| (rollback|snapshots|rlvcr|tracin) \|", line)]
+    assert len(rows) == 32
+    for line in rows:
+        assert line in recorded

@@ -66,6 +66,11 @@ def test_quickstart_pipeline_end_to_end(tmp_path, capsys):
             assert 0.0 <= metrics[key] <= 1.0
     assert set(results["timings"]) >= {"model", "warmstart", "eval_before", "grpo", "eval_after"}
     assert results["grpo_steps"] == 2 and results["warmstart"]["steps"] == 2
+    # `make demo-record` writes the README's table from this file (tests/test_readme_demo.py).
+    from trl_agentic.reporting.demo_record import demo_block
+
+    source = {"commit": "x", "date": "d", "machine": "m", "wall": "w"}
+    assert "| success rate |" in demo_block({"source": source, "run": results})
 
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
 

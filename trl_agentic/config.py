@@ -37,6 +37,7 @@ _CHOICES = {
     "rlvcr_norm_mode": ("mean_norm", "mean_std_norm"),
     "rlvcr_expand_steps": ("successful_varied", "varied", "all"),
     "tracin_selection": ("positive", "top_fraction", "threshold"),
+    "row_selection": ("none", "random", "max_variance", "successful"),
 }
 
 
@@ -209,6 +210,24 @@ class AgenticGRPOConfig(GRPOConfig):
             Score threshold of `"threshold"`.
         tracin_min_selected (`int`, *optional*, defaults to `1`):
             If fewer rows are selected (over all processes), the top-scoring ones are taken instead.
+
+        > Row selection (cheap selectors and rejection-sampled self-training; docs/ablation.md)
+
+        row_selection (`str`, *optional*, defaults to `"none"`):
+            Which rows of each generation batch are trained on: `"none"` (all), `"random"` (a random
+            `row_selection_fraction` of them, masked out as TracIn masks: the control of a learned filter at its
+            keep rate), `"max_variance"` (PODS: of each group of `num_generations` rollouts, the
+            `row_selection_keep` with the largest reward variance, advantages recomputed over them; the others are
+            removed from the batch; one process) or `"successful"` (rejection-sampled self-training, RFT/STaR: the
+            rows whose reward is at least `row_selection_threshold`, advantage 1, which with `num_iterations=1` and
+            `beta=0` is SFT on the policy's own successful rollouts). Not with rollback, snapshots, TracIn or a
+            custom `advantage_estimator`.
+        row_selection_fraction (`float`, *optional*, defaults to `0.5`):
+            Share of the rows kept by `"random"`, in (0, 1] (rounded up).
+        row_selection_keep (`int`, *optional*, defaults to `2`):
+            Rows kept per group by `"max_variance"`: at least 2 and fewer than `num_generations`.
+        row_selection_threshold (`float`, *optional*, defaults to `1.0`):
+            Summed reward a row needs to be kept by `"successful"`.
     """
 
     # --- rollback and negatives -------------------------------------------------------------------------------
@@ -400,6 +419,21 @@ class AgenticGRPOConfig(GRPOConfig):
     tracin_top_fraction: float = field(default=0.5, metadata={"help": "Fraction kept by 'top_fraction'."})
     tracin_threshold: float = field(default=0.0, metadata={"help": "Score threshold of 'threshold'."})
     tracin_min_selected: int = field(default=1, metadata={"help": "Fallback: at least this many rows (top scores)."})
+    # --- row selection ----------------------------------------------------------------------------------------
+    row_selection: str = field(
+        default="none",
+        metadata={
+            "help": "Rows trained on: 'none', 'random' (a random row_selection_fraction), 'max_variance' (PODS: the "
+            "row_selection_keep of each group with the largest reward variance) or 'successful' (RFT: rows with "
+            "reward >= row_selection_threshold, advantage 1).",
+            "choices": ["none", "random", "max_variance", "successful"],
+        },
+    )
+    row_selection_fraction: float = field(default=0.5, metadata={"help": "Share of rows kept by 'random'."})
+    row_selection_keep: int = field(default=2, metadata={"help": "Rows kept per group by 'max_variance'."})
+    row_selection_threshold: float = field(
+        default=1.0, metadata={"help": "Reward a row needs to be kept by 'successful'."}
+    )
 
     # --- vLLM --------------------------------------------------------------------------------------------------
     vllm_lora_sync: bool = field(
@@ -418,6 +452,14 @@ class AgenticGRPOConfig(GRPOConfig):
         # Our checks first: they are cheap, and a bad value must fail before anything else happens.
         self._validate_agentic_fields()
         super().__post_init__()
+        if self.row_selection == "max_variance":  # needs TRL's generation_batch_size and steps_per_generation
+            groups = self.generation_batch_size // self.num_generations
+            if (groups * self.row_selection_keep) % self.steps_per_generation:
+                raise ValueError(
+                    f"`row_selection='max_variance'` keeps {groups} groups x {self.row_selection_keep} rows, which "
+                    f"must split into `steps_per_generation` = {self.steps_per_generation} micro-batches: choose "
+                    "`row_selection_keep` or the batch so that it divides."
+                )
 
     @property
     def uses_agentic_loop(self) -> bool:
@@ -442,6 +484,31 @@ class AgenticGRPOConfig(GRPOConfig):
             or self.tracin_enabled
             or self.advantage_estimator != "grpo"
         )
+
+    def _validate_row_selection(self) -> None:
+        if self.row_selection == "none":
+            return
+        others = {
+            "enable_tool_rollback": self.enable_tool_rollback,
+            "enable_context_snapshots": self.enable_context_snapshots,
+            "tracin_enabled": self.tracin_enabled,
+            "advantage_estimator": self.advantage_estimator != "grpo",
+        }
+        if any(others.values()):
+            names = ", ".join(f"`{k}`" for k, v in others.items() if v)
+            raise ValueError(
+                f"`row_selection={self.row_selection!r}` selects among the regular rollouts and sets their advantages: "
+                f"it does not combine with {names}."
+            )
+        if not 0 < self.row_selection_fraction <= 1:
+            raise ValueError(f"`row_selection_fraction` must be in (0, 1], got {self.row_selection_fraction!r}.")
+        if self.row_selection == "max_variance":
+            keep = self.row_selection_keep
+            if not isinstance(keep, int) or isinstance(keep, bool) or not 2 <= keep < self.num_generations:
+                raise ValueError(
+                    f"`row_selection_keep` must be an integer in [2, num_generations) = [2, {self.num_generations}), "
+                    f"got {keep!r}: the kept rows of a group need a spread, and keeping all selects nothing."
+                )
 
     def _validate_agentic_fields(self) -> None:
         for name, choices in _CHOICES.items():
@@ -558,6 +625,7 @@ class AgenticGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"`tracin_min_selected` must be a non-negative integer, got {self.tracin_min_selected!r}."
             )
+        self._validate_row_selection()
         if self.enable_context_snapshots and self.group_baseline == "episodes" and self.snapshot_advantage == "row":
             warnings.warn(
                 "`group_baseline='episodes'` keeps snapshot segments out of the group statistics, so "

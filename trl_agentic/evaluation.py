@@ -18,7 +18,9 @@ Metrics (all over problems unless said otherwise):
 - `tool_failure_rate`: failed tool calls / tool calls (malformed calls, unknown tools, exceptions), like TRL's
   `tools/failure_frequency` (the complement of `tool_call_success_rate` when there are calls);
 - `tool_success_rate`: share of problems with at least one tool call that ran without error;
-- `tool_calls_per_problem`, `no_tool_call_rate`, `mean_completion_tokens`, `seconds`.
+- `tool_calls_per_problem`, `no_tool_call_rate`, `mean_completion_tokens`, `seconds`;
+- `mean_peak_context_tokens`: the longest context (prompt, earlier turns and the turn generated) each problem's
+  generation saw, averaged (with `context_snapshots`, deleted tool results no longer count).
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ class HFGenerationBackend:
         self.prefix_caching = prefix_caching
         self.max_turn_tokens = min(max_turn_tokens or max_completion_length, max_completion_length)
         self.generated_tokens = 0
+        self.peak_context: dict[int, int] = {}  # row -> the longest context (prompt and turn) it was generated in
         self._prefix_key: tuple | None = None
         self._prefix_kv = None
 
@@ -171,6 +174,7 @@ class HFGenerationBackend:
         from trl.chat_template_utils import parse_response
 
         tools = list(self.tools_per_row[row]) if tools is None else tools
+        self.peak_context[row] = max(self.peak_context.get(row, 0), len(prefix) + len(ids))
         return parse_response(self.tokenizer, ids, prefix=prefix, tools=tools)
 
     def decode(self, ids: list[int]) -> str:
@@ -390,6 +394,8 @@ def evaluate_policy(
                         "tool_calls": len(tool_msgs),
                         "tool_failures": failures,
                         "completion_tokens": sum(tool_mask[k]),
+                        # What the model attended to at most: with `delete_context`, deleted results leave the context.
+                        "peak_context_tokens": backend.peak_context.get(k, len(prompt_ids[k])),
                     }
                 )
             for env in envs:  # e.g. the Python sandbox's interpreter process
@@ -447,6 +453,7 @@ def summarize(records: list[dict], seconds: float = 0.0) -> dict[str, float]:
         "tool_calls_per_problem": calls / n,
         "no_tool_call_rate": sum(r["tool_calls"] == 0 for r in records) / n,
         "mean_completion_tokens": sum(r["completion_tokens"] for r in records) / n,
+        "mean_peak_context_tokens": sum(r.get("peak_context_tokens", 0) for r in records) / n,
         "seconds": seconds,
     }
 

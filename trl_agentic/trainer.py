@@ -22,6 +22,7 @@ from .model_card import card_section, feature_tags
 from .rollout.context import delete_context
 from .rollout.loop import AgenticRolloutLoop, LoopConfig
 from .rollout.trl_backend import TrainerBackend
+from .selection.trainer_mixin import RowSelectionMixin
 from .tracin.trainer_mixin import TracInMixin
 from .vllm_lora import lora_sync_vllm
 
@@ -73,7 +74,7 @@ def _check_tool_names(tools, environment_factory, args) -> None:
         )
 
 
-class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
+class AgenticGRPOTrainer(RowSelectionMixin, TracInMixin, RowWeightedLossMixin, GRPOTrainer):
     """
     GRPO trainer for agentic tool use, built on [`~trl.GRPOTrainer`].
 
@@ -188,6 +189,7 @@ class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
         self._last_rewards_per_func = None
         self._last_loop_result = None
         self._init_tracin(tracin_eval_dataset)
+        self._init_row_selection()
         register_gloo_exit_pause()  # gloo worker threads must not outlive the interpreter (see gloo_exit.py)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -228,7 +230,8 @@ class AgenticGRPOTrainer(TracInMixin, RowWeightedLossMixin, GRPOTrainer):
         self._last_loop_result = None
         self._last_rewards_per_func = None
         output = super()._generate_and_score_completions(inputs)
-        return self._augmenter(output, inputs, self._last_rewards_per_func, self._last_loop_result)
+        output = self._augmenter(output, inputs, self._last_rewards_per_func, self._last_loop_result)
+        return self._select_rows(output)  # `row_selection` (trl_agentic.selection): last, on the finished batch
 
     # ------------------------------------------------------------------------------------------------------------
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):

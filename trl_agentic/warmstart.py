@@ -198,6 +198,8 @@ class WarmStartResult:
         num_traces: Number of traces built.
         faulty_traces: How many of them contain a rejected call.
         sample_trace: The decoded first trace (to show in logs and docs).
+        completion_tokens: Per trace, its tokens after the prompt (model and tool tokens, what
+            `max_completion_length` bounds in a rollout), and whether it contains a rejected call.
     """
 
     model: object
@@ -206,6 +208,13 @@ class WarmStartResult:
     num_traces: int
     faulty_traces: int
     sample_trace: str
+    completion_tokens: list[tuple[int, bool]] = ()
+
+
+def _completion_tokens(example: dict) -> int:
+    """Tokens after the prompt: the prompt is masked, and the first trained token opens the completion."""
+    first = next((k for k, label in enumerate(example["labels"]) if label != -100), len(example["labels"]))
+    return len(example["input_ids"]) - first
 
 
 def run_warmstart(
@@ -346,6 +355,7 @@ def run_warmstart(
         seconds=time.perf_counter() - start,
         num_traces=len(traces),
         faulty_traces=sum(t.get("faulty", False) for t in traces),
+        completion_tokens=[(_completion_tokens(e), bool(t.get("faulty", False))) for e, t in zip(examples, traces)],
         sample_trace=sample,
     )
 

@@ -57,9 +57,61 @@ def test_eval_command_on_the_tiny_model_and_an_adapter(tiny_model_dir, tmp_path,
         assert summary["num_tasks"] == 2
         assert summary["accuracy"] == sum(t["valid"] for t in tasks) / 2
         assert summary["turn_credit"] == pytest.approx(sum(t["turn_credit"] for t in tasks) / 2)
+        assert summary["no_call_turn_credit"] == pytest.approx(sum(t["no_call_turn_credit"] for t in tasks) / 2)
     for task in results["tasks"]:
         assert task["valid"] == (task["turn_credit"] == 1.0)
-    assert "category" in capsys.readouterr().out
+    assert "no-call baseline" in capsys.readouterr().out
+
+
+def _leading_empty_turns(task) -> float:
+    """Independently of the checker: a turn without ground-truth calls is the only kind a conversation without calls
+    passes (the response check needs the ground truth's results among the model's), so the baseline is the share of
+    leading turns whose ground truth is empty."""
+    k = 0
+    while k < len(task.ground_truth) and not task.ground_truth[k]:
+        k += 1
+    return k / len(task.ground_truth)
+
+
+def test_a_conversation_without_calls_gets_the_turn_credit_of_its_leading_empty_turns():
+    from trl_agentic.envs.bfcl.checker import no_call_turn_credit, official_verdict
+
+    _, heldout = split_scenarios(0.25, 0)
+    means = {}
+    for category in ("base", "miss_func", "miss_param", "long_context"):
+        tasks = select_tasks([category], scenarios=heldout)
+        credits = [no_call_turn_credit(task) for task in tasks]
+        assert credits == [_leading_empty_turns(task) for task in tasks]
+        assert not any(official_verdict(task, [[] for _ in task.ground_truth])["valid"] for task in tasks)
+        means[category] = sum(credits) / len(credits)
+    # The figures of docs/bfcl.md ("Reward"): the 50 held-out scenarios of the default split, per category.
+    assert {k: round(v, 3) for k, v in means.items()} == {
+        "base": 0.0,
+        "miss_func": 0.111,
+        "miss_param": 0.093,
+        "long_context": 0.0,
+    }
+
+
+def test_the_recorded_runs_turn_credit_is_the_no_call_baseline():
+    """docs/bfcl.md's recorded run: configs/bfcl.yaml with `--num_eval_tasks 10` evaluates 10 tasks of 6 scenarios
+    (of the 20 held-out tasks of its selection); a conversation without calls gets 0 % on base and 12.3 % on
+    miss_param, 6.2 % in all, the run's figures before and after GRPO."""
+    from trl_agentic.envs.bfcl.checker import no_call_turn_credit
+    from trl_agentic.envs.bfcl.data import get_task
+    from trl_agentic.tasks import TaskArguments, build_task
+
+    settings = dict(
+        task="bfcl", bfcl_categories=["base", "miss_param"], bfcl_classes=["TradingBot", "VehicleControlAPI"]
+    )
+    rows = list(build_task(TaskArguments(**settings, num_train_tasks=0, num_eval_tasks=10)).eval_dataset)
+    tasks = [get_task(r["bfcl_id"]) for r in rows]
+    assert len(tasks) == 10 and len({t.index for t in tasks}) == 6
+    assert len(build_task(TaskArguments(**settings, num_train_tasks=0, num_eval_tasks=0)).eval_dataset) == 20
+    credit = {c: [no_call_turn_credit(t) for t in tasks if t.category == c] for c in ("base", "miss_param")}
+    assert len(credit["base"]) == len(credit["miss_param"]) == 5
+    assert round(sum(credit["base"]) / 5, 3) == 0.0 and round(sum(credit["miss_param"]) / 5, 3) == 0.123
+    assert round(sum(credit["base"] + credit["miss_param"]) / 10, 3) == 0.062
 
 
 def test_batches_never_mix_environments():

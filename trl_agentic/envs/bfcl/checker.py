@@ -12,7 +12,9 @@ for the same entry continue the same state). Each verdict therefore uses a fresh
 instances afterwards.
 
 [`turn_credit`] is ours (not BFCL's): the fraction of turns, counted from the first, that pass the official per-turn
-checks, a dense signal for training.
+checks, a dense signal for training. It is not zero for a conversation that never calls a tool: a turn whose ground
+truth makes no call passes the checks without calls. [`no_call_turn_credit`] is that baseline, the turn credit of a
+conversation that answers every user turn without a call; read every turn-credit figure against it.
 """
 
 from __future__ import annotations
@@ -93,3 +95,17 @@ def turn_credit(task: BFCLTask, turn_calls: list[list[str]]) -> float:
             break
         passed = k
     return passed / total if total else 0.0
+
+
+def no_call_turn_credit(task: BFCLTask) -> float:
+    """
+    The turn credit of a conversation that reaches every user turn and makes no tool call: the baseline that turn
+    credit must beat (the leading turns whose ground truth makes no call, as the official checks judge them).
+
+    Args:
+        task ([`BFCLTask`]): The task.
+
+    Returns:
+        `float`: [`turn_credit`] of `[[]] * len(task.ground_truth)`.
+    """
+    return turn_credit(task, [[] for _ in task.ground_truth])

@@ -5,7 +5,8 @@
 (`trl_agentic.evaluation.evaluate_policy`: the chat template with the task's tools as TRL renders them, TRL's response
 parser, the environment's user turns) and scores every conversation with the official checker (`reward.bfcl_reward`).
 Accuracy is the share of valid conversations per category, as in BFCL's leaderboard; `turn_credit` is our per-turn
-partial credit (not BFCL's).
+partial credit (not BFCL's), reported beside `no_call_turn_credit`, what a conversation that never calls a tool gets
+on the same tasks (`checker.no_call_turn_credit`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .data import CATEGORIES, category_of
+from .checker import no_call_turn_credit
+from .data import CATEGORIES, category_of, get_task
 from .dataset import environment_factories, make_rows, sample_rows, select_tasks, split_scenarios
 from .reward import bfcl_reward, bfcl_turn_credit
 
@@ -157,9 +159,9 @@ def evaluate_bfcl(
         desc (`str`, *optional*): Label of the progress bar.
 
     Returns:
-        `dict`: `categories` (per category: `accuracy`, `turn_credit`, `num_tasks`), `overall` (the same over all
-        rows), `tasks` (per task: `id`, `category`, `valid`, `turn_credit`, `tool_calls`, `completion_tokens`) and
-        `seconds`.
+        `dict`: `categories` (per category: `accuracy`, `turn_credit`, `no_call_turn_credit`, `num_tasks`),
+        `overall` (the same over all rows), `tasks` (per task: `id`, `category`, `valid`, `turn_credit`,
+        `no_call_turn_credit`, `tool_calls`, `completion_tokens`) and `seconds`.
     """
     from ...evaluation import evaluate_policy
 
@@ -190,6 +192,7 @@ def evaluate_bfcl(
             "category": category_of(row["bfcl_id"]),
             "valid": record["rewards"][0] == 1.0,
             "turn_credit": record["rewards"][1],
+            "no_call_turn_credit": no_call_turn_credit(get_task(row["bfcl_id"])),
             "tool_calls": record["tool_calls"],
             "completion_tokens": record["completion_tokens"],
         }
@@ -206,6 +209,7 @@ def _summary(tasks: list[dict]) -> dict:
     return {
         "accuracy": sum(t["valid"] for t in tasks) / n if n else math.nan,
         "turn_credit": sum(t["turn_credit"] for t in tasks) / n if n else math.nan,
+        "no_call_turn_credit": sum(t.get("no_call_turn_credit", math.nan) for t in tasks) / n if n else math.nan,
         "num_tasks": n,
     }
 
@@ -219,10 +223,13 @@ def summarize_by_category(tasks: list[dict]) -> dict[str, dict]:
 
 
 def format_results(results: dict) -> str:
-    """A fixed-width table: one line per category and one for all tasks."""
-    lines = [f"{'category':<14}{'tasks':>7}{'accuracy':>10}{'turn credit':>13}"]
+    """A fixed-width table: one line per category and one for all tasks; turn credit beside its no-call baseline."""
+    lines = [f"{'category':<14}{'tasks':>7}{'accuracy':>10}{'turn credit':>13}{'no-call baseline':>18}"]
     for name, summary in [*results["categories"].items(), ("all", results["overall"])]:
-        lines.append(f"{name:<14}{summary['num_tasks']:>7}{summary['accuracy']:>10.1%}{summary['turn_credit']:>13.1%}")
+        lines.append(
+            f"{name:<14}{summary['num_tasks']:>7}{summary['accuracy']:>10.1%}{summary['turn_credit']:>13.1%}"
+            f"{summary.get('no_call_turn_credit', math.nan):>18.1%}"
+        )
     return "\n".join(lines)
 
 

@@ -1,4 +1,9 @@
-"""`make ablation`: does each feature train a better agent than plain TRL GRPO for the same number of rollouts?
+"""The first ablation (issue 18), superseded by issue 37's design (`trl_agentic.ablation`); kept so that its report
+re-renders from its cells: `python -m trl_agentic.ablation.first render --features rollback snapshots rlvcr tracin
+--cells docs/ablation-superseded/first/cells --doc docs/ablation-superseded/first/ablation.md`. Its `run` still works
+but is not what `make ablation` runs. Why it was superseded: docs/ablation.md, "Why a second design".
+
+Its question: does each feature train a better agent than plain TRL GRPO for the same number of rollouts?
 
 For every feature, on its live task (the config in `configs/`), and every seed:
 
@@ -65,7 +70,7 @@ ABLATION_SETTINGS: dict[str, dict] = {
         "rlvcr_expand_steps": "successful_varied",
     },
 }
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARMS = ("warmstart", "trl", "agentic", "sft")
 PAIRS = (("agentic", "trl"), ("agentic", "sft"), ("trl", "warmstart"), ("agentic", "warmstart"))
 ARM_LABELS = {
@@ -163,8 +168,8 @@ def _parse(settings: dict, trl: bool = False):
     from transformers import HfArgumentParser
     from trl import GRPOConfig, ModelConfig
 
-    from .config import AgenticGRPOConfig
-    from .tasks import TaskArguments
+    from ..config import AgenticGRPOConfig
+    from ..tasks import TaskArguments
 
     parser = HfArgumentParser((TaskArguments, GRPOConfig if trl else AgenticGRPOConfig, ModelConfig))
     return parser.parse_dict(settings, allow_extra_keys=trl)
@@ -182,7 +187,7 @@ def _load_adapter(model_path: str, adapter: str, dtype):
 def _evaluate(model, tokenizer, task, training_args, rows) -> list[float]:
     """Every arm alike, with the feature config's settings (`training_args` is always the `AgenticGRPOConfig`): the
     log search is solvable only with `delete_context`, which every arm learned in the warm start."""
-    from .evaluation import evaluate_policy
+    from ..evaluation import evaluate_policy
 
     result = evaluate_policy(
         model,
@@ -285,8 +290,8 @@ def run_cell(
                 f"{_sft_rate(settings):g} that the SFT arm uses now. Delete it to run it again."
             )
         return cell
-    from .models import resolve_model_path
-    from .tasks import build_task
+    from ..models import resolve_model_path
+    from ..tasks import build_task
 
     settings["output_dir"] = str(out / feature / f"seed{seed}" / f"{arm}-run")
     task_args, args, model_args = _parse(settings, trl=arm == "trl")
@@ -389,7 +394,7 @@ def _warm_start(model_path, dtype, task, task_args, model_args, args, seed, adap
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
     from trl import get_peft_config
 
-    from .warmstart import run_task_warmstart
+    from ..warmstart import run_task_warmstart
 
     set_seed(seed)  # the LoRA initialisation too: a new machine must get the same adapter
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left", truncation_side="left")
@@ -423,8 +428,8 @@ def _warm_start(model_path, dtype, task, task_args, model_args, args, seed, adap
 def _train_grpo(arm, model, tokenizer, task, task_args, args, eval_keys: set[str]) -> dict:
     from trl import GRPOTrainer
 
-    from .tasks import build_task
-    from .trainer import AgenticGRPOTrainer
+    from ..tasks import build_task
+    from ..trainer import AgenticGRPOTrainer
 
     kwargs = dict(
         model=model,
@@ -472,7 +477,7 @@ def _sft_for(model, tokenizer, task, task_args, args, budget: dict, eval_keys: s
     spent."""
     from transformers import TrainerCallback
 
-    from .warmstart import run_task_warmstart
+    from ..warmstart import run_task_warmstart
 
     seconds = budget["train_seconds"]
 
@@ -490,7 +495,7 @@ def _sft_for(model, tokenizer, task, task_args, args, budget: dict, eval_keys: s
         warmstart_steps=steps,
         warmstart_learning_rate=args.learning_rate,
     )
-    from .tasks import build_task
+    from ..tasks import build_task
 
     result = run_task_warmstart(
         model,
@@ -608,7 +613,7 @@ def _trained_on(cells: list[dict]) -> str:
     if cell["arm"] in ("warmstart", "sft"):
         steps = sum(c.get("sft_steps", len(c.get("warmstart_losses", []))) for c in cells) / len(cells)
         return f"{steps * settings.get('warmstart_batch_size', 0):.0f} traces"
-    from .tracin.schedule import validation_rollout_steps, window_starts
+    from ..tracin.schedule import validation_rollout_steps, window_starts
 
     args = _parse(settings)[1]  # the config's defaults for fields the settings leave out
     starts = window_starts(

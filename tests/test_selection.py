@@ -1,0 +1,253 @@
+"""`row_selection` (issue 37): the pure rules against brute force and hand counts, and one trainer-level test per mode
+on the tiny model, each against an independent computation of what training on the selected rows means."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+from trl_agentic.selection import max_variance_rows, max_variance_subset, random_rows, successful_rows
+
+# ------------------------------------------------------------------------------------------------ rules
+
+
+def _population_variance(values):
+    mean = sum(values) / len(values)
+    return sum((v - mean) ** 2 for v in values) / len(values)
+
+
+@given(
+    st.lists(st.sampled_from([0.0, 0.1, 0.5, 1.0, -0.5, 1.1]), min_size=1, max_size=8),
+    st.integers(1, 8),
+)
+def test_max_variance_subset_is_as_good_as_every_subset(rewards, m):
+    chosen = max_variance_subset(rewards, m)
+    if len(rewards) <= m:
+        assert chosen == list(range(len(rewards)))
+        return
+    assert len(chosen) == m == len(set(chosen))
+    best = max(
+        _population_variance([rewards[k] for k in subset]) for subset in itertools.combinations(range(len(rewards)), m)
+    )
+    assert _population_variance([rewards[k] for k in chosen]) == pytest.approx(best, abs=1e-12)
+
+
+def test_max_variance_subset_by_hand():
+    # Two successes among six failures, keep 4: both successes and two failures (variance 0.25, the most a 0/1 set
+    # has); of equal variances the split with the most "high" rewards of the sorted order (equal ones by index) wins.
+    assert max_variance_subset([0, 0, 1, 0, 0, 1, 0, 0], 4) == [2, 5, 6, 7]
+    # No spread: the last m of the sorted order.
+    assert max_variance_subset([1.0] * 5, 2) == [3, 4]
+    # NaN rewards are never chosen.
+    assert max_variance_subset([math.nan, 0.0, 1.0, math.nan], 2) == [1, 2]
+    with pytest.raises(ValueError):
+        max_variance_subset([0.0], 0)
+
+
+def test_max_variance_rows_works_per_group_in_any_order():
+    rewards = [0, 1, 0, 1, 0.5, 0.5, 0.5, 0]
+    groups = [0, 1, 0, 1, 0, 1, 0, 1]  # interleaved groups
+    kept = max_variance_rows(rewards, groups, 2)
+    # Group 0 (rows 0, 2, 4, 6: 0, 0, 0.5, 0.5): one low, one high; group 1 (1, 3, 5, 7: 1, 1, 0.5, 0): a 1 and the 0.
+    assert [k for k, v in enumerate(kept) if v] == [2, 3, 6, 7] or sum(kept) == 4
+    assert _population_variance([rewards[k] for k in (0, 2, 4, 6) if kept[k]]) == pytest.approx(0.0625)
+    assert sorted(rewards[k] for k in (1, 3, 5, 7) if kept[k]) == [0, 1]
+
+
+@given(
+    st.lists(st.sampled_from([0.0, 1.0, math.nan]), min_size=0, max_size=20), st.floats(0.05, 1.0), st.integers(0, 9)
+)
+def test_random_rows_keeps_the_rounded_up_share_of_scorable_rows(rewards, fraction, seed):
+    kept = random_rows(rewards, fraction, seed)
+    scorable = sum(not math.isnan(r) for r in rewards)
+    expected = min(scorable, max(1, math.ceil(fraction * scorable - 1e-9))) if scorable else 0
+    assert sum(kept) == expected
+    assert not any(k and math.isnan(r) for k, r in zip(kept, rewards))
+    assert kept == random_rows(rewards, fraction, seed)  # the same seed keeps the same rows
+
+
+def test_random_rows_is_uniform():
+    # Over many seeds every row is kept about as often: 3 of 6 rows, each kept with probability 1/2.
+    counts = [0] * 6
+    for seed in range(3000):
+        for k, kept in enumerate(random_rows([0.0] * 6, 0.5, seed)):
+            counts[k] += kept
+    assert all(abs(c / 3000 - 0.5) < 0.04 for c in counts)
+
+
+def test_successful_rows():
+    assert successful_rows([1.0, 0.0, 1.1, math.nan, 0.99], 1.0) == [True, False, True, False, False]
+
+
+# ------------------------------------------------------------------------------------------------ trainer
+
+
+def reward(completions, **kwargs):
+    return [float(sum(map(ord, c[0]["content"])) % 7) for c in completions]
+
+
+def _trainer(tiny_model_dir, tmp_path, **overrides):
+    settings = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_steps=1,
+        seed=3,
+        per_device_train_batch_size=8,
+        num_generations=8,
+        max_completion_length=8,
+        save_strategy="no",
+        temperature=1.0,
+    )
+    settings.update(overrides)
+    args = AgenticGRPOConfig(**settings)
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Say hi."}]] * 8})
+    trainer = AgenticGRPOTrainer(model=tiny_model_dir, reward_funcs=reward, args=args, train_dataset=dataset)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer, dataset
+
+
+def _grad(trainer, loss) -> torch.Tensor:
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).flatten() for g, p in zip(grads, params)])
+
+
+def _rewards(batch, tokenizer):
+    texts = tokenizer.batch_decode(batch["completion_ids"] * batch["completion_mask"], skip_special_tokens=True)
+    return texts
+
+
+def test_random_selection_trains_on_the_kept_rows_alone(tiny_model_dir, tmp_path):
+    """The masked batch's gradient is that of the kept rows as their own batch (dapo: the mean over their tokens),
+    built here by hand: rows sliced out, `num_items_in_batch` counted again."""
+    full, dataset = _trainer(tiny_model_dir, tmp_path / "full")
+    torch.manual_seed(0)
+    batch = full._generate_and_score_completions(list(dataset))
+    trainer, _ = _trainer(tiny_model_dir, tmp_path / "random", row_selection="random", row_selection_fraction=0.4)
+    trainer.model.load_state_dict(full.model.state_dict())
+    trainer._last_rewards_per_func = full._last_rewards_per_func
+    selected = trainer._select_rows(dict(batch))
+    kept = (selected["tool_mask"] * selected["completion_mask"]).sum(1) > 0
+    assert int(kept.sum()) == math.ceil(0.4 * 8) == int(selected["num_rows_in_batch"])
+    index = kept.nonzero().squeeze(1)
+    alone = {k: v[index] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
+    alone["num_items_in_batch"] = (alone["completion_mask"] * alone.get("tool_mask", 1)).sum()
+    alone["num_rows_in_batch"] = torch.tensor(len(index))
+    assert batch["advantages"][index].abs().sum() > 0
+    torch.testing.assert_close(selected["advantages"], batch["advantages"])  # unchanged
+    g_selected = _grad(trainer, trainer._compute_loss(trainer.model, selected))
+    g_alone = _grad(trainer, trainer._compute_loss(trainer.model, alone))
+    assert g_alone.abs().sum() > 0
+    torch.testing.assert_close(g_selected, g_alone, rtol=1e-4, atol=1e-7)
+    assert trainer._metrics["train"]["selection/num_kept"] == [4.0]
+
+
+def test_successful_selection_is_sft_on_the_successful_rollouts(tiny_model_dir, tmp_path):
+    """RFT: the gradient of TRL's dapo loss on the selected batch equals the gradient of the mean negative
+    log-likelihood of the successful completions' tokens, computed here with a plain forward pass."""
+    trainer, dataset = _trainer(tiny_model_dir, tmp_path, row_selection="successful", row_selection_threshold=3.0)
+    torch.manual_seed(1)
+    batch = trainer._generate_and_score_completions(list(dataset))
+    rewards = trainer._last_rewards_per_func.sum(1)
+    success = rewards >= 3.0
+    assert 0 < int(success.sum()) < 8, rewards  # the seed gives both kinds
+    loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
+    assert torch.equal(loss_mask.sum(1) > 0, success) and torch.equal(batch["advantages"], success.float())
+    assert int(batch["num_items_in_batch"]) == int(loss_mask.sum())
+
+    # Supervised fine-tuning on the successful rows, by hand.
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    logits = trainer.model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
+    width = batch["completion_ids"].size(1)
+    logps = torch.log_softmax(logits[:, -width - 1 : -1].float(), dim=-1)
+    token_logps = logps.gather(2, batch["completion_ids"].unsqueeze(2)).squeeze(2)
+    nll = -(token_logps * loss_mask).sum() / loss_mask.sum()
+    g_sft = _grad(trainer, nll)
+    g_rft = _grad(trainer, trainer._compute_loss(trainer.model, batch))
+    assert g_sft.abs().sum() > 0
+    torch.testing.assert_close(g_rft, g_sft, rtol=1e-3, atol=1e-6 * g_sft.abs().max().item())
+
+
+def test_max_variance_selection_keeps_the_highest_variance_rows_with_their_own_advantages(tiny_model_dir, tmp_path):
+    trainer, dataset = _trainer(tiny_model_dir, tmp_path, row_selection="max_variance", row_selection_keep=3)
+    torch.manual_seed(2)
+    completions = []
+    original = trainer._calculate_rewards
+
+    def spy(inputs, prompts, completions_, ids):
+        completions.extend(completions_)
+        return original(inputs, prompts, completions_, ids)
+
+    trainer._calculate_rewards = spy
+    batch = trainer._generate_and_score_completions(list(dataset))
+    rewards = reward(completions)
+    assert len(set(rewards)) > 1
+    # The kept rows: 3 of 8, a subset of the largest variance (checked against every subset).
+    assert batch["prompt_ids"].size(0) == 3 == int(batch["num_rows_in_batch"])
+    best = max(_population_variance([rewards[k] for k in s]) for s in itertools.combinations(range(8), 3))
+    texts = [completions[k][0]["content"] for k in range(8)]
+    kept_texts = trainer.processing_class.batch_decode(
+        [ids[m.bool()] for ids, m in zip(batch["completion_ids"], batch["completion_mask"])], skip_special_tokens=True
+    )
+    kept_rewards = [rewards[texts.index(t)] for t in kept_texts]
+    assert _population_variance(kept_rewards) == pytest.approx(best)
+    # Advantages over the kept rows only: (r - mean) / (unbiased std + 1e-4), by hand.
+    mean = sum(kept_rewards) / 3
+    std = math.sqrt(sum((r - mean) ** 2 for r in kept_rewards) / 2)
+    expected = torch.tensor([(r - mean) / (std + 1e-4) for r in kept_rewards])
+    torch.testing.assert_close(batch["advantages"], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "selection",
+    [
+        {"row_selection": "random", "row_selection_fraction": 0.5},
+        {"row_selection": "max_variance", "row_selection_keep": 2},
+    ],
+)
+def test_a_training_step_runs_with_accumulation(tiny_model_dir, tmp_path, selection):
+    """TRL splits the selected generation batch into its micro-batches and steps (2 groups of 4, 2 micro-batches)."""
+    trainer, _ = _trainer(
+        tiny_model_dir,
+        tmp_path,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        **selection,
+    )
+    before = {k: v.clone() for k, v in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.global_step == 1
+    history = [h for h in trainer.state.log_history if "selection/num_kept" in h]
+    assert history and history[0]["selection/num_kept"] == 4.0
+    assert any(not torch.equal(v, before[k]) for k, v in trainer.model.named_parameters())
+
+
+def test_config_refuses_combinations_and_bad_values(tmp_path):
+    base = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=4)
+    base["per_device_train_batch_size"] = 4
+    with pytest.raises(ValueError, match="does not combine with `enable_tool_rollback`"):
+        AgenticGRPOConfig(**base, row_selection="random", enable_tool_rollback=True)
+    with pytest.raises(ValueError, match="row_selection_keep"):
+        AgenticGRPOConfig(**base, row_selection="max_variance", row_selection_keep=4)
+    with pytest.raises(ValueError, match="row_selection_fraction"):
+        AgenticGRPOConfig(**base, row_selection="random", row_selection_fraction=0.0)
+    with pytest.raises(ValueError, match="micro-batches"):
+        # 1 group of 4 (2 rows x 2 micro-batches), 3 kept rows: not 2 equal micro-batches.
+        AgenticGRPOConfig(
+            **{**base, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
+            row_selection="max_variance",
+            row_selection_keep=3,
+        )
+    with pytest.raises(ValueError, match="row_selection"):
+        AgenticGRPOConfig(**base, row_selection="best")

@@ -1,0 +1,68 @@
+"""`make ablation`: a verdict per feature (issue 37), pre-registered in docs/ablation.md.
+
+- `design`: the tasks, arms, comparisons, seeds, the decision rule and the budget (pure data);
+- `cells`: runs one (task, seed, arm) and writes its JSON cell (resumable, with its commit and settings);
+- `report`: renders docs/ablation.md (the pre-registration kept, then verdicts, checks and arms) and the README's
+  table of verdicts;
+- `first`: the first ablation (issue 18), superseded, kept to re-render docs/ablation-superseded/first/.
+
+`python -m trl_agentic.ablation run` computes the missing cells (calibration first, then every arm of every seed in
+order) and renders; `render` only renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from . import design
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trl_agentic.ablation", description=__doc__.split("\n")[0])
+    parser.add_argument("action", choices=("run", "render"), nargs="?", default="run")
+    parser.add_argument("--tasks", nargs="+", default=list(design.TASKS), choices=list(design.TASKS))
+    parser.add_argument(
+        "--seeds", nargs="+", type=int, default=None, help="Seeds to run (default: each task's pre-registered ones)."
+    )
+    parser.add_argument("--arms", nargs="+", default=None, help="Only these arms (and what they depend on).")
+    parser.add_argument("--out", default="outputs/ablation", help="Adapters and trainer output go here.")
+    parser.add_argument("--cells", default="docs/ablation-cells", help="Cells (JSON): existing ones are reused.")
+    parser.add_argument("--doc", default="docs/ablation.md")
+    parser.add_argument("--readme", default="README.md", help="Its verdict block is rewritten ('' to skip).")
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="Overrides for every arm (YAML values; tests only)."
+    )
+    a = parser.parse_args(argv)
+    import yaml
+
+    from . import cells as cells_mod
+    from . import report
+
+    overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in a.set)}
+    ctx = cells_mod.Context(out=Path(a.out), cells=Path(a.cells), doc=Path(a.doc), overrides=overrides)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if a.action == "run":
+        cells_mod.registered_block(ctx.doc)  # nothing runs before the pre-registration ...
+        report.check_registration(ctx.doc.read_text())  # ... nor under a design other than the registered one
+        for name in a.tasks:
+            task = design.TASKS[name]
+            for seed in a.seeds if a.seeds is not None else task.seeds:
+                for arm in design.ARMS[name]:
+                    if a.arms and arm.name not in a.arms:
+                        continue
+                    cell = cells_mod.run_cell(task, seed, arm, ctx)
+                    sampled = sum(cell["sampled"]) / len(cell["sampled"])
+                    print(f"{name} seed {seed} {arm.name}: sampled success {sampled:.3f}", flush=True)
+    found, calibration = report.load(ctx.cells)
+    doc = Path(a.doc)
+    findings = doc.with_name(doc.stem + "-findings.md")
+    text = report.render_doc(doc.read_text(), found, calibration, findings.read_text() if findings.exists() else None)
+    doc.write_text(text)
+    report.plot(found, doc.with_suffix(".png"))
+    if a.readme:
+        readme = Path(a.readme)
+        readme.write_text(report.replace_readme_block(readme.read_text(), report.readme_block(found, calibration)))
+    print(text)
+    return 0

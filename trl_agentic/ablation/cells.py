@@ -1,0 +1,531 @@
+"""Running the ablation's cells: one JSON per (task, seed, arm), resumable, each with its commit and settings.
+
+A cell is computed once and committed (docs/ablation-cells/); an existing one is read back, and refused when its
+settings differ from this run's. Adapters and trainer output go under `out` (not committed): a seed's warm-start
+adapter missing there (a new machine) is trained again and must reproduce the recorded warm-start losses, else the run
+stops, because every arm of a seed starts from that one adapter.
+
+Every cell records the SHA of the pre-registration it ran under (the registered block of docs/ablation.md); without a
+registered block nothing runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+from . import design
+from .design import Arm, Task
+
+ROOT = Path(__file__).resolve().parents[2]
+REGISTERED_START = "<!-- preregistration:start -->"
+REGISTERED_END = "<!-- preregistration:end -->"
+# Settings of the harness itself (not of a trainer), overridable with `--set` for tests and smoke runs.
+PLAN_KEYS = ("ablation_eval_samples", "ablation_spread_prompts", "ablation_calibration_steps")
+
+
+# ------------------------------------------------------------------------------------------------ settings
+
+
+def registered_block(doc: Path) -> str:
+    """The pre-registration block of `doc` (markers included); raises when there is none."""
+    text = doc.read_text() if doc.exists() else ""
+    start, end = text.find(REGISTERED_START), text.find(REGISTERED_END)
+    if start < 0 or end < start:
+        raise RuntimeError(
+            f"{doc} has no pre-registration ({REGISTERED_START} ... {REGISTERED_END}): the design, seeds, metrics and "
+            "decision rule are registered and committed before the first cell runs."
+        )
+    return text[start : end + len(REGISTERED_END)]
+
+
+def registration_sha(doc: Path) -> str:
+    return hashlib.sha256(registered_block(doc).encode()).hexdigest()[:12]
+
+
+def plan(task: Task, overrides: dict) -> dict:
+    """The harness settings of a task: evaluation samples, spread prompts, calibration ladder."""
+    return {
+        "ablation_eval_samples": overrides.get("ablation_eval_samples", task.evaluation.samples),
+        "ablation_spread_prompts": overrides.get("ablation_spread_prompts", task.evaluation.spread_prompts),
+        "ablation_calibration_steps": list(overrides.get("ablation_calibration_steps", task.calibration_steps)),
+    }
+
+
+def shared_settings(task: Task, seed: int, overrides: dict, warmstart_steps: int | None) -> dict:
+    """Everything every arm of (task, seed) shares: the task's settings, `--set` overrides, the seed and the warm
+    start's length."""
+    settings = {**task.settings, **{k: v for k, v in overrides.items() if k not in PLAN_KEYS}, "seed": seed}
+    if warmstart_steps is not None:
+        settings["warmstart_steps"] = warmstart_steps
+    return settings
+
+
+def fingerprint(settings: dict, plan_: dict) -> str:
+    text = json.dumps({"design": design.DESIGN, **settings, **plan_}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _parse(settings: dict, trl: bool = False):
+    """`(TaskArguments, config, ModelConfig)`; `trl`: TRL's own `GRPOConfig`, which drops every agentic field."""
+    from transformers import HfArgumentParser
+    from trl import GRPOConfig, ModelConfig
+
+    from ..config import AgenticGRPOConfig
+    from ..tasks import TaskArguments
+
+    parser = HfArgumentParser((TaskArguments, GRPOConfig if trl else AgenticGRPOConfig, ModelConfig))
+    return parser.parse_dict(settings, allow_extra_keys=trl)
+
+
+def cell_path(cells: Path, task: str, seed: int, name: str) -> Path:
+    return cells / task / f"seed{seed}" / f"{name}.json"
+
+
+def calibration_path(cells: Path, task: str, steps: int) -> Path:
+    return cells / task / "calibration" / f"warmstart-{steps}.json"
+
+
+# ------------------------------------------------------------------------------------------------ machine
+
+
+def _commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def has_avx512_bf16() -> bool:
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def machine() -> dict:
+    """Where and when a cell ran: wall times (and the time budgets of the equal-compute arms) compare only on like
+    machines and loads."""
+    import platform
+
+    import torch
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor()
+    )
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "commit": _commit(),
+        "host": platform.node(),
+        "cpu": cpu,
+        "threads": torch.get_num_threads(),
+        "load_average_before": os.getloadavg()[0],
+    }
+
+
+# ------------------------------------------------------------------------------------------------ problems
+
+
+def problem_key(row: dict) -> str:
+    """What makes two problems the same: the calculator's expression, else the environment's seed, else the question."""
+    for column in ("expression", "task_seed"):
+        if row.get(column) is not None:
+            return f"{column}={row[column]}"
+    return json.dumps(row["prompt"][-1]["content"], default=str)
+
+
+def without_problems(task, keys: set[str]):
+    """The task with the problems of `keys` (the held-out ones) removed from its training and warm-start sets."""
+
+    def keep(dataset):
+        return None if dataset is None else dataset.filter(lambda row: problem_key(row) not in keys)
+
+    return dataclasses.replace(
+        task, train_dataset=keep(task.train_dataset), warmstart_dataset=keep(task.warmstart_dataset)
+    )
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+
+
+def _autocast(bf16: bool):
+    import contextlib
+
+    import torch
+
+    return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
+def _rollouts(model, tokenizer, task, args, rows, *, temperature: float, seed: int):
+    from ..evaluation import evaluate_policy
+
+    with _autocast(args.bf16):
+        return evaluate_policy(
+            model,
+            tokenizer,
+            rows,
+            environment_factory=task.environment_factory,
+            reward_funcs=task.reward_funcs[:1],
+            max_completion_length=args.max_completion_length,
+            max_tool_calling_iterations=args.max_tool_calling_iterations or 3,
+            batch_size=16,
+            temperature=temperature,
+            progress=False,
+            seed=seed,
+            context_snapshots=getattr(args, "enable_context_snapshots", False),
+            context_stub_text=getattr(args, "context_stub_text", "[deleted]"),
+        )
+
+
+def evaluate(model, tokenizer, task, args, rows, samples: int, seed: int) -> dict:
+    """Greedy success per problem, and the mean success of `samples` samples per problem at the training temperature
+    (every arm alike: our loop's evaluation semantics, a malformed call shown as an error), with their costs."""
+    started = time.perf_counter()
+    greedy = _rollouts(model, tokenizer, task, args, rows, temperature=0.0, seed=seed)
+    greedy_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    expanded = [row for row in rows for _ in range(samples)]
+    sampled = _rollouts(model, tokenizer, task, args, expanded, temperature=args.temperature, seed=seed)
+    values = [float(r["rewards"][0]) for r in sampled.records]
+    return {
+        "greedy": [float(r["rewards"][0]) for r in greedy.records],
+        "sampled": [sum(values[k * samples : (k + 1) * samples]) / samples for k in range(len(rows))],
+        "eval_samples": samples,
+        "greedy_seconds": greedy_seconds,
+        "sampled_seconds": time.perf_counter() - started,
+        "eval_metrics": {k: v for k, v in greedy.metrics.items() if k != "seconds"},
+        "sampled_peak_context_tokens": sampled.metrics.get("mean_peak_context_tokens"),
+        "sampled_completion_tokens": sampled.metrics.get("mean_completion_tokens"),
+    }
+
+
+def spread_check(model, tokenizer, task, args, rows, seed: int) -> dict:
+    """The share of GRPO groups the policy leaves with a reward spread: each of `rows` (training prompts) sampled
+    `num_generations` times at the training temperature, as a GRPO step would."""
+    groups = args.num_generations
+    expanded = [row for row in rows for _ in range(groups)]
+    result = _rollouts(model, tokenizer, task, args, expanded, temperature=args.temperature, seed=seed)
+    rewards = [float(r["rewards"][0]) for r in result.records]
+    spread = sum(len(set(rewards[k * groups : (k + 1) * groups])) > 1 for k in range(len(rows)))
+    return {
+        "prompts": len(rows),
+        "generations": groups,
+        "groups_with_spread": spread,
+        "fraction": spread / len(rows) if rows else 0.0,
+        "mean_success": sum(rewards) / len(rewards) if rewards else 0.0,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ cells
+
+
+@dataclasses.dataclass
+class Context:
+    """Where a run reads and writes, and what it overrides."""
+
+    out: Path
+    cells: Path
+    doc: Path
+    overrides: dict
+
+
+def _read(path: Path, settings_hash: str, arm_settings: dict) -> dict | None:
+    if not path.exists():
+        return None
+    cell = json.loads(path.read_text())
+    if cell.get("settings_hash") != settings_hash:
+        raise RuntimeError(
+            f"{path} was computed with other settings ({cell.get('settings')}) than this run's: mixing them would "
+            "compare different experiments. Delete it, or write this run's cells elsewhere (`--cells`)."
+        )
+    recorded = {k: v for k, v in cell.get("arm_settings", {}).items() if k in arm_settings}
+    if recorded != {k: v for k, v in arm_settings.items() if k in recorded} or set(arm_settings) - set(recorded):
+        raise RuntimeError(f"{path} ran with arm settings {cell.get('arm_settings')}, not {arm_settings}.")
+    return cell
+
+
+def _write(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(record))
+    os.replace(partial, path)  # atomic: an interrupted write never leaves a cell that breaks the resume
+
+
+def warmstart_steps(task: Task, ctx: Context) -> tuple[int, bool, str]:
+    """The task's warm-start length: fixed, or chosen by the calibration ladder (run first when incomplete)."""
+    p = plan(task, ctx.overrides)
+    ladder = p["ablation_calibration_steps"]
+    if not ladder:
+        steps = (
+            ctx.overrides["warmstart_steps"]
+            if "warmstart_steps" in ctx.overrides
+            else task.settings.get("warmstart_steps")
+        )
+        if steps is None:
+            raise ValueError(f"{task.name} has no calibration ladder and no `warmstart_steps`.")
+        return steps, True, f"{steps} steps (fixed)"
+    rungs = []
+    for steps in ladder:
+        cell = calibration_cell(task, steps, ctx)
+        rungs.append(design.Rung(steps, _mean(cell["sampled"]), cell["spread_check"]["fraction"]))
+    return design.choose_warmstart(rungs)
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def calibration_cell(task: Task, steps: int, ctx: Context) -> dict:
+    """One rung of the calibration ladder: a seed-0 warm start of `steps` steps, evaluated and spread-checked. It is
+    the seed-0 warm-start cell when the ladder chooses it (same settings, same adapter)."""
+    path = calibration_path(ctx.cells, task.name, steps)
+    settings = shared_settings(task, 0, ctx.overrides, steps)
+    p = plan(task, ctx.overrides)
+    cell = _read(path, fingerprint(settings, p), {})
+    if cell is None:
+        cell = _compute(task, 0, design.arm(task.name, "warmstart"), settings, p, ctx, path)
+    return cell
+
+
+def run_cell(task: Task, seed: int, arm_: Arm, ctx: Context) -> dict:
+    """Run one (task, seed, arm), or read it back; returns the cell."""
+    steps, _, _ = warmstart_steps(task, ctx)
+    settings = shared_settings(task, seed, ctx.overrides, steps)
+    p = plan(task, ctx.overrides)
+    arm_settings = dict(arm_.overrides)
+    path = cell_path(ctx.cells, task.name, seed, arm_.name)
+    cell = _read(path, fingerprint(settings, p), arm_settings)
+    if cell is not None:
+        return cell
+    if arm_.trainer == "warmstart" and seed == 0 and p["ablation_calibration_steps"]:
+        cell = calibration_cell(task, steps, ctx)  # the chosen rung is seed 0's warm start
+        _write(path, cell)
+        return cell
+    return _compute(task, seed, arm_, settings, p, ctx, path)
+
+
+def _compute(task: Task, seed: int, arm_: Arm, settings: dict, p: dict, ctx: Context, path: Path) -> dict:
+    import torch
+
+    from ..models import resolve_model_path
+    from ..tasks import build_task
+
+    if settings.get("bf16") and not has_avx512_bf16():
+        raise RuntimeError("The registered design runs in bfloat16 autocast, which needs a CPU with AVX512-BF16.")
+    settings_hash = fingerprint(settings, p)
+    arm_settings = dict(arm_.overrides)
+    deps = {}
+    if arm_.time_budget_from:
+        deps["budget"] = run_cell(task, seed, design.arm(task.name, arm_.time_budget_from), ctx)
+        arm_settings["time_budget_seconds"] = deps["budget"]["train_seconds"]
+    if arm_.keep_rate_from:
+        source = run_cell(task, seed, design.arm(task.name, arm_.keep_rate_from), ctx)
+        arm_settings["row_selection_fraction"] = round(source["keep_rate"], 4)
+    warm = None
+    if arm_.trainer != "warmstart":
+        warm = run_cell(task, seed, design.arm(task.name, "warmstart"), ctx)
+    full = {**settings, **{k: v for k, v in arm_settings.items() if k != "time_budget_seconds"}}
+    full["output_dir"] = str(ctx.out / task.name / f"seed{seed}" / f"{arm_.name}-run")
+    task_args, args, model_args = _parse(full, trl=arm_.trainer == "trl")
+    built = build_task(task_args)
+    eval_keys = {problem_key(r) for r in built.eval_dataset}
+    built = without_problems(built, eval_keys)  # generators of other seeds can still draw a held-out problem
+    rows = list(built.eval_dataset)
+    model_path = resolve_model_path(model_args.model_name_or_path)
+    dtype = getattr(torch, model_args.dtype) if model_args.dtype not in (None, "auto") else None
+    # Named by the shared settings: an adapter of another configuration is never reused.
+    adapter = ctx.out / task.name / f"seed{seed}" / f"warmstart-adapter-{settings_hash}"
+    record: dict = {
+        "design": design.DESIGN,
+        "task": task.name,
+        "seed": seed,
+        "arm": arm_.name,
+        "trainer": arm_.trainer,
+        "settings": settings,
+        "settings_hash": settings_hash,
+        "plan": p,
+        "arm_settings": arm_settings,
+        "preregistration": registration_sha(ctx.doc),
+        **machine(),
+    }
+    if warm is not None and not (adapter / "adapter_config.json").exists():
+        _warm_start(model_path, dtype, built, task_args, model_args, args, seed, adapter, warm)
+    started = time.perf_counter()
+    # TRL's config has no agentic field; the warm start is evaluated as it was trained (the log search's deletions).
+    eval_args = _parse({**full, **arm_.eval_overrides})[1] if arm_.trainer != "agentic" else args
+    if arm_.trainer == "warmstart":
+        result, tokenizer = _warm_start(model_path, dtype, built, task_args, model_args, args, seed, adapter, None)
+        model = result.model
+        lengths = [n for n, _ in result.completion_tokens]
+        faulty = [n for n, bad in result.completion_tokens if bad]
+        budget = args.max_completion_length  # the task's (per segment with snapshots): every arm's at most
+        record.update(
+            train_seconds=result.seconds,
+            warmstart_steps=task_args.warmstart_steps,
+            warmstart_losses=[round(float(h["loss"]), 4) for h in result.log_history if "loss" in h],
+            trace_tokens={
+                "max": max(lengths, default=0),
+                "max_faulty": max(faulty, default=0),
+                "max_clean": max((n for n, bad in result.completion_tokens if not bad), default=0),
+                "budget": budget,
+            },
+        )
+        if record["trace_tokens"]["max"] > budget:
+            raise RuntimeError(
+                f"The warm start's traces need up to {record['trace_tokens']['max']} completion tokens and the budget "
+                f"(`max_completion_length`) is {budget}: a demonstrated behaviour could never score. Fit the budget."
+            )
+        spread_rows = list(built.train_dataset)[: p["ablation_spread_prompts"]]
+        record["spread_check"] = spread_check(model, tokenizer, built, eval_args, spread_rows, seed)
+    else:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left", truncation_side="left")
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        model = PeftModel.from_pretrained(base, str(adapter), is_trainable=True)
+        trained = _train(arm_, model, tokenizer, built, task_args, args, eval_keys, arm_settings)
+        model = trained.pop("model")
+        record.update(trained)
+        if "budget" in deps:
+            record["time_budget"] = {k: deps["budget"].get(k) for k in ("train_seconds", "host", "cpu", "date")}
+    record.update(evaluate(model, tokenizer, built, eval_args, rows, p["ablation_eval_samples"], seed))
+    record["seconds"] = time.perf_counter() - started
+    record["load_average_after"] = os.getloadavg()[0]
+    _write(path, record)
+    return record
+
+
+def _warm_start(model_path, dtype, task, task_args, model_args, args, seed, adapter: Path, recorded: dict | None):
+    """The seed's SFT warm start, saved to `adapter`; with `recorded` (the seed's warm-start cell), its losses must be
+    the recorded ones."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from trl import get_peft_config
+
+    from ..warmstart import run_task_warmstart
+
+    set_seed(seed)  # the LoRA initialisation too: a new machine must get the same adapter
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left", truncation_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    result = run_task_warmstart(
+        model,
+        tokenizer,
+        task,
+        task_args,
+        peft_config=get_peft_config(model_args),
+        output_dir=str(adapter) + "-run",
+        seed=seed,
+        use_cpu=args.use_cpu,
+        bf16=args.bf16,
+        compact_progress=False,
+    )
+    if recorded is not None:
+        losses = [round(float(h["loss"]), 4) for h in result.log_history if "loss" in h]
+        expected = recorded.get("warmstart_losses", [])
+        if len(losses) != len(expected) or any(abs(a - b) > 1e-3 for a, b in zip(losses, expected)):
+            raise RuntimeError(
+                f"The warm start of {adapter.parent} trained again gave losses {losses}, not the recorded {expected}: "
+                "its arms would not start from the same adapter. Delete that seed's cells to run it again."
+            )
+    result.model.save_pretrained(adapter)
+    return result, tokenizer
+
+
+def _train(arm_: Arm, model, tokenizer, task, task_args, args, eval_keys: set[str], arm_settings: dict) -> dict:
+    """GRPO from the warm start: TRL's trainer for `trl`, ours otherwise; stopped at a time budget for the
+    equal-compute arms. Returns the trained model and what the run recorded."""
+    from trl import GRPOTrainer
+
+    from ..tasks import build_task
+    from ..trainer import AgenticGRPOTrainer
+
+    kwargs = dict(
+        model=model,
+        reward_funcs=task.reward_funcs,
+        args=args,
+        train_dataset=task.train_dataset,
+        environment_factory=task.environment_factory,
+        tools=task.tools or None,
+        processing_class=tokenizer,
+    )
+    budget = arm_settings.get("time_budget_seconds")
+    callbacks = [stop_at_time(budget)] if budget is not None else []
+    if arm_.trainer == "trl":
+        trainer = GRPOTrainer(**kwargs, callbacks=callbacks)
+    else:
+        if getattr(args, "tracin_enabled", False):
+            # Validation prompts from a seed of their own: never the problems the arms are evaluated on.
+            validation = build_task(dataclasses.replace(task_args, task_seed=task_args.task_seed + 10)).eval_dataset
+            validation = validation.filter(lambda row: problem_key(row) not in eval_keys)
+            kwargs["tracin_eval_dataset"] = validation
+        trainer = AgenticGRPOTrainer(**kwargs, callbacks=callbacks)
+    started = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - started
+    history = trainer.state.log_history
+    steps = [h for h in history if "reward" in h]  # one generation per optimizer step (spg = accumulation steps)
+    rollouts_per_step = args.generation_batch_size
+    fired = {
+        key: sum(h.get(key) or 0 for h in history)
+        for key in (
+            "rollback/attempts",
+            "negatives/rows",
+            "snapshots/rows",
+            "tracin/num_selected",
+            "selection/num_kept",
+        )
+    }
+    ratios = [h["tracin/selected_ratio"] for h in history if h.get("tracin/selected_ratio") is not None]
+    record = {
+        "trainer_class": type(trainer).__name__,
+        "model": trainer.accelerator.unwrap_model(trainer.model),
+        "train_seconds": seconds,
+        "steps_done": trainer.state.global_step,
+        "rewards": [h["reward"] for h in steps],
+        "spread_per_step": [1.0 - h["frac_reward_zero_std"] for h in steps if "frac_reward_zero_std" in h],
+        "rollouts": rollouts_per_step * len(steps),
+        # Completion tokens rolled out in training (model and tool tokens; TRL's `completions/mean_length`).
+        "completion_tokens": sum(h.get("completions/mean_length", 0.0) * rollouts_per_step for h in steps),
+        "num_tokens": max((h.get("num_tokens", 0) for h in history), default=0),
+        "fired": fired,
+    }
+    if getattr(args, "tracin_enabled", False):
+        record["keep_rate"] = sum(ratios) / len(ratios) if ratios else 1.0
+        record["validation_rollouts"] = _validation_rollouts(args, trainer.state.global_step)
+    return record
+
+
+def stop_at_time(seconds: float):
+    """A `TrainerCallback` that stops training once `seconds` of it have passed (the equal-compute arms: with a
+    constant learning rate a stopped run is a prefix of a longer one). It never clears a stop `max_steps` asked for."""
+    from transformers import TrainerCallback
+
+    class StopAtTime(TrainerCallback):
+        def on_train_begin(self, *args, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, _args, state, control, **kwargs):
+            if time.perf_counter() - self.start >= seconds:
+                control.should_training_stop = True
+
+    return StopAtTime()
+
+
+def _validation_rollouts(args, steps: int) -> int:
+    from ..tracin.schedule import validation_rollout_steps, window_starts
+
+    starts = window_starts(steps, args.steps_per_generation, args.num_iterations, args.gradient_accumulation_steps)
+    due = validation_rollout_steps(starts, args.tracin_val_refresh_steps, args.tracin_val_rollout_steps)
+    return len(due) * args.tracin_val_batch_size * args.tracin_val_num_generations

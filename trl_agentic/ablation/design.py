@@ -1,0 +1,489 @@
+"""The pre-registered design of the ablation (issue 37): tasks, arms, comparisons, seeds, metrics and the decision rule.
+
+Pure data and pure functions (no model, no file): `trl_agentic.ablation.cells` runs what is declared here, and
+`trl_agentic.ablation.report` renders it. [`design_markdown`] is the design as the pre-registration in
+docs/ablation.md states it; the report refuses to render when the two differ (the design changed after it was
+registered).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .. import stats
+
+DESIGN = "v2"  # in every cell's settings hash: a cell of another design is never mixed in
+
+# ------------------------------------------------------------------------------------------------ decision rule
+
+MIN_EFFECT = 0.10  # the minimum effect worth detecting, in held-out success (sampled, the primary metric)
+ALPHA = 0.05  # two-sided; the intervals are 95 %
+POWER = 0.8
+PLANNING_SD = 0.06  # assumed sd of a per-seed paired difference (see the pre-registration for why)
+SPREAD_MIN = 0.6  # the warm start must leave at least this share of GRPO groups with a reward spread
+PLATEAU_DELTA = 0.05  # oracle SFT has plateaued when twice the steps add less than this (sampled success)
+
+
+# ------------------------------------------------------------------------------------------------ tasks
+
+_MODEL = {
+    "model_name_or_path": "smollm2-135m",
+    "dtype": "float32",  # weights in float32, computation in bfloat16 autocast (`bf16`)
+    "use_peft": True,
+    "lora_r": 16,
+    "lora_alpha": 32,
+    "lora_dropout": 0.0,
+    "lora_target_modules": "all-linear",
+    "use_cpu": True,
+    "bf16": True,
+    "logging_steps": 1,
+    "save_strategy": "no",
+    "report_to": "none",
+    "log_completions": False,
+    "disable_tqdm": True,
+}
+CALCULATOR_ERRORS = [
+    "ValueError",
+    "ZeroDivisionError",
+    "TypeError",
+    "SyntaxError",
+    "NameError",
+    "ToolCallParseError",
+    "ToolNotFoundError",
+]
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """How every arm of a task is evaluated.
+
+    Attributes:
+        problems: Held-out problems (`num_eval_tasks`), removed from every training set.
+        samples: Samples per problem at the training temperature (the primary metric is their mean success).
+        spread_prompts: Training prompts of the warm start's spread check, each sampled `num_generations` times.
+    """
+
+    problems: int
+    samples: int
+    spread_prompts: int
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task of the ablation and the settings every arm of it shares.
+
+    Attributes:
+        name: Folder of its cells.
+        settings: `TaskArguments`, `AgenticGRPOConfig` and `ModelConfig` fields shared by its arms.
+        seeds: The pre-registered seeds.
+        extra_seeds: Seeds the pre-registered extension may add (see the pre-registration).
+        evaluation: [`EvalPlan`].
+        calibration_steps: Warm-start lengths of the calibration ladder (seed 0); empty: `warmstart_steps` is fixed.
+    """
+
+    name: str
+    settings: dict
+    seeds: tuple[int, ...]
+    extra_seeds: tuple[int, ...]
+    evaluation: EvalPlan
+    calibration_steps: tuple[int, ...] = ()
+
+
+CALCULATOR = Task(
+    name="calculator",
+    settings={
+        **_MODEL,
+        "task": "calculator",
+        "task_difficulty": "medium",
+        "num_train_tasks": 512,
+        "num_eval_tasks": 128,
+        "task_seed": 0,
+        "warmstart_batch_size": 4,
+        "warmstart_learning_rate": 3e-4,
+        "warmstart_error_fraction": 0.25,
+        "max_steps": 16,
+        "learning_rate": 3e-4,
+        "lr_scheduler_type": "constant",
+        "per_device_train_batch_size": 8,
+        "gradient_accumulation_steps": 4,  # 4 micro-batches of 8: one generation batch of 32 = 4 prompts x 8
+        "num_generations": 8,
+        "max_completion_length": 192,
+        "max_tool_calling_iterations": 3,
+        "temperature": 0.8,
+        "gradient_checkpointing": False,
+    },
+    seeds=(0, 1, 2, 3, 4),
+    extra_seeds=(5, 6, 7),
+    evaluation=EvalPlan(problems=128, samples=4, spread_prompts=32),
+    calibration_steps=(32, 64, 128, 256),
+)
+
+LOGSEARCH = Task(
+    name="logsearch",
+    settings={
+        **_MODEL,
+        "task": "logsearch",
+        "num_train_tasks": 256,
+        "num_eval_tasks": 64,
+        "task_seed": 0,
+        "warmstart_steps": 48,
+        "warmstart_batch_size": 4,
+        "warmstart_learning_rate": 1e-3,
+        "max_steps": 8,
+        "learning_rate": 3e-4,
+        "lr_scheduler_type": "constant",
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 4,  # one generation batch of 16 = 2 prompts x 8
+        "num_generations": 8,
+        "max_completion_length": 320,  # per segment: one file fits, two do not
+        "max_tool_calling_iterations": 6,
+        "temperature": 0.8,
+        "gradient_checkpointing": True,
+    },
+    seeds=(0, 1, 2),
+    extra_seeds=(),
+    evaluation=EvalPlan(problems=64, samples=2, spread_prompts=16),
+)
+
+TASKS = {task.name: task for task in (CALCULATOR, LOGSEARCH)}
+
+
+# ------------------------------------------------------------------------------------------------ arms
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm: how it trains from the seed's warm start.
+
+    Attributes:
+        name: Its cell's file name.
+        label: What the report calls it.
+        trainer: `"warmstart"` (the seed's SFT warm start itself), `"trl"` (TRL's `GRPOTrainer` and tool loop, with
+            TRL's `GRPOConfig`: no agentic field) or `"agentic"` (`AgenticGRPOTrainer`).
+        overrides: Settings of this arm on top of the task's.
+        time_budget_from: Stop training when the named arm's training wall time is spent (equal compute).
+        keep_rate_from: `row_selection_fraction` is the named arm's mean TracIn keep rate (same seed).
+        what: One line for the pre-registration.
+        eval_overrides: Settings of its evaluation only (the log search's warm start is evaluated, and
+            spread-checked, with `delete_context`, as its traces taught).
+    """
+
+    name: str
+    label: str
+    trainer: str
+    overrides: dict = field(default_factory=dict)
+    time_budget_from: str | None = None
+    keep_rate_from: str | None = None
+    what: str = ""
+    eval_overrides: dict = field(default_factory=dict)
+
+
+ROLLBACK = {
+    "enable_tool_rollback": True,
+    "max_tool_retries": 2,
+    "save_negative_samples": True,
+    "max_negative_samples_per_group": 2,
+    "rollback_on_errors": CALCULATOR_ERRORS,
+}
+
+ARMS: dict[str, tuple[Arm, ...]] = {
+    "calculator": (
+        Arm("warmstart", "warm start only", "warmstart", what="SFT on oracle traces, steps from the calibration"),
+        Arm("trl", "TRL GRPOTrainer (control)", "trl", what="TRL's trainer and tool loop: a malformed call ends"),
+        Arm(
+            "feedback",
+            "TRL + malformed-call feedback",
+            "agentic",
+            {"malformed_tool_call_feedback": True},
+            what="our loop (token-identical to TRL's otherwise) with the malformed call shown as an error",
+        ),
+        Arm(
+            "rollback",
+            "rollback + negatives",
+            "agentic",
+            dict(ROLLBACK),
+            what="rollback, 2 retries, up to 2 negative rows per group, `group_baseline: all_rows` (the default)",
+        ),
+        Arm(
+            "rollback_episodes",
+            "rollback + negatives, episodes baseline",
+            "agentic",
+            {**ROLLBACK, "group_baseline": "episodes"},
+            what="the same with `group_baseline: episodes`",
+        ),
+        Arm(
+            "rft",
+            "RFT (self-training on own successes)",
+            "agentic",
+            {"row_selection": "successful", "row_selection_threshold": 1.0},
+            what="the same rollouts (TRL's loop), SFT on the successful ones (`row_selection: successful`)",
+        ),
+        Arm(
+            "tracin",
+            "TracIn, equal compute",
+            "agentic",
+            {"tracin_enabled": True, "tracin_val_batch_size": 2, "tracin_val_num_generations": 8},
+            time_budget_from="trl",
+            what="TracIn (library schedule), stopped when the control's training time is spent",
+        ),
+        Arm(
+            "random",
+            "random row filter, TracIn's keep rate",
+            "agentic",
+            {"row_selection": "random"},
+            keep_rate_from="tracin",
+            what="a random share of the rows, the share TracIn kept in the same seed",
+        ),
+        Arm(
+            "max_variance",
+            "max-variance subsampling (PODS), equal compute",
+            "agentic",
+            {
+                "row_selection": "max_variance",
+                "row_selection_keep": 8,
+                "num_generations": 16,
+                "per_device_train_batch_size": 16,
+            },
+            time_budget_from="trl",
+            what="16 rollouts per prompt, the 8 of largest reward variance trained on, stopped at the control's time",
+        ),
+    ),
+    "logsearch": (
+        Arm(
+            "warmstart",
+            "warm start only",
+            "warmstart",
+            what="SFT on solved episodes with `delete_context`; evaluated with it",
+            eval_overrides={"enable_context_snapshots": True},
+        ),
+        Arm(
+            "trl_fit",
+            "TRL GRPOTrainer, budget fits both files",
+            "trl",
+            {"max_completion_length": 640},
+            what="TRL's trainer and loop, 640 tokens: both files fit without deleting",
+        ),
+        Arm(
+            "snapshots",
+            "context snapshots",
+            "agentic",
+            {
+                "enable_context_snapshots": True,
+                "max_snapshots_per_episode": 4,
+                "snapshot_downsample": "last",
+                "context_stub_text": "[deleted]",
+                "snapshot_advantage": "episode",
+            },
+            what="`delete_context` on, 320 tokens per segment",
+        ),
+    ),
+}
+
+
+def arm(task: str, name: str) -> Arm:
+    return next(a for a in ARMS[task] if a.name == name)
+
+
+# ------------------------------------------------------------------------------------------------ comparisons
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A pre-registered comparison `a - b` (paired by seed) and the question it answers."""
+
+    task: str
+    a: str
+    b: str
+    question: str
+    primary: bool = False
+
+
+COMPARISONS = (
+    Comparison("calculator", "rollback", "feedback", "rollback + negatives, feedback held equal", primary=True),
+    Comparison("calculator", "feedback", "trl", "malformed-call feedback during training"),
+    Comparison("calculator", "rollback_episodes", "rollback", "`group_baseline`: episodes instead of all_rows"),
+    Comparison("calculator", "trl", "rft", "GRPO against self-training on its own successes, equal rollouts"),
+    Comparison("calculator", "rollback", "rft", "rollback + negatives against self-training"),
+    Comparison("calculator", "tracin", "trl", "TracIn at equal compute", primary=True),
+    Comparison("calculator", "tracin", "random", "TracIn against a random filter at its keep rate"),
+    Comparison("calculator", "tracin", "max_variance", "TracIn against max-variance subsampling"),
+    Comparison("calculator", "max_variance", "trl", "max-variance subsampling at equal compute"),
+    Comparison("calculator", "trl", "warmstart", "did GRPO move the policy at all"),
+    Comparison("logsearch", "snapshots", "trl_fit", "snapshots against a control whose budget fits", primary=True),
+    Comparison("logsearch", "trl_fit", "warmstart", "did GRPO move the policy at all"),
+)
+
+
+# ------------------------------------------------------------------------------------------------ calibration
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One warm-start length of the calibration ladder and what it measured (seed 0)."""
+
+    steps: int
+    sampled_success: float
+    spread_fraction: float
+
+
+def choose_warmstart(rungs: Sequence[Rung]) -> tuple[int, bool, str]:
+    """The pre-registered choice of the calculator's warm-start length from the calibration ladder.
+
+    The first rung (in increasing steps) where oracle SFT has plateaued (the next rung, twice the steps, adds less
+    than `PLATEAU_DELTA` of sampled success) and the policy leaves at least `SPREAD_MIN` of its GRPO groups with a
+    reward spread. Without one: the longest plateaued-or-not rung that still has the spread, else the rung with the
+    most spread; the check is then failed, and the report says so next to every calculator verdict.
+
+    Returns:
+        `(steps, check_passed, reason)`.
+    """
+    rungs = sorted(rungs, key=lambda r: r.steps)
+    if len(rungs) < 2:
+        raise ValueError("The calibration needs at least two rungs.")
+    for rung, longer in zip(rungs, rungs[1:]):
+        gain = longer.sampled_success - rung.sampled_success
+        if gain < PLATEAU_DELTA and rung.spread_fraction >= SPREAD_MIN:
+            return (
+                rung.steps,
+                True,
+                f"{rung.steps} steps: {longer.steps} steps add {gain:+.3f} (< {PLATEAU_DELTA}), "
+                f"{rung.spread_fraction:.0%} of groups with a reward spread (>= {SPREAD_MIN:.0%})",
+            )
+    spread = [r for r in rungs[:-1] if r.spread_fraction >= SPREAD_MIN]
+    if spread:
+        chosen = spread[-1]
+        return chosen.steps, False, f"{chosen.steps} steps: no rung both plateaued and kept the spread"
+    chosen = max(rungs[:-1], key=lambda r: r.spread_fraction)
+    return chosen.steps, False, f"{chosen.steps} steps: no rung kept {SPREAD_MIN:.0%} of groups with a spread"
+
+
+# ------------------------------------------------------------------------------------------------ budget
+
+# Wall-time rates of the first ablation's cells (float32, this 2-core CPU; docs/ablation-superseded/first/cells):
+# calculator GRPO 2.6 s per rollout (rollback TRL control: 167 s for 64), rollback's agentic arm 3.5 s (224 s for 64,
+# regenerations included), warm start 5.1 s per step of 4 traces (82 s for 16), greedy evaluation 0.52 s per problem
+# (67 s for 128); log search: warm start 15.7 s per step (756 s for 48), the snapshot arm 32 s per rollout (1022 s
+# for 32), greedy evaluation 3.9 s per problem (505 s for 128). The TRL control there stopped at its budget; a
+# control whose budget fits both files is charged the snapshot arm's rate. bfloat16 autocast halves the step time
+# of SmolLM2-135M on a CPU with AVX512-BF16 (9.5 s against 19.5 s, `trl_agentic.warmstart.run_warmstart`); the
+# estimate uses 0.55. Medium calculator traces are ~10 % longer than easy ones (clean traces 67-76 against 64-66
+# completion tokens, measured with the model's tokenizer).
+RATES = {
+    "calculator": {"rollout": 2.6 * 1.1, "rollback_rollout": 3.5 * 1.1, "sft_step": 5.1 * 1.1, "eval": 0.52 * 1.1},
+    "logsearch": {"rollout": 32.0, "rollback_rollout": 32.0, "sft_step": 15.7, "eval": 3.9},
+}
+BF16_FACTOR = 0.55
+
+
+def _evaluation_seconds(task: Task) -> float:
+    e = task.evaluation
+    return RATES[task.name]["eval"] * e.problems * (1 + e.samples) * BF16_FACTOR
+
+
+def estimate_seconds(task: Task, arm_: Arm, warmstart_steps: int) -> float:
+    """Estimated wall time of one cell (training and evaluation) from [`RATES`]."""
+    rates, s = RATES[task.name], task.settings
+    evaluation = _evaluation_seconds(task)
+    if arm_.trainer == "warmstart":
+        spread = rates["eval"] * task.evaluation.spread_prompts * s["num_generations"]
+        return (rates["sft_step"] * warmstart_steps + spread) * BF16_FACTOR + evaluation
+    if arm_.time_budget_from is not None:
+        arm_ = arm(task.name, arm_.time_budget_from)  # stopped at that arm's training time
+    rollouts = s["max_steps"] * s["per_device_train_batch_size"] * s["gradient_accumulation_steps"]
+    rate = rates["rollback_rollout"] if arm_.overrides.get("enable_tool_rollback") else rates["rollout"]
+    return rate * rollouts * BF16_FACTOR + evaluation
+
+
+def budget(warmstart_steps: int = 64) -> dict:
+    """`{task: {arm: seconds per seed}}`, the calibration's seconds and the total over the pre-registered seeds (the
+    calculator's warm-start length is that of the calibration; `warmstart_steps` stands for it)."""
+    out: dict = {"cells": {}, "calibration": 0.0}
+    total = 0.0
+    for task in TASKS.values():
+        steps = task.settings.get("warmstart_steps", warmstart_steps)
+        per_arm = {a.name: estimate_seconds(task, a, steps) for a in ARMS[task.name]}
+        out["cells"][task.name] = per_arm
+        total += sum(per_arm.values()) * len(task.seeds)
+        if task.calibration_steps:
+            ladder = Arm("warmstart", "", "warmstart")
+            out["calibration"] += sum(estimate_seconds(task, ladder, n) for n in task.calibration_steps)
+    out["total"] = total + out["calibration"]
+    extension = CALCULATOR
+    out["extension"] = sum(out["cells"][extension.name].values()) * len(extension.extra_seeds)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ as registered
+
+
+def _settings_text(settings: dict) -> str:
+    return ", ".join(f"`{k}: {v}`" for k, v in settings.items() if k not in _MODEL)
+
+
+def design_markdown() -> str:
+    """The design as the pre-registration states it (generated; docs/ablation.md must contain it verbatim)."""
+    lines = [
+        f"Design `{DESIGN}`. Model for every task: SmolLM2-135M-Instruct (embedded) + LoRA r=16, alpha 32, all linear "
+        "layers, dropout 0; float32 weights, bfloat16 autocast (`bf16: true`), CPU.",
+        "",
+    ]
+    for task in TASKS.values():
+        e = task.evaluation
+        lines += [
+            f"**{task.name}** (seeds {', '.join(map(str, task.seeds))}"
+            + (f"; extension seeds {', '.join(map(str, task.extra_seeds))}" if task.extra_seeds else "")
+            + f"): {_settings_text(task.settings)}"
+            + (
+                f"; `warmstart_steps` from the calibration ladder {', '.join(map(str, task.calibration_steps))} "
+                "(seed 0)."
+                if task.calibration_steps
+                else "."
+            ),
+            f"Evaluation of every arm: {e.problems} held-out problems, greedy, and {e.samples} samples each at the "
+            f"training temperature; warm-start spread check on {e.spread_prompts} training prompts x "
+            f"`num_generations`.",
+            "",
+            "| arm | trainer | settings on top of the task's | what |",
+            "|---|---|---|---|",
+        ]
+        for a in ARMS[task.name]:
+            extra = _settings_text(a.overrides) or "-"
+            if a.time_budget_from:
+                extra += f"; stopped at `{a.time_budget_from}`'s training time"
+            if a.keep_rate_from:
+                extra += f"; `row_selection_fraction` = `{a.keep_rate_from}`'s keep rate"
+            lines.append(f"| `{a.name}` | {a.trainer} | {extra} | {a.what} |")
+        lines.append("")
+    lines += [
+        "| comparison (a − b, paired by seed) | question | primary |",
+        "|---|---|---|",
+        *(f"| {c.task}: `{c.a}` − `{c.b}` | {c.question} | {'yes' if c.primary else ''} |" for c in COMPARISONS),
+        "",
+        f"Decision rule: 95 % Student t interval over seeds of the per-seed difference in sampled held-out success; "
+        f"**helps** if it lies above 0, **hurts** if below, else **no effect larger than X** with X the larger "
+        f"absolute bound; *underpowered* when X > {MIN_EFFECT}. Minimum effect worth detecting {MIN_EFFECT}; "
+        f"minimum detectable effect (alpha {ALPHA}, power {POWER}) reported beside every verdict. Warm-start checks: "
+        f">= {SPREAD_MIN:.0%} of groups with a reward spread, oracle SFT plateaued (< {PLATEAU_DELTA} from doubling).",
+    ]
+    mde = stats.minimum_detectable_effect(PLANNING_SD, len(CALCULATOR.seeds), ALPHA, POWER)
+    lines.append(
+        f"Planned minimum detectable effect with {len(CALCULATOR.seeds)} seeds at sd {PLANNING_SD}: {mde:.3f}; "
+        f"with {len(LOGSEARCH.seeds)}: {stats.minimum_detectable_effect(PLANNING_SD, len(LOGSEARCH.seeds)):.3f}."
+    )
+    estimate = budget()
+    lines += ["", "| task | arm | estimated seconds per seed |", "|---|---|---:|"]
+    for task_name, per_arm in estimate["cells"].items():
+        for name, seconds in per_arm.items():
+            lines.append(f"| {task_name} | `{name}` | {seconds:.0f} |")
+    lines.append(f"| calculator | calibration ladder (seed 0, once) | {estimate['calibration']:.0f} |")
+    lines += [
+        "",
+        f"Estimated total: **{estimate['total'] / 3600:.1f} h** (the extension, if run: "
+        f"{estimate['extension'] / 3600:.1f} h more). Rates: `trl_agentic/ablation/design.py`, `RATES`.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def planned_mde(task: Task) -> float:
+    return stats.minimum_detectable_effect(PLANNING_SD, len(task.seeds), ALPHA, POWER)

@@ -1,0 +1,108 @@
+"""`row_selection` in the trainer: choose the rows of each generation batch to train on, after the advantages.
+
+Hooked at the end of `AgenticGRPOTrainer._generate_and_score_completions`, on the finished batch (TRL's rows, their
+advantages and the loss normalisers `num_items_in_batch` / `num_rows_in_batch`). The selection is computed from the
+rewards of the whole generation batch (gathered over processes), so every process computes the same one and keeps its
+own rows. Modes (`trl_agentic.selection.rules`):
+
+- `"random"`: a random `row_selection_fraction` of the rows; the others are masked out exactly as TracIn masks the rows
+  it rejects (their `tool_mask` zeroed, the token and row counts recomputed over the kept rows), so that training on
+  the masked batch equals training on the kept rows alone, for every loss type. Advantages are unchanged.
+- `"max_variance"` (PODS): `num_generations` rollouts per prompt are generated and the `row_selection_keep` of each
+  group with the largest reward variance are trained on, with advantages recomputed over the kept rows only. The other
+  rows are removed from the batch (not masked: PODS saves the training compute of the rows it drops), so one process
+  only.
+- `"successful"` (rejection-sampled self-training, RFT/STaR): the rows whose reward is at least
+  `row_selection_threshold`, each with advantage 1; the others are masked out. With one update per generation batch
+  (`num_iterations=1`) and no KL term (`beta=0`), the importance ratio is 1 and the gradient of TRL's loss is then
+  that of supervised fine-tuning on the kept completions' model tokens (tool results masked, as in the warm start),
+  normalised as the loss type normalises tokens (`dapo`: the mean over the kept tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..advantages import group_advantages
+from .rules import max_variance_rows, random_rows, successful_rows
+
+
+class RowSelectionMixin:
+    """Provides `_select_rows(batch)`, which `AgenticGRPOTrainer._generate_and_score_completions` applies last."""
+
+    def _init_row_selection(self) -> None:
+        if self.args.row_selection == "max_variance" and self.accelerator.num_processes > 1:
+            raise ValueError(
+                "`row_selection='max_variance'` removes rows from the batch, which needs one process (got "
+                f"{self.accelerator.num_processes}): processes must keep equal row counts."
+            )
+
+    def _select_rows(self, batch: dict) -> dict:
+        mode = self.args.row_selection
+        if mode == "none" or not self.model.training:
+            return batch
+        device = batch["completion_mask"].device
+        rewards_per_func = self._last_rewards_per_func  # (N_global, n_funcs), gathered
+        rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+        n_local = batch["prompt_ids"].size(0)
+        start = self.accelerator.process_index * n_local
+        values = rewards.tolist()
+        if mode == "random":
+            seed = int(self.args.seed) * 1_000_003 + int(self.state.global_step)  # the same rows on every process
+            kept = random_rows(values, self.args.row_selection_fraction, seed)
+        elif mode == "successful":
+            kept = successful_rows(values, self.args.row_selection_threshold)
+        else:
+            groups = [k // self.num_generations for k in range(len(values))]
+            kept = max_variance_rows(values, groups, self.args.row_selection_keep)
+        kept_all = torch.tensor(kept, dtype=torch.bool)
+        mine = kept_all[start : start + n_local].to(device)
+        self._log_selection(kept_all, rewards)
+        if mode == "max_variance":
+            dropped = rewards.clone()
+            dropped[~kept_all.to(dropped.device)] = torch.nan  # out of the group statistics
+            groups = torch.arange(len(values), device=dropped.device) // self.num_generations
+            advantages = group_advantages(dropped, groups, scale=self.scale_rewards)
+            batch = dict(batch, advantages=advantages[start : start + n_local].to(device=device, dtype=torch.float32))
+            return self._recount(_take_rows(batch, mine, n_local))
+        if mode == "successful":
+            batch = dict(batch, advantages=mine.to(torch.float32))
+        masked = dict(batch)
+        tool_mask = batch.get("tool_mask", torch.ones_like(batch["completion_mask"]))
+        masked["tool_mask"] = tool_mask * mine.unsqueeze(1).to(tool_mask.dtype)
+        return self._recount(masked)
+
+    def _recount(self, batch: dict) -> dict:
+        """The trained token and row counts of the selected rows (global), as TracIn recomputes them."""
+        loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
+        trained = loss_mask.sum(dim=1) > 0
+        for key, value in (
+            ("num_items_in_batch", self.accelerator.gather(loss_mask.sum()).sum()),
+            ("num_rows_in_batch", self.accelerator.gather(trained.sum()).sum()),
+        ):
+            old = batch.get(key)
+            batch[key] = value if old is None else value.to(device=old.device, dtype=old.dtype).reshape(old.shape)
+        return batch
+
+    def _log_selection(self, kept: torch.Tensor, rewards: torch.Tensor) -> None:
+        metrics = self._metrics["train"]
+        scorable = ~torch.isnan(rewards)
+        metrics["selection/num_kept"].append(float(kept.sum()))
+        metrics["selection/kept_ratio"].append(float(kept.sum()) / max(int(scorable.sum()), 1))
+        chosen = rewards[kept.to(rewards.device) & scorable]
+        metrics["selection/kept_reward_mean"].append(chosen.mean().item() if chosen.numel() else float("nan"))
+
+
+def _take_rows(batch: dict, keep: torch.Tensor, n_rows: int) -> dict:
+    """`batch` with only the rows of `keep`: every tensor or list whose first dimension is the row count."""
+    index = keep.nonzero().squeeze(1)
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == n_rows:
+            out[key] = value[index.to(value.device)]
+        elif isinstance(value, list) and len(value) == n_rows:
+            out[key] = [value[k] for k in index.tolist()]
+        else:
+            out[key] = value
+    return out
