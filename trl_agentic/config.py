@@ -170,6 +170,24 @@ class AgenticGRPOConfig(GRPOConfig):
         rlvcr_score_batch_size (`int`, *optional*, defaults to `16`):
             Rows per forward pass when scoring the action under the 4 thinking contexts.
 
+        > Generation (transformers path)
+
+        transformers_prefix_caching (`bool`, *optional*, defaults to `True`):
+            In multi-turn tool rollouts generated with transformers (not vLLM, which caches prefixes itself), keep
+            each conversation's keys and values between its turns and prefill only the new tokens (tool results,
+            user turns, hints); after a rollback the cache is cropped to the start of the failed turn, after
+            `delete_context` it is reused up to the first deleted message. Generation is otherwise TRL's (same
+            padded inputs, generation config and logits processors): greedy tokens are the same as without it and
+            log-probabilities equal to float tolerance. Off (with a logged reason) for models whose cache is not
+            all full-attention layers, `cache_implementation`, beam search, continuous batching and vision models.
+        max_turn_tokens (`int`, *optional*):
+            Most tokens the model may generate in one assistant turn (TRL has only the per-rollout
+            `max_completion_length`, which still applies). A turn that reaches it without an end-of-turn token is
+            truncated like a turn cut by `max_completion_length`: it is not executed, the rollout ends there and the
+            turn counts in `tools/truncated_turns` (and `tools/turn_cap_truncations`); the rollout's last token is
+            then not end-of-sequence, so `mask_truncated_completions` masks it as TRL masks a truncated completion.
+            Setting it routes tool rollouts through trl-agentic's loop. Unset: no per-turn cap.
+
         > vLLM
 
         vllm_lora_sync (`bool`, *optional*, defaults to `True`):
@@ -384,6 +402,25 @@ class AgenticGRPOConfig(GRPOConfig):
     tracin_threshold: float = field(default=0.0, metadata={"help": "Score threshold of 'threshold'."})
     tracin_min_selected: int = field(default=1, metadata={"help": "Fallback: at least this many rows (top scores)."})
 
+    # --- generation ----------------------------------------------------------------------------------------------
+    transformers_prefix_caching: bool = field(
+        default=True,
+        metadata={
+            "help": "Transformers generation of multi-turn tool rollouts: keep each conversation's KV cache between "
+            "turns and prefill only the new tokens (cropped after a rollback, reused up to the first deleted message "
+            "after delete_context). Same tokens as without it under greedy decoding. Off, with a logged reason, "
+            "where it does not apply (vLLM caches prefixes itself)."
+        },
+    )
+    max_turn_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Most tokens generated in one assistant turn (beside the per-rollout max_completion_length). A "
+            "turn that reaches it without an end-of-turn token is truncated: the rollout ends there, as for a turn "
+            "cut by max_completion_length. Unset: no per-turn cap."
+        },
+    )
+
     # --- vLLM --------------------------------------------------------------------------------------------------
     vllm_lora_sync: bool = field(
         default=True,
@@ -414,6 +451,7 @@ class AgenticGRPOConfig(GRPOConfig):
             or bool(self.tool_timeout)
             or self.max_tool_output_chars is not None
             or self.malformed_tool_call_feedback
+            or self.max_turn_tokens is not None
         )
 
     @property
@@ -442,6 +480,16 @@ class AgenticGRPOConfig(GRPOConfig):
         ):
             raise ValueError(
                 f"`max_tool_output_chars` must be unset or an integer >= 64, got {self.max_tool_output_chars!r}."
+            )
+        if self.max_turn_tokens is not None and (
+            not isinstance(self.max_turn_tokens, int)
+            or isinstance(self.max_turn_tokens, bool)
+            or self.max_turn_tokens < 1
+        ):
+            raise ValueError(f"`max_turn_tokens` must be unset or a positive integer, got {self.max_turn_tokens!r}.")
+        if not isinstance(self.transformers_prefix_caching, bool):
+            raise ValueError(
+                f"`transformers_prefix_caching` must be a boolean, got {self.transformers_prefix_caching!r}."
             )
         if not isinstance(self.max_snapshots_per_episode, int) or self.max_snapshots_per_episode < 0:
             raise ValueError(
