@@ -167,7 +167,7 @@ def test_greedy_turns_and_logits_equal_with_and_without_the_cache(tiny_model_dir
             contexts[1] = contexts[1][:middle] + tok.encode("[deleted]") + contexts[1][middle + 4 :]
         if turn == 4:
             contexts[3] = _prompt(tok, "a fresh conversation")
-    assert reused[0] == 0 and all(b > a for a, b in zip(reused, reused[1:]))
+    assert all(b > a for a, b in zip(reused, reused[1:]))
 
 
 def test_reuse_of_an_appended_turn_is_the_previous_conversation(tiny_model_dir, tmp_path):
@@ -186,6 +186,33 @@ def test_reuse_of_an_appended_turn_is_the_previous_conversation(tiny_model_dir, 
     longest_new = max(len(n) - k for n, k in zip(new, cached))
     expected = sum(max(0, len(n) - longest_new) for n in new)
     assert trainer._prefix_cache.stats.reused_tokens - before == expected > 0
+
+
+def test_copies_of_a_prompt_share_one_prefill(tiny_model_dir, tmp_path):
+    """The `num_generations` copies of each prompt in a first turn: each prompt is prefilled once, the copies reuse
+    it (all but their last token, fed to get the first logits)."""
+    trainer = _trainer(tmp_path, tiny_model_dir)
+    tok = trainer._tokenizer
+    p, q = _prompt(tok, "the same question"), _prompt(tok, "another, longer question: " + "q" * 40)
+    contexts = [p, q, p, q]
+    cached, plain, cached_logits, plain_logits = _both(trainer, contexts)
+    assert cached == plain
+    for a, b in zip(cached_logits, plain_logits, strict=True):
+        torch.testing.assert_close(a.log_softmax(-1), b.log_softmax(-1), rtol=0, atol=1e-4)
+    stats = trainer._prefix_cache.stats
+    assert stats.shared_prefill_tokens == (len(p) - 1) + (len(q) - 1)
+    assert stats.reused_tokens == 2 * (len(p) - 1) + 2 * (len(q) - 1)
+
+
+def test_a_prompt_without_copies_is_not_worth_sharing(tiny_model_dir, tmp_path):
+    """One row with a long prompt of its own sets how many tokens every row feeds (left padding): prefilling the
+    other rows' shared prompt first would only add work, so it is not done."""
+    trainer = _trainer(tmp_path, tiny_model_dir)
+    tok = trainer._tokenizer
+    p, q = _prompt(tok, "the same question"), _prompt(tok, "another, longer question: " + "q" * 40)
+    cached, plain, _, _ = _both(trainer, [p, p, q, p])
+    assert cached == plain
+    assert trainer._prefix_cache.stats.shared_prefill_tokens == 0 and trainer._prefix_cache.stats.reused_tokens == 0
 
 
 def test_sampled_turns_are_the_same_with_the_same_seed(tiny_model_dir, tmp_path):
@@ -343,7 +370,7 @@ def test_a_rollout_with_rollback_and_delete_context_is_the_same_with_the_cache(t
     stats = cached_trainer._last_loop_result.stats
     assert stats.rollback_attempts == 4 and stats.snapshots == 4  # every row rolled back once and deleted once
     metrics = cached_trainer._metrics["train"]
-    assert metrics["prefix_cache/reused_tokens"][-1] > 0 and metrics["prefix_cache/reused_ratio"][-1] > 0.3
+    assert metrics["prefix_cache/saved_tokens"][-1] > 0 and metrics["prefix_cache/saved_ratio"][-1] > 0.3
     for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask", "row_kind"):
         assert torch.equal(cached[key], plain[key]), key
     torch.testing.assert_close(cached["advantages"], plain["advantages"])

@@ -50,6 +50,11 @@ class GenerationMixin:
             )
             return
         self._prefix_cache = PrefixCache()
+        # Sharing a prompt's prefix within a call costs one more forward per prompt; under ZeRO-3 without gathered
+        # weights every forward is a collective and processes would make different numbers of them.
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        zero3_sharded = plugin is not None and plugin.zero_stage == 3 and not args.ds3_gather_for_generation
+        self._prefix_sharing_is_local = not zero3_sharded
 
     @contextmanager
     def _turn_cap(self):
@@ -128,6 +133,7 @@ class GenerationMixin:
                 prompt_ids,
                 self.generation_config,
                 self.eos_token_ids,
+                share_within_call=self._prefix_sharing_is_local,
             )
 
     def _generate_and_score_completions(self, inputs):
@@ -146,12 +152,13 @@ class GenerationMixin:
     def _log_prefix_cache(self, stats) -> None:
         mode = "train" if self.model.training else "eval"
         local = torch.tensor(
-            [stats.context_tokens, stats.reused_tokens],
+            [stats.context_tokens, stats.prefilled_tokens],
             dtype=torch.float64,
             device=self.accelerator.device,
         )
-        context, reused = self.accelerator.reduce(local, reduction="sum").tolist()
+        context, prefilled = self.accelerator.reduce(local, reduction="sum").tolist()
+        # Net of the shared prefixes' own prefill: what TRL's path would have prefilled, minus what this one did.
         metrics = self._metrics[mode]
-        metrics["prefix_cache/reused_tokens"].append(reused)
-        metrics["prefix_cache/prefilled_tokens"].append(context - reused)
-        metrics["prefix_cache/reused_ratio"].append(reused / context if context else 0.0)
+        metrics["prefix_cache/prefilled_tokens"].append(prefilled)
+        metrics["prefix_cache/saved_tokens"].append(context - prefilled)
+        metrics["prefix_cache/saved_ratio"].append((context - prefilled) / context if context else 0.0)

@@ -87,11 +87,13 @@ class PrefixCacheStats:
     calls: int = 0
     context_tokens: int = 0  # tokens of every context passed to generate (what TRL would prefill)
     reused_tokens: int = 0  # ...whose keys and values came from the cache
+    shared_prefill_tokens: int = 0  # tokens prefilled once for several contexts of a call (`share_prefixes`)
     generated_tokens: int = 0  # tokens sampled (up to and including the first end-of-sequence token)
 
     @property
     def prefilled_tokens(self) -> int:
-        return self.context_tokens - self.reused_tokens
+        """Tokens run through the model before decoding (TRL's path: `context_tokens`)."""
+        return self.context_tokens - self.reused_tokens + self.shared_prefill_tokens
 
 
 def unsupported_reason(model, generation_config) -> str | None:
@@ -147,6 +149,43 @@ class PrefixCache:
         if best_n < self.min_reuse:
             return None, 0
         return best, best_n
+
+    def share_prefixes(self, model, contexts: list[list[int]]) -> None:
+        """Prefill once, and keep, the longest prefix each context shares with another context of the call (the
+        `num_generations` copies of a prompt in the first turn); rows then reuse it like a cache of an earlier turn.
+
+        Done only when it lowers the call's prefill: with left padding every row feeds as many tokens as the row
+        with the most uncached tokens (`plan_layout`), so sharing pays only if it shortens that longest row: cost
+        without = rows x longest uncached part, with = rows x the new longest part + the shared prefixes' own prefill.
+        One extra forward per shared prefix, batch size 1 (no padding: positions `0..n-1`), last logits only.
+        """
+        from transformers import DynamicCache
+
+        order = sorted(range(len(contexts)), key=lambda i: contexts[i])
+        shared = [0] * len(contexts)
+        for a, b in zip(order, order[1:]):  # in sorted order, a row's longest shared prefix is with a neighbour
+            n = min(common_prefix_length(contexts[a], contexts[b]), len(contexts[a]) - 1, len(contexts[b]) - 1)
+            shared[a], shared[b] = max(shared[a], n), max(shared[b], n)
+        reuse = [self.match(c)[1] for c in contexts]
+        prefixes = {tuple(c[:n]) for c, n, r in zip(contexts, shared, reuse, strict=True) if n > r}
+        before = max(len(c) - r for c, r in zip(contexts, reuse, strict=True))
+        after = max(len(c) - max(r, n) for c, r, n in zip(contexts, reuse, shared, strict=True))
+        if not prefixes or len(contexts) * after + sum(map(len, prefixes)) >= len(contexts) * before:
+            return
+        device = next(model.parameters()).device
+        for ids in sorted(prefixes):
+            cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+            model(
+                input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1
+            )
+            self.conversations.append(
+                CachedConversation(
+                    ids=list(ids),
+                    keys=[layer.keys[0].clone() for layer in cache.layers],
+                    values=[layer.values[0].clone() for layer in cache.layers],
+                )
+            )
+            self.stats.shared_prefill_tokens += len(ids)
 
     def assemble(self, contexts: list[list[int]], padded_length: int, config, device) -> tuple[object, list[int]]:
         """A `DynamicCache` holding the reusable prefixes of `contexts`, laid out for their left-padded batch.
@@ -214,13 +253,18 @@ def generate_with_prefix_cache(
     contexts: list[list[int]],
     generation_config,
     eos_token_ids,
+    share_within_call: bool = True,
 ) -> list[list[int]]:
     """`model.generate` on TRL's left-padded batch, with the kept prefixes of `contexts` as its cache.
 
     `input_ids` / `attention_mask` are exactly TRL's (`_generate_single_turn`), on the model's device. Returns the
     completions cut after their first end-of-sequence token, as TRL does, and keeps this call's caches in `pool`.
+    With `share_within_call`, a prefix several contexts share is prefilled once first (`PrefixCache.share_prefixes`:
+    one more forward, so only where a forward is not a collective of several processes).
     """
     padded_length = input_ids.shape[1]
+    if share_within_call:
+        pool.share_prefixes(model, contexts)
     cache, used = pool.assemble(contexts, padded_length, model.config, input_ids.device)
     pool.clear()  # the assembled cache holds what the next call can use; the old copies go now (peak memory)
     output = model.generate(
