@@ -46,11 +46,14 @@ def _bootstrap() -> list[str]:
         sys.path.pop(0)  # run as a file: its folder would shadow nothing useful
     if _ROOT not in sys.path:
         sys.path.insert(0, _ROOT)
-    missing = [name for name in ("datasets", "pandas", "pyarrow") if importlib.util.find_spec(name) is None]
+    # BENCH_GPU_LIKE_DEVICE=1: behave as on the GPU machine even where the packages are installed (tests/test_bench_gpu.py).
+    like_device = os.environ.get("BENCH_GPU_LIKE_DEVICE") == "1"
+    missing = [n for n in ("datasets", "pandas", "pyarrow") if like_device or importlib.util.find_spec(n) is None]
     if missing:
-        sys.path.append(_SHIM)  # after the real site-packages: a real package always wins
+        # After the real site-packages (a real package always wins), unless told to behave as on the device.
+        sys.path.insert(0, _SHIM) if like_device else sys.path.append(_SHIM)
         notes.append(f"import stand-ins for {', '.join(missing)} (trl_agentic/bench/gpu_shim)")
-    if importlib.util.find_spec("trl") is None:
+    if like_device or importlib.util.find_spec("trl") is None:
         import glob
         import tempfile
         import zipfile
