@@ -389,3 +389,38 @@ def test_a_rollout_with_rollback_and_delete_context_is_the_same_with_the_cache(t
     assert len(cached_script.steps) == len(plain_script.steps)
     for a, b in zip(cached_script.steps, plain_script.steps, strict=True):
         torch.testing.assert_close(a.log_softmax(-1), b.log_softmax(-1), rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_smollm2_multi_turn_greedy_tokens_and_logits_equal_with_the_cache(tmp_path):
+    """The embedded SmolLM2-135M (30 layers, grouped-query attention, RoPE) over three turns of a tool conversation
+    with ~500-token contexts: the same greedy tokens and logits as TRL's generation from the whole history."""
+    from trl_agentic.models import resolve_model_path
+
+    trainer = _trainer(tmp_path, resolve_model_path("smollm2-135m"), max_completion_length=16)
+    assert trainer._prefix_cache is not None
+    tok = trainer._tokenizer
+    notes = " ".join(f"line {k}: status ok, latency {k * 7 % 90} ms." for k in range(30))
+    contexts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": f"{question} Use the lookup tool.\n{notes}"}],
+            tools=[lookup],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        for question in ("Which line has the highest latency?", "Is line 7 ok?")
+    ]
+    for turn in range(3):
+        cached, plain, cached_logits, plain_logits = _both(trainer, contexts)
+        assert cached == plain, f"turn {turn}"
+        for a, b in zip(cached_logits, plain_logits, strict=True):
+            torch.testing.assert_close(a.log_softmax(-1), b.log_softmax(-1), rtol=0, atol=1e-3)
+        result = tok.encode(
+            f"<|im_end|>\n<|im_start|>tool\nresult {turn}: {notes[: 100 * (turn + 1)]}<|im_end|>\n"
+            "<|im_start|>assistant\n",
+            add_special_tokens=False,
+        )
+        contexts = [c + ids + result for c, ids in zip(contexts, cached)]
+    stats = trainer._prefix_cache.stats
+    assert stats.prefilled_tokens < 0.6 * stats.context_tokens
