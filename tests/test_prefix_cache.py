@@ -279,8 +279,8 @@ class ScriptedCalls(LogitsProcessor):
     after the hint -> `risky(x=2)`; one tool result -> `delete_context([1])` (a snapshot); then a final answer.
     """
 
-    def __init__(self, tok):
-        self.tok = tok
+    def __init__(self, tok, plain: bool = False):
+        self.tok, self.plain = tok, plain  # plain: one successful call, then the answer
         self.letters = tok.convert_tokens_to_ids(list("abcdefghijklmnopqrstuvwxyz"))
         self.turn_start = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
         self.response = tok.convert_tokens_to_ids("<tool_response>")
@@ -290,7 +290,11 @@ class ScriptedCalls(LogitsProcessor):
     def _script(self, ids: list[int]) -> list[int]:
         responses = ids.count(self.response)
         hinted = any(ids[k : k + len(self.hint)] == self.hint for k in range(len(ids) - len(self.hint) + 1))
-        if responses == 0:
+        if self.plain:
+            if responses:
+                return self.tok.encode("done", add_special_tokens=False) + [self.tok.eos_token_id]
+            call = {"name": "risky", "arguments": {"x": 2}}
+        elif responses == 0:
             call = {"name": "risky", "arguments": {"x": 2 if hinted else 1}}
         elif responses == 1:
             call = {"name": "delete_context", "arguments": {"message_ids": [1]}}
@@ -328,7 +332,16 @@ def risky(x: int) -> str:
     return "fine"
 
 
-def _rollout(tmp_path, model_dir, caching: bool):
+AGENTIC = dict(
+    enable_tool_rollback=True,
+    rollback_feedback="hint",
+    rollback_hint_template="Failed: {error}. Write a corrected call.",
+    save_negative_samples=True,
+    enable_context_snapshots=True,
+)
+
+
+def _rollout(tmp_path, model_dir, caching: bool, features=AGENTIC):
     args = AgenticGRPOConfig(
         output_dir=str(tmp_path / f"run-{caching}"),
         use_cpu=True,
@@ -340,12 +353,8 @@ def _rollout(tmp_path, model_dir, caching: bool):
         max_completion_length=400,
         generation_kwargs={"do_sample": False},
         save_strategy="no",
-        enable_tool_rollback=True,
-        rollback_feedback="hint",
-        rollback_hint_template="Failed: {error}. Write a corrected call.",
-        save_negative_samples=True,
-        enable_context_snapshots=True,
         transformers_prefix_caching=caching,
+        **features,
     )
     prompts = [[{"role": "user", "content": "Do the task " + "." * n}] for n in (1, 1, 9, 9)]
     trainer = AgenticGRPOTrainer(
@@ -355,7 +364,7 @@ def _rollout(tmp_path, model_dir, caching: bool):
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         tools=[risky],
     )
-    script = ScriptedCalls(trainer._tokenizer)
+    script = ScriptedCalls(trainer._tokenizer, plain=not features)
     original = trainer.model.generate
     trainer.model.generate = lambda *a, **k: original(*a, logits_processor=LogitsProcessorList([script]), **k)
     trainer.model.train()
@@ -389,6 +398,17 @@ def test_a_rollout_with_rollback_and_delete_context_is_the_same_with_the_cache(t
     assert len(cached_script.steps) == len(plain_script.steps)
     for a, b in zip(cached_script.steps, plain_script.steps, strict=True):
         torch.testing.assert_close(a.log_softmax(-1), b.log_softmax(-1), rtol=0, atol=1e-4)
+
+
+def test_trl_own_tool_loop_gets_the_cache_too(tiny_model_dir, tmp_path):
+    """Features off: TRL's `_tool_call_loop` runs, and calls the same `_generate_single_turn` for later turns."""
+    cached_trainer, cached, _ = _rollout(tmp_path, tiny_model_dir, caching=True, features={})
+    plain_trainer, plain, _ = _rollout(tmp_path, tiny_model_dir, caching=False, features={})
+    assert not cached_trainer._uses_agentic_loop and cached_trainer._last_loop_result is None
+    assert cached_trainer._metrics["train"]["prefix_cache/saved_tokens"][-1] > 0
+    for key in ("prompt_ids", "completion_ids", "completion_mask", "tool_mask"):
+        assert torch.equal(cached[key], plain[key]), key
+    assert (cached["tool_mask"] == 0).any()  # a tool result is in there: there was a second turn
 
 
 @pytest.mark.slow

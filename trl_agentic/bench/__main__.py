@@ -161,19 +161,16 @@ def _cpu_section(quick: bool, summary: list) -> str:
     return render(data, "python -m trl_agentic.bench --only cpu")
 
 
-def _multiturn_section(quick: bool, summary: list) -> str:
+def _multiturn_section(quick: bool, summary: list, vllm_python: str) -> str:
     from .multiturn import render, run
 
     tasks = ["logsearch"] if quick else ["logsearch", "textworld", "bfcl"]
     os.makedirs("outputs", exist_ok=True)
-    data = run(
-        tasks,
-        ("reuse_cap", "reuse", "off"),
-        256,
-        "/tmp/trl_agentic_bench/multiturn",
-        "outputs/bench-multiturn.json",
-        log=_log,
-    )
+    path, workdir = "outputs/bench-multiturn.json", "/tmp/trl_agentic_bench/multiturn"
+    data = run(tasks, ("reuse_cap", "reuse", "off"), 256, workdir, path, log=_log)
+    # vLLM's CPU build on the short-context tasks (on BFCL its decode, ~10x slower than transformers' here, would
+    # take hours: docs/generation.md).
+    data = run(tasks[:2], ("vllm",), 256, workdir, path, log=_log, vllm_python=vllm_python)
     bfcl = data["cells"].get("bfcl", {})
     for variant in ("reuse", "reuse_cap"):
         cell = bfcl.get(variant, {})
@@ -224,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "cpu":
             sections.append(_cpu_section(args.quick, summary))
         elif name == "multiturn":
-            sections.append(_multiturn_section(args.quick, summary))
+            sections.append(_multiturn_section(args.quick, summary, args.vllm_python))
         else:
             from .rlvcr import report as rlvcr_report
 

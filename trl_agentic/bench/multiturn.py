@@ -35,12 +35,16 @@ TASKS = {
     # The run recorded in docs/bfcl.md (8 SFT steps, bf16 autocast), no held-out evaluation.
     "bfcl": ("configs/bfcl.yaml", ["--warmstart_steps", "8", "--bf16", "true"]),
 }
-VARIANTS = ("reuse_cap", "reuse", "off")
+VARIANTS = ("reuse_cap", "reuse", "off", "vllm")
+DEFAULT_VARIANTS = ("reuse_cap", "reuse", "off")
 LABELS = {
     "off": "TRL generation (whole history every turn)",
     "reuse": "prefix caching",
     "reuse_cap": "prefix caching + per-turn cap",
+    "vllm": "vLLM CPU build, colocate, LoRA sync",
 }
+# vLLM's context limit per task (prompt + whole rollout) and its CPU KV-cache size (GiB).
+VLLM_CONTEXT = {"logsearch": 4096, "textworld": 2048, "bfcl": 8192}
 
 
 def _root() -> str:
@@ -111,6 +115,9 @@ def _child_step(task: str, workdir: str, variant: str, cap: int) -> dict:
     from ..trainer import AgenticGRPOTrainer
 
     extra = ["--transformers_prefix_caching", "false" if variant == "off" else "true"]
+    if variant == "vllm":
+        extra += ["--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "0.1"]
+        extra += ["--vllm_max_model_length", str(VLLM_CONTEXT[task])]
     if variant == "reuse_cap":
         extra += ["--max_turn_tokens", str(cap)]
     task_args, args, model_args = _parse(task, workdir, extra)
@@ -181,16 +188,18 @@ def _child_step(task: str, workdir: str, variant: str, cap: int) -> dict:
     }
 
 
-def _run_child(argv: list[str], log) -> dict:
-    command = [sys.executable, "-m", "trl_agentic.bench.multiturn", *argv]
+def _run_child(argv: list[str], log, python: str | None = None) -> dict:
+    command = [python or sys.executable, "-m", "trl_agentic.bench.multiturn", *argv]
     log(f"[multiturn] {' '.join(argv)}")
-    result = subprocess.run(command, capture_output=True, text=True, check=False, cwd=_root())
+    env = {**os.environ, "PYTHONPATH": _root()}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # vLLM on CPU: a fixed KV cache instead of a share of the RAM
+    result = subprocess.run(command, capture_output=True, text=True, check=False, cwd=_root(), env=env)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed:\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def run(tasks, variants, cap: int, workdir: str, json_path: str | None, log=print) -> dict:
+def run(tasks, variants, cap: int, workdir: str, json_path: str | None, log=print, vllm_python=None) -> dict:
     data = {"cap": cap, "cells": {}}
     if json_path and os.path.exists(json_path):
         with open(json_path) as f:
@@ -211,9 +220,12 @@ def run(tasks, variants, cap: int, workdir: str, json_path: str | None, log=prin
             if variant in cells and "error" not in cells[variant]:
                 continue
             try:
+                if variant == "vllm" and not (vllm_python and os.path.exists(vllm_python)):
+                    raise RuntimeError(f"no vLLM interpreter at {vllm_python!r} (`make install-vllm`)")
                 cells[variant] = _run_child(
                     ["--child", "step", "--task", task, "--workdir", workdir, "--variant", variant, "--cap", str(cap)],
                     log,
+                    python=vllm_python if variant == "vllm" else None,
                 )
             except RuntimeError as e:
                 cells[variant] = {"error": str(e)[-2000:]}
@@ -268,7 +280,8 @@ def render(data: dict, command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trl_agentic.bench.multiturn", description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS))
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="Interpreter of the `vllm` variant.")
     parser.add_argument("--cap", type=int, default=256, help="max_turn_tokens of the `reuse_cap` variant.")
     parser.add_argument("--workdir", default="/tmp/trl_agentic_bench/multiturn")
     parser.add_argument("--json", help="Results file (read first: finished cells are not run again).")
@@ -284,7 +297,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_child_step(args.task, args.workdir, args.variant, args.cap)))
         return 0
     os.makedirs(args.workdir, exist_ok=True)
-    data = run(args.tasks, args.variants, args.cap, args.workdir, args.json, log=lambda m: print(m, file=sys.stderr))
+    data = run(
+        args.tasks,
+        args.variants,
+        args.cap,
+        args.workdir,
+        args.json,
+        log=lambda m: print(m, file=sys.stderr),
+        vllm_python=args.vllm_python,
+    )
     text = render(data, "python -m trl_agentic.bench.multiturn " + " ".join(argv or sys.argv[1:]))
     if args.out:
         with open(args.out, "w") as f:
