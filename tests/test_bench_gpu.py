@@ -19,12 +19,23 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_gpu_runs_every_section_with_only_the_carried_files(tmp_path):
     env = {**os.environ, "BENCH_GPU_LIKE_DEVICE": "1", "PYTHONPATH": ""}
     run = subprocess.run(
-        [sys.executable, "trl_agentic/bench/gpu.py", "--tiny", "--out", str(tmp_path)],
+        # Budgets scaled up: a busy CI machine must not turn this into a test of the time limits.
+        [
+            sys.executable,
+            "trl_agentic/bench/gpu.py",
+            "--tiny",
+            "--out",
+            str(tmp_path),
+            "--budget-scale",
+            "10",
+            "--total-budget",
+            "6000",
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=3000,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((tmp_path / "bench_gpu.json").read_text())

@@ -690,6 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="Tiny float32 shape (the default without a GPU).")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, help="Run these sections only.")
     parser.add_argument("--total-budget", type=float, default=450.0, help="Seconds for all sections together.")
+    parser.add_argument("--budget-scale", type=float, default=1.0, help="Multiply every section's budget.")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
@@ -727,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
             report["results"][name] = {"error": "no time left in the total budget", "section_s": 0.0}
             write()
             continue
-        budget = min(settings.budgets[name], left)
+        budget = min(settings.budgets[name] * args.budget_scale, left)
         result = report["results"].setdefault(name, {})
         _log(f"{name} (budget {budget:.0f} s) ...")
         start = time.perf_counter()
