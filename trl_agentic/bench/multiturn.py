@@ -134,13 +134,14 @@ def _child_step(task: str, workdir: str, variant: str, cap: int) -> dict:
         tools=built.tools or None,
         processing_class=tokenizer,
     )
-    generation = {"seconds": 0.0, "tokens": 0, "calls": 0, "contexts": 0, "context_tokens": 0}
+    generation = {"seconds": 0.0, "cpu_s": 0.0, "tokens": 0, "calls": 0, "contexts": 0, "context_tokens": 0}
     original = trainer._generate_single_turn
 
     def timed(prompt_ids, *rest, **kwargs):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         ids, logprobs = original(prompt_ids, *rest, **kwargs)
         generation["seconds"] += time.perf_counter() - start
+        generation["cpu_s"] += time.process_time() - start_cpu
         generation["tokens"] += sum(len(x) for x in ids)
         generation["calls"] += 1
         generation["contexts"] += len(prompt_ids)
@@ -168,9 +169,9 @@ def _child_step(task: str, workdir: str, variant: str, cap: int) -> dict:
 
         trainer._log_prefix_cache = log_cache
     torch.manual_seed(args.seed)
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     trainer.train()
-    step = time.perf_counter() - started
+    step, step_cpu = time.perf_counter() - started, time.process_time() - started_cpu
     logs = [h for h in trainer.state.log_history if "loss" in h]
     totals = {}
     for stats in loop_stats:
@@ -178,6 +179,9 @@ def _child_step(task: str, workdir: str, variant: str, cap: int) -> dict:
             totals[key] = totals.get(key, 0) + value
     return {
         "step_s": step,
+        "step_cpu_s": step_cpu,  # CPU time of the process (all threads): less sensitive to other jobs than wall time
+        "threads": torch.get_num_threads(),
+        "load_during": [round(x, 1) for x in os.getloadavg()],
         "generation": generation,
         "loop": {k: totals.get(k, 0) for k in ("truncated_turns", "turn_cap_truncations", "generation_calls")},
         "cache": cache_stats,
