@@ -252,29 +252,32 @@ def render(data: dict, command: str) -> str:
         "## Multi-turn GRPO steps: prefix caching and the per-turn cap",
         "",
         f"Command: `{command}`. SmolLM2-135M + LoRA (each config's warm start, saved once, then one GRPO step per "
-        "variant from that adapter, same seed, each in its own process), CPU. *Generation* is the time inside "
-        "`_generate_single_turn` (every turn of every rollout) and the tokens it returned; the rest of the step is "
-        f"tools, rewards, the loss's forward and backward and the optimizer. Cap: `max_turn_tokens={cap}`.",
+        "variant from that adapter, same seed, each in its own process), CPU. *Step*: `Trainer.train` for one step "
+        "(generation, tools, rewards, the loss's forward and backward, the optimizer), wall and CPU time of the "
+        "process; *generation*: the time inside `_generate_single_turn` (every turn of every rollout) and the "
+        f"tokens it returned. Cap: `max_turn_tokens={cap}`.",
         "",
-        "| task | variant | step | generation | generated tokens | tokens/s | prefilled / context tokens | "
-        "turns cut by the cap | step vs off |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| task | variant | step wall | step CPU | generation wall | generation CPU | generated tokens | tokens/s "
+        "(CPU) | prefilled / context tokens | turns cut by the cap | step CPU vs off |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for task, cells in data["cells"].items():
-        off = cells.get("off", {}).get("step_s")
+        off = cells.get("off", {}).get("step_cpu_s")
         for variant in VARIANTS:
             c = cells.get(variant)
             if c is None:
                 continue
             if "error" in c:
-                lines.append(f"| {task} | {LABELS[variant]} | failed: {c['error'][-200:]!r} | | | | | | |")
+                lines.append(f"| {task} | {LABELS[variant]} | failed: {c['error'][-200:]!r} | | | | | | | | |")
                 continue
             g = c["generation"]
             prefilled = sum(s["prefilled_tokens"] for s in c["cache"]) if c["cache"] else g["context_tokens"]
-            ratio = f"{c['step_s'] / off:.2f}" if off else "–"
+            cpu = c.get("step_cpu_s")
+            ratio = f"{cpu / off:.2f}" if off and cpu else "–"
             lines.append(
-                f"| {task} | {LABELS[variant]} | {_minutes(c['step_s'])} | {_minutes(g['seconds'])} | {g['tokens']} | "
-                f"{g['tokens'] / max(g['seconds'], 1e-9):.1f} | {prefilled} / {g['context_tokens']} | "
+                f"| {task} | {LABELS[variant]} | {_minutes(c['step_s'])} | {_minutes(cpu) if cpu else '–'} | "
+                f"{_minutes(g['seconds'])} | {_minutes(g['cpu_s']) if 'cpu_s' in g else '–'} | {g['tokens']} | "
+                f"{g['tokens'] / max(g.get('cpu_s', g['seconds']), 1e-9):.1f} | {prefilled} / {g['context_tokens']} | "
                 f"{c['loop'].get('turn_cap_truncations', 0)} | {ratio} |"
             )
     lines.append("")
