@@ -124,3 +124,25 @@ def test_the_trainer_generates_at_most_the_cap_and_masks_cut_turns(tiny_model_di
     ids, _ = GRPOTrainer._generate_single_turn(trainer, [[1, 2, 3]], None, {}, 1)
     assert len(ids[0]) > 5
     assert torch.is_tensor(batch["completion_ids"])
+
+
+def test_the_cap_reaches_vllm_for_the_call_only():
+    """With vLLM the cap is vLLM's `max_completion_length` during the call (TRL reads it at every `generate`)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from trl_agentic.generation import GenerationMixin
+
+    assert "max_completion_length = self.max_completion_length" in inspect.getsource(VLLMGeneration.generate)
+    seen = []
+    engine = SimpleNamespace(max_completion_length=100)
+    trainer = SimpleNamespace(args=SimpleNamespace(max_turn_tokens=7), use_vllm=True, vllm_generation=engine)
+    with GenerationMixin._turn_cap(trainer):
+        seen.append(engine.max_completion_length)
+    assert seen == [7] and engine.max_completion_length == 100
+    trainer.args.max_turn_tokens = 500  # larger than the rollout budget: the budget stays
+    with GenerationMixin._turn_cap(trainer):
+        seen.append(engine.max_completion_length)
+    assert seen == [7, 100] and engine.max_completion_length == 100
