@@ -46,7 +46,9 @@ class AgenticGRPOConfig(GRPOConfig):
     Configuration class for [`AgenticGRPOTrainer`].
 
     Every field of [`~trl.GRPOConfig`] is accepted unchanged; the fields below switch on and tune the agentic
-    features. With all of them at their defaults the trainer behaves exactly like [`~trl.GRPOTrainer`].
+    features. With all of them at their defaults the trainer behaves exactly like [`~trl.GRPOTrainer`]; the one
+    default that changes how generation is computed, `transformers_prefix_caching`, reuses cached keys and values
+    for the same tokens (greedy tokens equal, log-probabilities within float rounding).
 
     Parameters:
         > Tool rollback and negative samples (seeds 000/001)
