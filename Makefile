@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRL_EXPERIMENTAL_SILENCE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install install-sandbox install-browser install-tcmalloc install-vllm test test-fast test-slow test-distributed test-vllm demo demo-record bench ablation lint format clean
+.PHONY: install install-sandbox install-browser install-tcmalloc install-vllm test test-fast test-slow test-distributed test-vllm demo demo-record bench bench-gpu ablation lint format clean
 
 install: $(STAMP) install-sandbox
 
@@ -124,6 +124,18 @@ demo-record:
 
 bench: install install-vllm
 	OMP_NUM_THREADS=1 $(BIN)/python -m trl_agentic.bench --out docs/benchmarks.md --vllm-python $(VLLM_BIN)/python
+
+# The GPU benchmark (trl_agentic/bench/gpu.py, docs/benchmarks.md): features-off and TracIn steps vs TRL's, TracIn peak
+# memory, prefix reuse on/off, on a random Qwen2-1.5B-shaped model in <= 8 minutes on one H100/H200. It needs only
+# torch, transformers, peft and accelerate (TRL comes from third_party/wheels, its unused import-time dependencies from
+# trl_agentic/bench/gpu_shim), so it does not install anything: it runs with this venv when there is one, else with
+# python3 (a GPU machine without the venv). Without a GPU it runs a tiny float32 shape (a smoke test). Writes
+# bench_gpu.json and bench_gpu.md to $(BENCH_GPU_OUT) ($$OUT when set).
+BENCH_GPU_PYTHON ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || echo python3)
+BENCH_GPU_OUT ?= $(or $(OUT),outputs/bench-gpu)
+
+bench-gpu:
+	$(BENCH_GPU_PYTHON) trl_agentic/bench/gpu.py --out $(BENCH_GPU_OUT)
 
 # Issue 37's pre-registered ablation (docs/ablation.md): a verdict per feature against controls that isolate it,
 # seeds as the unit (~19 h on a 2-core CPU, estimated in the registration; resumable: finished cells are committed JSON

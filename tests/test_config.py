@@ -48,6 +48,10 @@ BAD_VALUES = [
     ("tracin_top_fraction", 0.0),
     ("tracin_top_fraction", 1.5),
     ("tracin_min_selected", -1),
+    ("max_turn_tokens", 0),
+    ("max_turn_tokens", True),
+    ("max_turn_tokens", 2.5),
+    ("transformers_prefix_caching", "yes"),
 ]
 
 

@@ -47,7 +47,10 @@ class AgenticGRPOConfig(GRPOConfig):
     Configuration class for [`AgenticGRPOTrainer`].
 
     Every field of [`~trl.GRPOConfig`] is accepted unchanged; the fields below switch on and tune the agentic
-    features. With all of them at their defaults the trainer behaves exactly like [`~trl.GRPOTrainer`].
+    features. With all of them at their defaults the trainer behaves exactly like [`~trl.GRPOTrainer`], generation
+    included: `transformers_prefix_caching` (on by default) applies only in trl-agentic's own loop, which runs when a
+    feature needs it, and reuses cached keys and values for the same tokens (greedy tokens equal, log-probabilities
+    within float rounding).
 
     Parameters:
         > Tool rollback and negative samples (seeds 000/001)
@@ -179,6 +182,25 @@ class AgenticGRPOConfig(GRPOConfig):
             Maximum tokens of one generated alternative thinking.
         rlvcr_score_batch_size (`int`, *optional*, defaults to `16`):
             Rows per forward pass when scoring the action under the 4 thinking contexts.
+
+        > Generation (transformers path)
+
+        transformers_prefix_caching (`bool`, *optional*, defaults to `True`):
+            In multi-turn tool rollouts generated with transformers by trl-agentic's own loop (when a feature needs
+            it; with every feature off TRL's loop and generation run untouched; not vLLM, which caches prefixes itself), keep
+            each conversation's keys and values between its turns and prefill only the new tokens (tool results,
+            user turns, hints); after a rollback the cache is cropped to the start of the failed turn, after
+            `delete_context` it is reused up to the first deleted message. Generation is otherwise TRL's (same
+            padded inputs, generation config and logits processors): greedy tokens are the same as without it and
+            log-probabilities equal to float tolerance. Off (with a logged reason) for models whose cache is not
+            all full-attention layers, `cache_implementation`, beam search, continuous batching and vision models.
+        max_turn_tokens (`int`, *optional*):
+            Most tokens the model may generate in one assistant turn (TRL has only the per-rollout
+            `max_completion_length`, which still applies). A turn that reaches it without an end-of-turn token is
+            truncated like a turn cut by `max_completion_length`: it is not executed, the rollout ends there and the
+            turn counts in `tools/truncated_turns` (and `tools/turn_cap_truncations`); the rollout's last token is
+            then not end-of-sequence, so `mask_truncated_completions` masks it as TRL masks a truncated completion.
+            Setting it routes tool rollouts through trl-agentic's loop. Unset: no per-turn cap.
 
         > vLLM
 
@@ -435,6 +457,26 @@ class AgenticGRPOConfig(GRPOConfig):
         default=1.0, metadata={"help": "Reward a row needs to be kept by 'successful'."}
     )
 
+    # --- generation ----------------------------------------------------------------------------------------------
+    transformers_prefix_caching: bool = field(
+        default=True,
+        metadata={
+            "help": "Transformers generation of multi-turn tool rollouts in trl-agentic's own loop (any feature on; "
+            "with every feature off TRL's generation runs untouched): keep each conversation's KV cache between "
+            "turns and prefill only the new tokens (cropped after a rollback, reused up to the first deleted message "
+            "after delete_context). Same tokens as without it under greedy decoding. Off, with a logged reason, "
+            "where it does not apply (vLLM caches prefixes itself)."
+        },
+    )
+    max_turn_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Most tokens generated in one assistant turn (beside the per-rollout max_completion_length). A "
+            "turn that reaches it without an end-of-turn token is truncated: the rollout ends there, as for a turn "
+            "cut by max_completion_length. Unset: no per-turn cap."
+        },
+    )
+
     # --- vLLM --------------------------------------------------------------------------------------------------
     vllm_lora_sync: bool = field(
         default=True,
@@ -473,6 +515,7 @@ class AgenticGRPOConfig(GRPOConfig):
             or bool(self.tool_timeout)
             or self.max_tool_output_chars is not None
             or self.malformed_tool_call_feedback
+            or self.max_turn_tokens is not None
         )
 
     @property
@@ -526,6 +569,16 @@ class AgenticGRPOConfig(GRPOConfig):
         ):
             raise ValueError(
                 f"`max_tool_output_chars` must be unset or an integer >= 64, got {self.max_tool_output_chars!r}."
+            )
+        if self.max_turn_tokens is not None and (
+            not isinstance(self.max_turn_tokens, int)
+            or isinstance(self.max_turn_tokens, bool)
+            or self.max_turn_tokens < 1
+        ):
+            raise ValueError(f"`max_turn_tokens` must be unset or a positive integer, got {self.max_turn_tokens!r}.")
+        if not isinstance(self.transformers_prefix_caching, bool):
+            raise ValueError(
+                f"`transformers_prefix_caching` must be a boolean, got {self.transformers_prefix_caching!r}."
             )
         if not isinstance(self.max_snapshots_per_episode, int) or self.max_snapshots_per_episode < 0:
             raise ValueError(

@@ -16,6 +16,7 @@ from .batch import BatchAugmenter
 from .config import AgenticGRPOConfig
 from .envs.protocol import check_checkpointable, has_user_turns
 from .estimators import resolve_estimator
+from .generation import GenerationMixin
 from .gloo_exit import register_gloo_exit_pause
 from .loss_weights import RowWeightedLossMixin
 from .model_card import card_section, feature_tags
@@ -74,7 +75,7 @@ def _check_tool_names(tools, environment_factory, args) -> None:
         )
 
 
-class AgenticGRPOTrainer(RowSelectionMixin, TracInMixin, RowWeightedLossMixin, GRPOTrainer):
+class AgenticGRPOTrainer(RowSelectionMixin, GenerationMixin, TracInMixin, RowWeightedLossMixin, GRPOTrainer):
     """
     GRPO trainer for agentic tool use, built on [`~trl.GRPOTrainer`].
 
@@ -94,6 +95,9 @@ class AgenticGRPOTrainer(RowSelectionMixin, TracInMixin, RowWeightedLossMixin, G
       7-tuple). Delegating, rather than reproducing TRL's loop, makes "features off = TRL" hold by construction for
       tool and environment runs too, and keeps it holding when TRL's loop changes; our loop renders tool messages
       and errors exactly as TRL does, so a run that turns a feature on keeps what the model reads;
+    - `_generate_single_turn` (`trl_agentic.generation.GenerationMixin`): the per-turn cap (`max_turn_tokens`) on
+      every engine, and on TRL's regular transformers path the prefix cache across turns
+      (`transformers_prefix_caching`); otherwise TRL's;
     - `_calculate_rewards`: calls TRL's and keeps the gathered rewards for the batch augmentation;
     - `_generate_and_score_completions`: calls TRL's, then `trl_agentic.batch.BatchAugmenter` appends the extra
       rows, recomputes the advantages over explicit group ids and the loss normaliser, and pads every process to the
@@ -190,6 +194,7 @@ class AgenticGRPOTrainer(RowSelectionMixin, TracInMixin, RowWeightedLossMixin, G
         self._last_loop_result = None
         self._init_tracin(tracin_eval_dataset)
         self._init_row_selection()
+        self._init_generation()
         register_gloo_exit_pause()  # gloo worker threads must not outlive the interpreter (see gloo_exit.py)
 
     # ------------------------------------------------------------------------------------------------------------

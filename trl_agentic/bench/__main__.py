@@ -12,7 +12,11 @@ Runs the benchmarks and writes one markdown report, opening with the goals side 
   through);
 - `rlvcr`: the extra model calls per step of the RLVCR advantage estimator (`rlvcr.py`);
 - `cpu`: bfloat16 autocast and tcmalloc on a SmolLM2 forward and backward (`cpu_settings.py`), the settings the
-  integration tiers of `make test` use.
+  integration tiers of `make test` use;
+- `multiturn`: whole GRPO steps of the log search, the text world and BFCL with prefix caching off / on / on with the
+  per-turn cap (`multiturn.py`; about 1.5 h, resumable through `outputs/bench-multiturn.json`).
+
+`make bench-gpu` (`gpu.py`) is separate: it needs a GPU to say anything (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import sys
 import tempfile
 import time
 
-SECTIONS = ("tracin-e2e", "tracin-memory", "vllm", "overhead", "tracin", "rlvcr", "cpu")
+SECTIONS = ("tracin-e2e", "tracin-memory", "vllm", "overhead", "tracin", "rlvcr", "cpu", "multiturn")
 
 
 def _log(message: str) -> None:
@@ -157,6 +161,32 @@ def _cpu_section(quick: bool, summary: list) -> str:
     return render(data, "python -m trl_agentic.bench --only cpu")
 
 
+def _multiturn_section(quick: bool, summary: list, vllm_python: str) -> str:
+    from .multiturn import render, run
+
+    tasks = ["logsearch"] if quick else ["logsearch", "textworld", "bfcl"]
+    os.makedirs("outputs", exist_ok=True)
+    path, workdir = "outputs/bench-multiturn.json", "/tmp/trl_agentic_bench/multiturn"
+    data = run(tasks, ("reuse_cap", "reuse", "off"), 256, workdir, path, log=_log)
+    # vLLM's CPU build on the short-context tasks (on BFCL its decode, ~10x slower than transformers' here, would
+    # take hours: docs/generation.md).
+    data = run(tasks[:2], ("vllm",), 256, workdir, path, log=_log, vllm_python=vllm_python)
+    bfcl = data["cells"].get("bfcl", {})
+    for variant in ("reuse", "reuse_cap"):
+        cell = bfcl.get(variant, {})
+        if "step_s" in cell:
+            label = "prefix caching" + (" + max_turn_tokens=256" if variant == "reuse_cap" else "")
+            summary.append(
+                (
+                    f"BFCL GRPO step of 8 conversations, {label}",
+                    f"{cell['step_s'] / 60:.1f} min",
+                    "≤ 10 min",
+                    cell["step_s"] <= 600,
+                )
+            )
+    return render(data, "python -m trl_agentic.bench --only multiturn")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trl_agentic.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="Write the markdown report here (default: print it).")
@@ -190,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             sections.append(report(micro + rest, prog="python -m trl_agentic.bench --only tracin"))
         elif name == "cpu":
             sections.append(_cpu_section(args.quick, summary))
+        elif name == "multiturn":
+            sections.append(_multiturn_section(args.quick, summary, args.vllm_python))
         else:
             from .rlvcr import report as rlvcr_report
 

@@ -82,7 +82,10 @@ class LoopStats:
     generate_seconds: float = 0.0  # ...spent in the generation backend
     tool_seconds: float = 0.0  # ...spent running tools (the rest is the loop's own overhead)
     failed_turn_tokens: int = 0  # tokens of the failed turns that were rolled back
-    truncated_turns: int = 0  # turns cut by the completion budget (never rolled back or made negatives)
+    truncated_turns: int = (
+        0  # turns cut by the completion budget or the per-turn cap (never rolled back or made negatives)
+    )
+    turn_cap_truncations: int = 0  # ...of which cut by `max_turn_tokens` (the per-turn cap) rather than the budget
     user_turns: int = 0  # user messages supplied by environments (`_next_user_turn`)
     user_turns_dropped: int = 0  # ...that did not fit in the completion budget (the rollout ended there)
     retired_environments: int = 0  # environments replaced after a call timed out (its thread may still run)

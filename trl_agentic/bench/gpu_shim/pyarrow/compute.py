@@ -1,0 +1,5 @@
+"""Import stand-in for `pyarrow.compute` (bench-gpu only; see ../README.md)."""
+
+from _bench_gpu_stub import module_getattr
+
+__getattr__ = module_getattr("pyarrow.compute")
