@@ -12,7 +12,17 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install install-sandbox install-browser install-tcmalloc install-vllm test test-fast test-slow test-distributed test-vllm demo demo-record bench bench-gpu ablation lint format clean
 
-install: $(STAMP) install-sandbox
+# TRL's own wheel, for `make bench-gpu` on a GPU machine that has no TRL and no network (trl_agentic/bench/gpu.py
+# extracts it there; it travels with the working tree). Downloaded from the registry, checked against PyPI's sha256.
+TRL_WHEEL := third_party/wheels/trl-1.16.0-py3-none-any.whl
+TRL_WHEEL_SHA256 := c4726e139dd40e1a41661511c639c8a68416782b2e3e8c0befebd77bb7ba0396
+
+
+install: $(STAMP) install-sandbox $(TRL_WHEEL)
+
+$(TRL_WHEEL): | $(STAMP)
+	$(BIN)/python -m pip download --quiet --no-deps --dest $(dir $(TRL_WHEEL)) "trl==1.16.0"
+	echo "$(TRL_WHEEL_SHA256)  $(TRL_WHEEL)" | sha256sum -c --quiet
 
 # BFCL v4 (tasks, function docs, API classes, official checker; trl_agentic.envs.bfcl) without its declared
 # dependencies (API clients, faiss, sentence-transformers, tree-sitter, ...): the modules the suite imports need only
@@ -127,7 +137,7 @@ bench: install install-vllm
 
 # The GPU benchmark (trl_agentic/bench/gpu.py, docs/benchmarks.md): features-off and TracIn steps vs TRL's, TracIn peak
 # memory, prefix reuse on/off, on a random Qwen2-1.5B-shaped model in <= 8 minutes on one H100/H200. It needs only
-# torch, transformers, peft and accelerate (TRL comes from third_party/wheels, its unused import-time dependencies from
+# torch, transformers, peft and accelerate (TRL comes from third_party/wheels, downloaded by `make install`, its unused import-time dependencies from
 # trl_agentic/bench/gpu_shim), so it does not install anything: it runs with this venv when there is one, else with
 # python3 (a GPU machine without the venv). Without a GPU it runs a tiny float32 shape (a smoke test). Writes
 # bench_gpu.json and bench_gpu.md to $(BENCH_GPU_OUT) ($$OUT when set).

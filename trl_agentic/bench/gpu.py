@@ -469,6 +469,7 @@ def prefix_reuse(settings: Settings, out: dict, output_dir: str, tok) -> None:
         tools=[search],
         max_completion_length=settings.reuse_turn_tokens,
         generation_kwargs={"do_sample": False},
+        tool_timeout=600.0,  # a feature on (never triggered): the cache serves trl-agentic's own loop only
     )
     if trainer._prefix_cache is None:
         raise RuntimeError("prefix caching is not active for this model (see the log)")
