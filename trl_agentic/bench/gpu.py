@@ -692,10 +692,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=SECTIONS, help="Run these sections only.")
     parser.add_argument("--total-budget", type=float, default=450.0, help="Seconds for all sections together.")
     parser.add_argument("--budget-scale", type=float, default=1.0, help="Multiply every section's budget.")
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="FIELD=INT",
+        help="Override integer sizes of `Settings` (e.g. step_rounds=8).",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     settings = Settings.tiny() if args.tiny or not torch.cuda.is_available() else Settings.full()
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if not isinstance(getattr(settings, name, None), int):
+            parser.error(f"--set {item}: {name!r} is not an integer field of Settings")
+        setattr(settings, name, int(value))
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     report = {"environment": environment(_NOTES), "settings": asdict(settings), "results": {}}
