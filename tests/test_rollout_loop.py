@@ -723,6 +723,39 @@ def test_async_calls_run_after_the_sync_ones_together_and_time_out_alone(tiny_to
     assert result.stats.retired_environments == 1 and env.log == [2, 5]
 
 
+def test_async_calls_after_a_timed_out_sync_call_run_on_the_fresh_environment(tiny_tokenizer, event_loop_thread):
+    """An async call made before a sync call that times out: the sync call retires the environment, and the async
+    call (run after it, in TRL's order) must act on the fresh instance the rollout goes on with, not the retired one."""
+    release = threading.Event()  # outside the environment's state (checkpoints deep-copy it)
+
+    class HangEnv(AsyncEnv):
+        def hang(self) -> str:
+            """
+            Returns once the test releases it (past the call's time limit).
+            """
+            release.wait()
+            return "late"
+
+    env = HangEnv()
+    turn = (
+        '<tool_call>{"name": "slow", "arguments": {"n": 7}}</tool_call>'
+        '<tool_call>{"name": "hang", "arguments": {}}</tool_call><|im_end|>'
+    )
+    b = ScriptBackend(tiny_tokenizer, [["Done.<|im_end|>"]])
+    p, prompt_ids, completion_ids, completions, lps = start(b, [turn])
+    envs = [env]
+    try:
+        trl_tuple, result = AgenticRolloutLoop(b, cfg(tool_timeout=1.0), async_loop=event_loop_thread).run(
+            p, prompt_ids, completion_ids, completions, lps, [{"hang": env.hang}], [{"slow": env.slow}], envs
+        )
+    finally:
+        release.set()
+    tools = [(m["name"], m["content"]) for m in trl_tuple[1][0] if m["role"] == "tool"]
+    assert tools == [("hang", render_tool_error("tool did not return within 1 s")), ("slow", "7")]
+    assert result.stats.retired_environments == 1 and envs[0] is not env
+    assert envs[0].log == [7] and env.log == []  # the model read "7": the state it goes on with holds it
+
+
 def test_list_results_pass_through_and_images_are_refused(tiny_tokenizer):
     """A list result is the message content, as in TRL's loop; `max_tool_output_chars` cuts its text blocks; an
     image block stops the loop (it does not handle images, like images in prompts)."""

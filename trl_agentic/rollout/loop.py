@@ -459,19 +459,29 @@ class AgenticRolloutLoop:
             else:
                 coroutine, outcome = self._start_async(i, call)
                 if coroutine is not None:
-                    deferred.append((call, coroutine))
+                    deferred.append((call, coroutine, self._async_tools[i][name]))
                     continue
                 outcome = outcome or self._run_sync(i, call)
             outcomes.append(outcome)
             ordered.append(call)
             if outcome.category == "infra":
-                for _, coroutine in deferred:
+                for _, coroutine, _ in deferred:
                     coroutine.close()  # never awaited: the rollout is lost, later calls of the turn are not run
                 return outcomes, ordered
         if deferred:
-            outcomes += self._run_async(i, deferred)
-            ordered += [call for call, _ in deferred]
+            outcomes += self._run_async(i, [self._rebind(i, *d) for d in deferred])
+            ordered += [call for call, _, _ in deferred]
         return outcomes, ordered
+
+    def _rebind(self, i: int, call: dict, coroutine, fn) -> tuple[dict, Any]:
+        """`(call, coroutine)` for the tool the rollout has now: a sync call of the turn that timed out retired the
+        environment (`_isolate_timed_out_env`) after the async calls' coroutines were made, and they must not run on
+        the retired instance (the rollout, and its reward, go on with the fresh one)."""
+        current = self._async_tools[i][call["function"]["name"]]
+        if current is fn:
+            return call, coroutine
+        coroutine.close()
+        return call, current(**(call["function"].get("arguments") or {}))
 
     def _tool_call(self, i: int, call: dict, sync_tools: dict, async_tools: dict, timed: bool = True) -> ToolOutcome:
         started = time.perf_counter()
