@@ -232,6 +232,60 @@ def test_sampled_turns_are_the_same_with_the_same_seed(tiny_model_dir, tmp_path)
     assert trainer._prefix_cache.stats.reused_tokens > 0
 
 
+def _dropout_model(tiny_model_dir, tmp_path, p: float) -> str:
+    """A copy of the tiny model with attention dropout `p` (functional: `dropout=config.attention_dropout`)."""
+    import shutil
+    from pathlib import Path
+
+    out = tmp_path / f"dropout-{p}"
+    shutil.copytree(tiny_model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["attention_dropout"] = p
+    (out / "config.json").write_text(json.dumps(config))
+    return str(Path(out))
+
+
+def test_training_mode_with_dropout_samples_as_trl(tiny_model_dir, tmp_path):
+    """TRL generates in training mode with dropout active, every turn's history re-encoded under fresh masks: kept
+    keys and values (and a prompt prefilled once for its copies) would sample otherwise, so the cache steps aside in
+    training and the same seed gives TRL's tokens; in evaluation (no dropout) it is used and is exact."""
+    trainer = _trainer(
+        tmp_path, _dropout_model(tiny_model_dir, tmp_path, 0.5), generation_kwargs=None, temperature=0.9
+    )
+    assert trainer._prefix_cache is not None
+    tok = trainer._tokenizer
+    for training in (True, False):
+        trainer.model.train(training)
+        contexts = [_prompt(tok, "z" * n) for n in (5, 12, 5, 12)]  # two prompts, two copies each
+        for _ in range(3):
+            torch.manual_seed(3)
+            cached, _ = trainer._generate_single_turn([list(c) for c in contexts], None, {}, 1)
+            torch.manual_seed(3)
+            plain, _ = GRPOTrainer._generate_single_turn(trainer, [list(c) for c in contexts], None, {}, 1)
+            assert cached == plain, training
+            contexts = [c + ids + _suffix(tok, "ok") for c, ids in zip(contexts, cached)]
+        assert (trainer._prefix_cache.stats.reused_tokens > 0) == (not training)
+    assert "attention_dropout" in trainer._dropout_in_training  # what the log line names
+
+
+def test_dropout_reason_names_lora_dropout_and_config_dropout(tiny_model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trl_agentic.rollout.prefix_cache import dropout_reason
+
+    assert dropout_reason(AutoModelForCausalLM.from_pretrained(tiny_model_dir)) is None
+    for p, expected in ((0.0, None), (0.05, "lora_dropout")):
+        model = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+            LoraConfig(r=2, target_modules=["q_proj"], lora_dropout=p),
+        )
+        reason = dropout_reason(model)
+        assert reason is None if expected is None else expected in reason
+    with_config = AutoModelForCausalLM.from_pretrained(_dropout_model(tiny_model_dir, tmp_path, 0.1))
+    assert "attention_dropout=0.1" in dropout_reason(with_config)
+
+
 def test_caches_of_other_weights_are_never_reused(tiny_model_dir, tmp_path):
     trainer = _trainer(tmp_path, tiny_model_dir)
     tok = trainer._tokenizer

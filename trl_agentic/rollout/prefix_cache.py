@@ -27,7 +27,8 @@ tolerance (tests/test_prefix_cache.py).
 
 Scope: decoder-only text models whose transformers cache is all `DynamicLayer`s (full attention; sliding-window and
 linear-attention layers are not reused), greedy or multinomial sampling with one sequence per prompt (no beams), no
-`cache_implementation`. Elsewhere `unsupported_reason` says why and the trainer logs it and generates as TRL does.
+`cache_implementation`. Elsewhere `unsupported_reason` says why and the trainer logs it and generates as TRL does;
+in training mode a model with dropout is generated as TRL does too (`dropout_reason`).
 The kept caches live for one generation batch (`_generate_and_score_completions`): weights change between batches.
 """
 
@@ -115,6 +116,26 @@ def unsupported_reason(model, generation_config) -> str | None:
     kinds = {type(layer).__name__ for layer in cache.layers}
     if not cache.layers or kinds != {DynamicLayer.__name__}:
         return f"cache layers {sorted(kinds)} (only full-attention `DynamicLayer`s are reused)"
+    return None
+
+
+def dropout_reason(model) -> str | None:
+    """What makes the model's forward random in training mode (a dropout with p > 0), or None.
+
+    TRL generates in the trainer's mode, so during training with dropout every turn re-encodes the history under fresh
+    dropout masks. Kept keys and values (computed under the masks that sampled the earlier tokens) and a prompt
+    prefilled once for all its copies would sample from another distribution, so the cache is not used then.
+    """
+    from torch.nn.modules.dropout import _DropoutNd
+
+    for name, module in model.named_modules():
+        if isinstance(module, _DropoutNd) and module.p > 0:
+            return f"`{name}` has p={module.p:g}"
+    # Attention dropout is mostly functional (`dropout=config.attention_dropout if training`), not a module.
+    config = model.config.get_text_config(decoder=True)
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and type(value) in (int, float) and value > 0:
+            return f"`{key}={value:g}` in the model config"
     return None
 
 
