@@ -207,6 +207,42 @@ def test_copies_of_a_prompt_share_one_prefill(tiny_model_dir, tmp_path):
     assert stats.reused_tokens == 2 * (len(p) - 1) + 2 * (len(q) - 1)
 
 
+def _count_forwards(model) -> list[int]:
+    counter = [0]
+    model.register_forward_pre_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
+    return counter
+
+
+@pytest.mark.parametrize("setting", ["zero3_sharded", "fsdp"])
+def test_where_every_forward_is_a_collective_the_cache_makes_trls_forwards(
+    tiny_model_dir, tmp_path, setting, monkeypatch
+):
+    """Under ZeRO-3 without gathered weights, and under FSDP with several processes, every forward is a collective
+    (transformers syncs generation in both): the first turn's shared-prompt prefill, an extra forward whose count
+    depends on the process's own prompts, must not happen; the cached call makes as many forwards as TRL's."""
+    from types import SimpleNamespace
+
+    trainer = _trainer(tmp_path, tiny_model_dir)
+    tok = trainer._tokenizer
+    p, q = _prompt(tok, "the same question"), _prompt(tok, "another, longer question: " + "q" * 40)
+    contexts = [p, q, p, q]
+    if setting == "fsdp":
+        monkeypatch.setattr(trainer._dist, "fsdp_version", 2)
+        monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+    else:
+        plugin = SimpleNamespace(zero_stage=3)
+        monkeypatch.setattr(type(trainer.accelerator.state), "deepspeed_plugin", property(lambda self: plugin))
+        trainer.args.ds3_gather_for_generation = False
+    trainer._init_generation()
+    monkeypatch.undo()  # generation itself runs on this single CPU process
+    counter = _count_forwards(trainer.model)
+    cached, _ = trainer._generate_single_turn([list(c) for c in contexts], None, {}, 1)
+    forwards, counter[0] = counter[0], 0
+    plain, _ = GRPOTrainer._generate_single_turn(trainer, [list(c) for c in contexts], None, {}, 1)
+    assert cached == plain and forwards == counter[0]
+    assert trainer._prefix_cache.stats.shared_prefill_tokens == 0
+
+
 def test_a_prompt_without_copies_is_not_worth_sharing(tiny_model_dir, tmp_path):
     """One row with a long prompt of its own sets how many tokens every row feeds (left padding): prefilling the
     other rows' shared prompt first would only add work, so it is not done."""

@@ -71,10 +71,12 @@ class GenerationMixin:
                 self._dropout_in_training,
             )
         # Sharing a prompt's prefix within a call costs one more forward per prompt; under ZeRO-3 without gathered
-        # weights every forward is a collective and processes would make different numbers of them.
+        # weights, and under FSDP (its units all-gather in every forward), every forward is a collective and processes
+        # would make different numbers of them (transformers' `synced_gpus` rule: ZeRO-3 or FSDP, several processes).
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         zero3_sharded = plugin is not None and plugin.zero_stage == 3 and not args.ds3_gather_for_generation
-        self._prefix_sharing_is_local = not zero3_sharded
+        fsdp = self._dist.is_fsdp and self.accelerator.num_processes > 1
+        self._prefix_sharing_is_local = not (zero3_sharded or fsdp)
 
     @contextmanager
     def _turn_cap(self):
