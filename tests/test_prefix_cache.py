@@ -341,6 +341,21 @@ def test_unsupported_models_fall_back_with_a_log_line(tiny_model_dir, tmp_path, 
     assert off._prefix_cache is None
 
 
+def test_chunked_prefill_generates_as_trl(tiny_model_dir, tmp_path, caplog):
+    """`prefill_chunk_size` (a generation setting for long contexts): transformers' chunked prefill feeds the input
+    from its first token whatever the cache holds, so a kept prefix would be fed twice; the turns must still be
+    TRL's (the cache is not used, with a log line)."""
+    with caplog.at_level(logging.WARNING, logger="trl_agentic.generation"):
+        trainer = _trainer(tmp_path, tiny_model_dir, generation_kwargs={"do_sample": False, "prefill_chunk_size": 4})
+    tok = trainer._tokenizer
+    contexts = [_prompt(tok, "x" * n) for n in (5, 12, 5, 12)]
+    for turn in range(3):
+        cached, plain, _, _ = _both(trainer, contexts)
+        assert cached == plain, f"turn {turn}"
+        contexts = [c + ids + _suffix(tok, "ok") for c, ids in zip(contexts, cached)]
+    assert trainer._prefix_cache is None and "prefill_chunk_size" in caplog.text
+
+
 def test_sliding_window_layers_are_not_reused():
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 

@@ -27,7 +27,7 @@ tolerance (tests/test_prefix_cache.py).
 
 Scope: decoder-only text models whose transformers cache is all `DynamicLayer`s (full attention; sliding-window and
 linear-attention layers are not reused), greedy or multinomial sampling with one sequence per prompt (no beams), no
-`cache_implementation`. Elsewhere `unsupported_reason` says why and the trainer logs it and generates as TRL does;
+`cache_implementation` nor `prefill_chunk_size`. Elsewhere `unsupported_reason` says why and the trainer logs it and generates as TRL does;
 in training mode a model with dropout is generated as TRL does too (`dropout_reason`).
 The kept caches live for one generation batch (`_generate_and_score_completions`): weights change between batches.
 """
@@ -106,6 +106,10 @@ def unsupported_reason(model, generation_config) -> str | None:
         return f"`cache_implementation={generation_config.cache_implementation!r}` builds its own cache"
     if generation_config.use_cache is False:
         return "`use_cache=False` in the generation config"
+    if getattr(generation_config, "prefill_chunk_size", None) is not None:
+        return (
+            "`prefill_chunk_size`: transformers' chunked prefill starts from the first token, ignoring a filled cache"
+        )
     if (generation_config.num_beams or 1) != 1 or (generation_config.num_return_sequences or 1) != 1:
         return "beam search or several sequences per prompt reorder the cache"
     if getattr(model.config, "is_encoder_decoder", False):
