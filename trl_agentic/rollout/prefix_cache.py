@@ -27,8 +27,8 @@ tolerance (tests/test_prefix_cache.py).
 
 Scope: decoder-only text models whose transformers cache is all `DynamicLayer`s (full attention; sliding-window and
 linear-attention layers are not reused), greedy or multinomial sampling with one sequence per prompt (no beams), no
-`cache_implementation` nor `prefill_chunk_size`. Elsewhere `unsupported_reason` says why and the trainer logs it and generates as TRL does;
-in training mode a model with dropout is generated as TRL does too (`dropout_reason`).
+`cache_implementation` nor `prefill_chunk_size`. Elsewhere `unsupported_reason` says why and the trainer logs it and
+generates as TRL does; in training mode a model with dropout is generated as TRL does too (`dropout_reason`).
 The kept caches live for one generation batch (`_generate_and_score_completions`): weights change between batches.
 """
 
