@@ -320,6 +320,11 @@ def test_dropout_reason_names_lora_dropout_and_config_dropout(tiny_model_dir, tm
         assert reason is None if expected is None else expected in reason
     with_config = AutoModelForCausalLM.from_pretrained(_dropout_model(tiny_model_dir, tmp_path, 0.1))
     assert "attention_dropout=0.1" in dropout_reason(with_config)
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    tiny = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
+    assert dropout_reason(MixtralForCausalLM(MixtralConfig(**tiny))) is None
+    assert "router_jitter_noise" in dropout_reason(MixtralForCausalLM(MixtralConfig(**tiny, router_jitter_noise=0.1)))
 
 
 def test_caches_of_other_weights_are_never_reused(tiny_model_dir, tmp_path):

@@ -124,10 +124,10 @@ def unsupported_reason(model, generation_config) -> str | None:
 
 
 def dropout_reason(model) -> str | None:
-    """What makes the model's forward random in training mode (a dropout with p > 0), or None.
+    """What makes the model's forward random in training mode (a dropout with p > 0, MoE router jitter), or None.
 
     TRL generates in the trainer's mode, so during training with dropout every turn re-encodes the history under fresh
-    dropout masks. Kept keys and values (computed under the masks that sampled the earlier tokens) and a prompt
+    dropout masks (or jitter). Kept keys and values (computed under the masks that sampled the earlier tokens) and a prompt
     prefilled once for all its copies would sample from another distribution, so the cache is not used then.
     """
     from torch.nn.modules.dropout import _DropoutNd
@@ -135,10 +135,12 @@ def dropout_reason(model) -> str | None:
     for name, module in model.named_modules():
         if isinstance(module, _DropoutNd) and module.p > 0:
             return f"`{name}` has p={module.p:g}"
-    # Attention dropout is mostly functional (`dropout=config.attention_dropout if training`), not a module.
+    # Attention dropout is mostly functional (`dropout=config.attention_dropout if training`), not a module; so is
+    # the router jitter of MoE models (`router_jitter_noise`, `moe_jitter_eps`).
     config = model.config.get_text_config(decoder=True)
     for key, value in config.to_dict().items():
-        if ("dropout" in key or "pdrop" in key) and type(value) in (int, float) and value > 0:
+        random_in_training = "dropout" in key or "pdrop" in key or "jitter" in key
+        if random_in_training and type(value) in (int, float) and value > 0:
             return f"`{key}={value:g}` in the model config"
     return None
 
