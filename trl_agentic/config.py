@@ -199,8 +199,9 @@ class AgenticGRPOConfig(GRPOConfig):
         max_turn_tokens (`int`, *optional*):
             Most tokens the model may generate in one assistant turn (TRL has only the per-rollout
             `max_completion_length`, which still applies). A turn that reaches it without an end-of-turn token is
-            truncated like a turn cut by `max_completion_length`: it is not executed, the rollout ends there and the
-            turn counts in `tools/truncated_turns` (and `tools/turn_cap_truncations`); the rollout's last token is
+            truncated like a turn cut by `max_completion_length`: calls TRL's parser still finds in it run as in
+            TRL's loop and their results are dropped, the rollout ends there and the turn counts in
+            `tools/truncated_turns` (and `tools/turn_cap_truncations`); the rollout's last token is
             then not end-of-sequence, so `mask_truncated_completions` masks it as TRL masks a truncated completion.
             Setting it routes tool rollouts through trl-agentic's loop. Unset: no per-turn cap.
 
