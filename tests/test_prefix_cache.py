@@ -337,6 +337,22 @@ def test_caches_of_other_weights_are_never_reused(tiny_model_dir, tmp_path):
     assert trainer._prefix_cache.stats.reused_tokens == 0
 
 
+def test_no_cache_is_kept_after_the_generation_batch(tiny_model_dir, tmp_path):
+    """The kept keys and values live for one generation batch, generation after the tool loop included (RLVCR's
+    estimator generates alternative thinking in the batch augmenter): none is left for the training step."""
+    trainer, _, _ = _rollout(tmp_path, tiny_model_dir, caching=True)
+    augmenter, seen = trainer._augmenter, []
+
+    def augment(output, *args):
+        trainer._generate_single_turn([output["prompt_ids"][0].tolist()], None, {}, 1)  # as the estimator does
+        seen.append(len(trainer._prefix_cache.conversations))
+        return augmenter(output, *args)
+
+    trainer._augmenter = augment
+    trainer._generate_and_score_completions([{"prompt": [{"role": "user", "content": "Do the task ."}]}] * 4)
+    assert seen == [1] and trainer._prefix_cache.conversations == []
+
+
 def test_unsupported_models_fall_back_with_a_log_line(tiny_model_dir, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="trl_agentic.generation"):
         trainer = _trainer(tmp_path, tiny_model_dir, cache_implementation="static")
