@@ -123,6 +123,7 @@ class GenerationMixin:
     def _generate_with_prefix_cache(self, prompt_ids: list[list[int]]) -> list[list[int]]:
         """TRL's regular transformers generation (`_generate_single_turn`'s last branch) with the kept prefixes."""
         from transformers import Trainer
+        from trl.extras.profiling import profiling_context
         from trl.models.utils import unwrap_model_for_generation
         from trl.trainer.utils import pad
 
@@ -143,6 +144,7 @@ class GenerationMixin:
         }
         inputs = Trainer._prepare_inputs(self, inputs)  # what TRL's `super()._prepare_inputs` is: device placement
         with (
+            profiling_context(self, "transformers.generate"),
             unwrap_model_for_generation(
                 self.model_wrapped,
                 self.accelerator,
