@@ -377,6 +377,35 @@ def test_chunked_prefill_generates_as_trl(tiny_model_dir, tmp_path, caplog):
     assert trainer._prefix_cache is None and "prefill_chunk_size" in caplog.text
 
 
+def test_length_dependent_rope_generates_as_trl(tiny_model_dir, tmp_path):
+    """LongRoPE frequencies depend on the longest position of each forward (transformers' `dynamic_rope_update`):
+    once the history passes the original length, keys kept from an earlier turn's shorter forward differ from TRL's
+    prefill of the whole history; the turns must still be TRL's (the cache is not used). Dynamic NTK is refused for
+    the same reason (`test_sliding_window_layers_are_not_reused`); its frequencies also carry state from one forward
+    to the next, so TRL's own path is not a reference that can be run twice."""
+    import shutil
+
+    out = tmp_path / "longrope"
+    shutil.copytree(tiny_model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["rope_parameters"] = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0] * 8,
+        "long_factor": [4.0] * 8,
+        "original_max_position_embeddings": 48,
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    trainer = _trainer(tmp_path, str(out))
+    tok = trainer._tokenizer
+    contexts = [_prompt(tok, "x" * n) for n in (3, 9)]
+    for turn in range(3):  # 22-28 tokens, then 57-63 (past 48), then 92-98
+        cached, plain, _, _ = _both(trainer, contexts)
+        assert cached == plain, f"turn {turn}"
+        contexts = [c + ids + _suffix(tok, "ok") for c, ids in zip(contexts, cached)]
+    assert max(map(len, contexts)) > 48 and trainer._prefix_cache is None
+
+
 def test_sliding_window_layers_are_not_reused():
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -395,6 +424,10 @@ def test_sliding_window_layers_are_not_reused():
     sliding = Qwen2ForCausalLM(Qwen2Config(**config, use_sliding_window=True, sliding_window=8, max_window_layers=0))
     assert "DynamicSlidingWindowLayer" in unsupported_reason(sliding, GenerationConfig())
     assert "beam" in unsupported_reason(full, GenerationConfig(num_beams=2))
+    dynamic = Qwen2ForCausalLM(Qwen2Config(**config, rope_parameters={"rope_type": "dynamic", "factor": 2.0}))
+    assert "dynamic" in unsupported_reason(dynamic, GenerationConfig())
+    linear = Qwen2ForCausalLM(Qwen2Config(**config, rope_parameters={"rope_type": "linear", "factor": 2.0}))
+    assert unsupported_reason(linear, GenerationConfig()) is None  # a fixed scaling: keys do not depend on length
 
 
 # ----------------------------------------------------------------------------------------------- whole rollouts

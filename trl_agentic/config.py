@@ -193,9 +193,9 @@ class AgenticGRPOConfig(GRPOConfig):
             `delete_context` it is reused up to the first deleted message. Generation is otherwise TRL's (same
             padded inputs, generation config and logits processors): greedy tokens are the same as without it and
             log-probabilities equal to float tolerance. Off (with a logged reason) for models whose cache is not
-            all full-attention layers, `cache_implementation`, `prefill_chunk_size`, beam search, continuous
-            batching and vision models, and in training mode for models with dropout (TRL samples under fresh
-            dropout masks at every turn).
+            all full-attention layers, dynamic-NTK / LongRoPE models, `cache_implementation`, `prefill_chunk_size`,
+            beam search, continuous batching and vision models, and in training mode for models with dropout (TRL
+            samples under fresh dropout masks at every turn).
         max_turn_tokens (`int`, *optional*):
             Most tokens the model may generate in one assistant turn (TRL has only the per-rollout
             `max_completion_length`, which still applies). A turn that reaches it without an end-of-turn token is

@@ -26,9 +26,10 @@ batch layouts is exact up to floating-point summation order: greedy tokens equal
 tolerance (tests/test_prefix_cache.py).
 
 Scope: decoder-only text models whose transformers cache is all `DynamicLayer`s (full attention; sliding-window and
-linear-attention layers are not reused), greedy or multinomial sampling with one sequence per prompt (no beams), no
-`cache_implementation` nor `prefill_chunk_size`. Elsewhere `unsupported_reason` says why and the trainer logs it and
-generates as TRL does; in training mode a model with dropout is generated as TRL does too (`dropout_reason`).
+linear-attention layers are not reused) with a RoPE that does not depend on the sequence length (no dynamic NTK nor
+LongRoPE), greedy or multinomial sampling with one sequence per prompt (no beams), no `cache_implementation` nor
+`prefill_chunk_size`. Elsewhere `unsupported_reason` says why and the trainer logs it and generates as TRL does; in
+training mode a model with dropout is generated as TRL does too (`dropout_reason`).
 The kept caches live for one generation batch (`_generate_and_score_completions`): weights change between batches.
 """
 
@@ -114,6 +115,13 @@ def unsupported_reason(model, generation_config) -> str | None:
         return "beam search or several sequences per prompt reorder the cache"
     if getattr(model.config, "is_encoder_decoder", False):
         return "encoder-decoder model"
+    rope = getattr(model.config.get_text_config(decoder=True), "rope_parameters", None) or {}
+    rope_types = [rope.get("rope_type")] + [v.get("rope_type") for v in rope.values() if isinstance(v, dict)]
+    varying = sorted({t for t in rope_types if isinstance(t, str) and ("dynamic" in t or t == "longrope")})
+    if varying:
+        # transformers recomputes these frequencies from the longest position of each forward: keys kept from a
+        # shorter forward were rotated otherwise than TRL's prefill of the whole history rotates them.
+        return f"RoPE type {varying} rotates keys by the forward's length"
     if hasattr(model, "_supports_default_dynamic_cache") and not model._supports_default_dynamic_cache():
         return f"{type(model).__name__} does not use transformers' dynamic cache"
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
