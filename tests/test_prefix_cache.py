@@ -93,7 +93,7 @@ def _record(model):
     return calls
 
 
-def _trainer(tmp_path, model_dir, **overrides):
+def _trainer(tmp_path, model_dir, peft_config=None, **overrides):
     fields = dict(
         output_dir=str(tmp_path),
         use_cpu=True,
@@ -117,6 +117,7 @@ def _trainer(tmp_path, model_dir, **overrides):
         args=AgenticGRPOConfig(**fields),
         train_dataset=dataset,
         tools=[lookup],
+        peft_config=peft_config,
     )
 
 
@@ -171,6 +172,29 @@ def test_greedy_turns_and_logits_equal_with_and_without_the_cache(tiny_model_dir
         if turn == 4:
             contexts[3] = _prompt(tok, "a fresh conversation")
     assert all(b > a for a, b in zip(reused, reused[1:]))
+
+
+def test_lora_adapter_under_gradient_checkpointing_in_training_mode(tiny_model_dir, tmp_path):
+    """A PEFT LoRA policy (non-zero adapter weights) in training mode with gradient checkpointing on, as the trainer
+    generates: TRL's `unwrap_model_for_generation` turns checkpointing off around both paths; same greedy tokens and
+    logits as TRL's path over three turns, with reuse."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+    trainer = _trainer(tmp_path, tiny_model_dir, peft_config=lora, gradient_checkpointing=True)
+    trainer.model.train()
+    trainer.accelerator.unwrap_model(trainer.model).gradient_checkpointing_enable()
+    assert trainer._prefix_cache is not None and trainer.model.is_gradient_checkpointing
+    tok = trainer._tokenizer
+    contexts = [_prompt(tok, "x" * n) for n in (3, 17, 9)]
+    for turn in range(3):
+        cached, plain, cached_logits, plain_logits = _both(trainer, contexts)
+        assert cached == plain, f"turn {turn}"
+        assert cached_logits and len(cached_logits) == len(plain_logits)
+        for a, b in zip(cached_logits, plain_logits, strict=True):
+            torch.testing.assert_close(a.log_softmax(-1), b.log_softmax(-1), rtol=0, atol=1e-4)
+        contexts = [c + ids + _suffix(tok, "r" * (3 + i)) for i, (c, ids) in enumerate(zip(contexts, cached))]
+    assert trainer._prefix_cache.stats.reused_tokens > 0 and trainer.model.is_gradient_checkpointing
 
 
 def test_reuse_of_an_appended_turn_is_the_previous_conversation(tiny_model_dir, tmp_path):
