@@ -373,6 +373,16 @@ def _concurrent(k: int, turns: int, room) -> str:
     return _calls(("probe", {"tag": f"a{k + turns}"}), ("probe", {"tag": f"b{k}"}))
 
 
+def _bad_arguments(k: int, turns: int, room) -> str:
+    # Arguments that are not an object, which TRL's parser passes through: TRL's `tool(**arguments)` raises Python's
+    # TypeError for them (an empty string included), an async tool's among the sync results.
+    if turns >= 1 or k % 4 == 3:
+        return "Done.<|im_end|>"
+    bad = ['"w1"', '""', "[1, 2]"][k % 3]
+    blocks = [f'<tool_call>\n{{"name": "{name}", "arguments": {bad}}}\n</tool_call>' for name in ("square", "shout")]
+    return "\n".join([*blocks, _calls(("shout", {"word": "ok"}), end="")]) + "<|im_end|>"
+
+
 class Tape:
     """A stateful environment with a long-output tool, for the completion budget."""
 
@@ -430,6 +440,7 @@ LOOP_SCENARIOS = {
     ),
     "list_result": dict(tools=[lookup, shout], turn=_list_result, ours_only=NOT_TRIGGERED["timeout"]),
     "concurrent_async": dict(tools=[probe], turn=_concurrent, ours_only=NOT_TRIGGERED["rollback"]),
+    "bad_arguments": dict(tools=[square, shout], turn=_bad_arguments, ours_only=NOT_TRIGGERED["timeout"]),
     "budget_timeout": dict(
         tools=Tape, turn=_budget, max_completion_length=160, ours_only=NOT_TRIGGERED["timeout"], loss_type="grpo"
     ),
@@ -453,6 +464,10 @@ def test_our_loop_renders_as_trl(tiny_model_dir, tmp_path, name):
     elif name == "concurrent_async":
         contents = [m["content"] for r in rounds for m in r]
         assert any(c.endswith("2 running") for c in contents) and any(_error_text(c) for c in contents)
+    elif name == "bad_arguments":
+        contents = [m["content"] for r in rounds for m in r]
+        assert any("argument after ** must be a mapping, not str" in c for c in contents)
+        assert sum("must be a mapping" in c for c in contents) > sum(c == "OK" for c in contents) > 0
     else:
         # A tool result that could not fit (dropped: the conversation ends with the call), a turn cut by the budget,
         # and a turn cut right after a complete call, which TRL ran (its bump is in the environment's total) and

@@ -93,7 +93,7 @@ def _record(model):
     return calls
 
 
-def _trainer(tmp_path, model_dir, **overrides):
+def _trainer(tmp_path, model_dir, peft_config=None, **overrides):
     fields = dict(
         output_dir=str(tmp_path),
         use_cpu=True,
@@ -117,6 +117,7 @@ def _trainer(tmp_path, model_dir, **overrides):
         args=AgenticGRPOConfig(**fields),
         train_dataset=dataset,
         tools=[lookup],
+        peft_config=peft_config,
     )
 
 
@@ -173,6 +174,29 @@ def test_greedy_turns_and_logits_equal_with_and_without_the_cache(tiny_model_dir
     assert all(b > a for a, b in zip(reused, reused[1:]))
 
 
+def test_lora_adapter_under_gradient_checkpointing_in_training_mode(tiny_model_dir, tmp_path):
+    """A PEFT LoRA policy (non-zero adapter weights) in training mode with gradient checkpointing on, as the trainer
+    generates: TRL's `unwrap_model_for_generation` turns checkpointing off around both paths; same greedy tokens and
+    logits as TRL's path over three turns, with reuse."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+    trainer = _trainer(tmp_path, tiny_model_dir, peft_config=lora, gradient_checkpointing=True)
+    trainer.model.train()
+    trainer.accelerator.unwrap_model(trainer.model).gradient_checkpointing_enable()
+    assert trainer._prefix_cache is not None and trainer.model.is_gradient_checkpointing
+    tok = trainer._tokenizer
+    contexts = [_prompt(tok, "x" * n) for n in (3, 17, 9)]
+    for turn in range(3):
+        cached, plain, cached_logits, plain_logits = _both(trainer, contexts)
+        assert cached == plain, f"turn {turn}"
+        assert cached_logits and len(cached_logits) == len(plain_logits)
+        for a, b in zip(cached_logits, plain_logits, strict=True):
+            torch.testing.assert_close(a.log_softmax(-1), b.log_softmax(-1), rtol=0, atol=1e-4)
+        contexts = [c + ids + _suffix(tok, "r" * (3 + i)) for i, (c, ids) in enumerate(zip(contexts, cached))]
+    assert trainer._prefix_cache.stats.reused_tokens > 0 and trainer.model.is_gradient_checkpointing
+
+
 def test_reuse_of_an_appended_turn_is_the_previous_conversation(tiny_model_dir, tmp_path):
     """Each row can reuse its previous context and turn but the last sampled token (whose keys and values
     generation never computes); rows whose new part is shorter than the longest row's re-feed the difference (left
@@ -207,6 +231,42 @@ def test_copies_of_a_prompt_share_one_prefill(tiny_model_dir, tmp_path):
     assert stats.reused_tokens == 2 * (len(p) - 1) + 2 * (len(q) - 1)
 
 
+def _count_forwards(model) -> list[int]:
+    counter = [0]
+    model.register_forward_pre_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
+    return counter
+
+
+@pytest.mark.parametrize("setting", ["zero3_sharded", "fsdp"])
+def test_where_every_forward_is_a_collective_the_cache_makes_trls_forwards(
+    tiny_model_dir, tmp_path, setting, monkeypatch
+):
+    """Under ZeRO-3 without gathered weights, and under FSDP with several processes, every forward is a collective
+    (transformers syncs generation in both): the first turn's shared-prompt prefill, an extra forward whose count
+    depends on the process's own prompts, must not happen; the cached call makes as many forwards as TRL's."""
+    from types import SimpleNamespace
+
+    trainer = _trainer(tmp_path, tiny_model_dir)
+    tok = trainer._tokenizer
+    p, q = _prompt(tok, "the same question"), _prompt(tok, "another, longer question: " + "q" * 40)
+    contexts = [p, q, p, q]
+    if setting == "fsdp":
+        monkeypatch.setattr(trainer._dist, "fsdp_version", 2)
+        monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+    else:
+        plugin = SimpleNamespace(zero_stage=3)
+        monkeypatch.setattr(type(trainer.accelerator.state), "deepspeed_plugin", property(lambda self: plugin))
+        trainer.args.ds3_gather_for_generation = False
+    trainer._init_generation()
+    monkeypatch.undo()  # generation itself runs on this single CPU process
+    counter = _count_forwards(trainer.model)
+    cached, _ = trainer._generate_single_turn([list(c) for c in contexts], None, {}, 1)
+    forwards, counter[0] = counter[0], 0
+    plain, _ = GRPOTrainer._generate_single_turn(trainer, [list(c) for c in contexts], None, {}, 1)
+    assert cached == plain and forwards == counter[0]
+    assert trainer._prefix_cache.stats.shared_prefill_tokens == 0
+
+
 def test_a_prompt_without_copies_is_not_worth_sharing(tiny_model_dir, tmp_path):
     """One row with a long prompt of its own sets how many tokens every row feeds (left padding): prefilling the
     other rows' shared prompt first would only add work, so it is not done."""
@@ -232,6 +292,65 @@ def test_sampled_turns_are_the_same_with_the_same_seed(tiny_model_dir, tmp_path)
     assert trainer._prefix_cache.stats.reused_tokens > 0
 
 
+def _dropout_model(tiny_model_dir, tmp_path, p: float) -> str:
+    """A copy of the tiny model with attention dropout `p` (functional: `dropout=config.attention_dropout`)."""
+    import shutil
+    from pathlib import Path
+
+    out = tmp_path / f"dropout-{p}"
+    shutil.copytree(tiny_model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["attention_dropout"] = p
+    (out / "config.json").write_text(json.dumps(config))
+    return str(Path(out))
+
+
+def test_training_mode_with_dropout_samples_as_trl(tiny_model_dir, tmp_path):
+    """TRL generates in training mode with dropout active, every turn's history re-encoded under fresh masks: kept
+    keys and values (and a prompt prefilled once for its copies) would sample otherwise, so the cache steps aside in
+    training and the same seed gives TRL's tokens; in evaluation (no dropout) it is used and is exact."""
+    trainer = _trainer(
+        tmp_path, _dropout_model(tiny_model_dir, tmp_path, 0.5), generation_kwargs=None, temperature=0.9
+    )
+    assert trainer._prefix_cache is not None
+    tok = trainer._tokenizer
+    for training in (True, False):
+        trainer.model.train(training)
+        contexts = [_prompt(tok, "z" * n) for n in (5, 12, 5, 12)]  # two prompts, two copies each
+        for _ in range(3):
+            torch.manual_seed(3)
+            cached, _ = trainer._generate_single_turn([list(c) for c in contexts], None, {}, 1)
+            torch.manual_seed(3)
+            plain, _ = GRPOTrainer._generate_single_turn(trainer, [list(c) for c in contexts], None, {}, 1)
+            assert cached == plain, training
+            contexts = [c + ids + _suffix(tok, "ok") for c, ids in zip(contexts, cached)]
+        assert (trainer._prefix_cache.stats.reused_tokens > 0) == (not training)
+    assert "attention_dropout" in trainer._dropout_in_training  # what the log line names
+
+
+def test_dropout_reason_names_lora_dropout_and_config_dropout(tiny_model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trl_agentic.rollout.prefix_cache import dropout_reason
+
+    assert dropout_reason(AutoModelForCausalLM.from_pretrained(tiny_model_dir)) is None
+    for p, expected in ((0.0, None), (0.05, "lora_dropout")):
+        model = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+            LoraConfig(r=2, target_modules=["q_proj"], lora_dropout=p),
+        )
+        reason = dropout_reason(model)
+        assert reason is None if expected is None else expected in reason
+    with_config = AutoModelForCausalLM.from_pretrained(_dropout_model(tiny_model_dir, tmp_path, 0.1))
+    assert "attention_dropout=0.1" in dropout_reason(with_config)
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    tiny = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
+    assert dropout_reason(MixtralForCausalLM(MixtralConfig(**tiny))) is None
+    assert "router_jitter_noise" in dropout_reason(MixtralForCausalLM(MixtralConfig(**tiny, router_jitter_noise=0.1)))
+
+
 def test_caches_of_other_weights_are_never_reused(tiny_model_dir, tmp_path):
     trainer = _trainer(tmp_path, tiny_model_dir)
     tok = trainer._tokenizer
@@ -242,6 +361,22 @@ def test_caches_of_other_weights_are_never_reused(tiny_model_dir, tmp_path):
     assert trainer._prefix_cache.stats.reused_tokens == 0
 
 
+def test_no_cache_is_kept_after_the_generation_batch(tiny_model_dir, tmp_path):
+    """The kept keys and values live for one generation batch, generation after the tool loop included (RLVCR's
+    estimator generates alternative thinking in the batch augmenter): none is left for the training step."""
+    trainer, _, _ = _rollout(tmp_path, tiny_model_dir, caching=True)
+    augmenter, seen = trainer._augmenter, []
+
+    def augment(output, *args):
+        trainer._generate_single_turn([output["prompt_ids"][0].tolist()], None, {}, 1)  # as the estimator does
+        seen.append(len(trainer._prefix_cache.conversations))
+        return augmenter(output, *args)
+
+    trainer._augmenter = augment
+    trainer._generate_and_score_completions([{"prompt": [{"role": "user", "content": "Do the task ."}]}] * 4)
+    assert seen == [1] and trainer._prefix_cache.conversations == []
+
+
 def test_unsupported_models_fall_back_with_a_log_line(tiny_model_dir, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="trl_agentic.generation"):
         trainer = _trainer(tmp_path, tiny_model_dir, cache_implementation="static")
@@ -249,6 +384,50 @@ def test_unsupported_models_fall_back_with_a_log_line(tiny_model_dir, tmp_path, 
     assert "transformers_prefix_caching is on but not used" in caplog.text and "cache_implementation" in caplog.text
     off = _trainer(tmp_path, tiny_model_dir, transformers_prefix_caching=False)
     assert off._prefix_cache is None
+
+
+def test_chunked_prefill_generates_as_trl(tiny_model_dir, tmp_path, caplog):
+    """`prefill_chunk_size` (a generation setting for long contexts): transformers' chunked prefill feeds the input
+    from its first token whatever the cache holds, so a kept prefix would be fed twice; the turns must still be
+    TRL's (the cache is not used, with a log line)."""
+    with caplog.at_level(logging.WARNING, logger="trl_agentic.generation"):
+        trainer = _trainer(tmp_path, tiny_model_dir, generation_kwargs={"do_sample": False, "prefill_chunk_size": 4})
+    tok = trainer._tokenizer
+    contexts = [_prompt(tok, "x" * n) for n in (5, 12, 5, 12)]
+    for turn in range(3):
+        cached, plain, _, _ = _both(trainer, contexts)
+        assert cached == plain, f"turn {turn}"
+        contexts = [c + ids + _suffix(tok, "ok") for c, ids in zip(contexts, cached)]
+    assert trainer._prefix_cache is None and "prefill_chunk_size" in caplog.text
+
+
+def test_length_dependent_rope_generates_as_trl(tiny_model_dir, tmp_path):
+    """LongRoPE frequencies depend on the longest position of each forward (transformers' `dynamic_rope_update`):
+    once the history passes the original length, keys kept from an earlier turn's shorter forward differ from TRL's
+    prefill of the whole history; the turns must still be TRL's (the cache is not used). Dynamic NTK is refused for
+    the same reason (`test_sliding_window_layers_are_not_reused`); its frequencies also carry state from one forward
+    to the next, so TRL's own path is not a reference that can be run twice."""
+    import shutil
+
+    out = tmp_path / "longrope"
+    shutil.copytree(tiny_model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["rope_parameters"] = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0] * 8,
+        "long_factor": [4.0] * 8,
+        "original_max_position_embeddings": 48,
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    trainer = _trainer(tmp_path, str(out))
+    tok = trainer._tokenizer
+    contexts = [_prompt(tok, "x" * n) for n in (3, 9)]
+    for turn in range(3):  # 22-28 tokens, then 57-63 (past 48), then 92-98
+        cached, plain, _, _ = _both(trainer, contexts)
+        assert cached == plain, f"turn {turn}"
+        contexts = [c + ids + _suffix(tok, "ok") for c, ids in zip(contexts, cached)]
+    assert max(map(len, contexts)) > 48 and trainer._prefix_cache is None
 
 
 def test_sliding_window_layers_are_not_reused():
@@ -269,6 +448,10 @@ def test_sliding_window_layers_are_not_reused():
     sliding = Qwen2ForCausalLM(Qwen2Config(**config, use_sliding_window=True, sliding_window=8, max_window_layers=0))
     assert "DynamicSlidingWindowLayer" in unsupported_reason(sliding, GenerationConfig())
     assert "beam" in unsupported_reason(full, GenerationConfig(num_beams=2))
+    dynamic = Qwen2ForCausalLM(Qwen2Config(**config, rope_parameters={"rope_type": "dynamic", "factor": 2.0}))
+    assert "dynamic" in unsupported_reason(dynamic, GenerationConfig())
+    linear = Qwen2ForCausalLM(Qwen2Config(**config, rope_parameters={"rope_type": "linear", "factor": 2.0}))
+    assert unsupported_reason(linear, GenerationConfig()) is None  # a fixed scaling: keys do not depend on length
 
 
 # ----------------------------------------------------------------------------------------------- whole rollouts

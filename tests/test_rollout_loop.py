@@ -723,6 +723,61 @@ def test_async_calls_run_after_the_sync_ones_together_and_time_out_alone(tiny_to
     assert result.stats.retired_environments == 1 and env.log == [2, 5]
 
 
+def test_async_calls_after_a_timed_out_sync_call_run_on_the_fresh_environment(tiny_tokenizer, event_loop_thread):
+    """An async call made before a sync call that times out: the sync call retires the environment, and the async
+    call (run after it, in TRL's order) must act on the fresh instance the rollout goes on with, not the retired one."""
+    release = threading.Event()  # outside the environment's state (checkpoints deep-copy it)
+
+    class HangEnv(AsyncEnv):
+        def hang(self) -> str:
+            """
+            Returns once the test releases it (past the call's time limit).
+            """
+            release.wait()
+            return "late"
+
+    env = HangEnv()
+    turn = (
+        '<tool_call>{"name": "slow", "arguments": {"n": 7}}</tool_call>'
+        '<tool_call>{"name": "hang", "arguments": {}}</tool_call><|im_end|>'
+    )
+    b = ScriptBackend(tiny_tokenizer, [["Done.<|im_end|>"]])
+    p, prompt_ids, completion_ids, completions, lps = start(b, [turn])
+    envs = [env]
+    try:
+        trl_tuple, result = AgenticRolloutLoop(b, cfg(tool_timeout=1.0), async_loop=event_loop_thread).run(
+            p, prompt_ids, completion_ids, completions, lps, [{"hang": env.hang}], [{"slow": env.slow}], envs
+        )
+    finally:
+        release.set()
+    tools = [(m["name"], m["content"]) for m in trl_tuple[1][0] if m["role"] == "tool"]
+    assert tools == [("hang", render_tool_error("tool did not return within 1 s")), ("slow", "7")]
+    assert result.stats.retired_environments == 1 and envs[0] is not env
+    assert envs[0].log == [7] and env.log == []  # the model read "7": the state it goes on with holds it
+
+
+def test_rollback_of_an_async_and_sync_turn_restores_the_state_and_keeps_trls_order(tiny_tokenizer, event_loop_thread):
+    """A turn calling an async tool, then a sync call that fails with a rollback error: both ran (TRL runs every call
+    of a turn, the sync ones first), the restore undoes both, and the negative row holds the results in TRL's order
+    (the sync error first) as messages and as tokens."""
+    env = AsyncEnv()
+    turn = '<tool_call>{"name": "slow", "arguments": {"n": 5}}</tool_call>' + call("add", n="x")
+    good = call("add", n=2)
+    b = ScriptBackend(tiny_tokenizer, [[good], ["Done.<|im_end|>"]])
+    p, prompt_ids, completion_ids, completions, lps = start(b, [turn])
+    trl_tuple, result = AgenticRolloutLoop(b, rollback_cfg(), async_loop=event_loop_thread).run(
+        p, prompt_ids, completion_ids, completions, lps, [{"add": env.add}], [{"slow": env.slow}], [env]
+    )
+    (neg,) = result.extra_rows
+    expected = [("add", render_tool_error(TYPE_ERROR)), ("slow", "5")]
+    assert [(m["name"], m["content"]) for m in neg.messages if m["role"] == "tool"] == expected
+    suffix = b.enc("".join(f"<R>{content}</R>" for _, content in expected) + "<|im_start|>")
+    assert neg.completion_ids == b.enc(turn) + suffix and neg.error_types == ["TypeError"]
+    assert env.log == [2] and env.total == 2  # "x" and 5 were undone by the restore; only the regenerated call stays
+    roles = [m["role"] for m in trl_tuple[1][0]]
+    assert roles == ["assistant", "tool", "assistant"] and trl_tuple[1][0][1]["content"] == "2"
+
+
 def test_list_results_pass_through_and_images_are_refused(tiny_tokenizer):
     """A list result is the message content, as in TRL's loop; `max_tool_output_chars` cuts its text blocks; an
     image block stops the loop (it does not handle images, like images in prompts)."""

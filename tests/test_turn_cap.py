@@ -1,6 +1,7 @@
 """The per-turn token cap (`max_turn_tokens`): a turn that reaches it without an end-of-turn token is truncated like a
-turn cut by `max_completion_length` (not executed, the rollout ends there), counted in `truncated_turns` and, apart,
-in `turn_cap_truncations`; the trainer makes every engine generate at most that many tokens per turn."""
+turn cut by `max_completion_length` (calls TRL's parser still finds in it run, their results are dropped, the rollout
+ends there), counted in `truncated_turns` and, apart, in `turn_cap_truncations`; the trainer makes every engine
+generate at most that many tokens per turn."""
 
 from __future__ import annotations
 
@@ -36,6 +37,25 @@ def test_a_turn_longer_than_the_cap_is_cut_there_and_ends_the_rollout(tiny_token
     assert tool_mask[0] == [1] * cap + [0] * len(suffix) + [1] * cap
     assert logprobs[0][-cap:] == b.lps(b.enc(second))[:cap]
     assert env.log == [1] and len(b.calls) == 1  # no third generation: the rollout ended at the cut turn
+    assert result.stats.truncated_turns == 1 and result.stats.turn_cap_truncations == 1
+
+
+def test_a_complete_call_in_a_turn_cut_by_the_cap_runs_and_its_result_is_dropped(tiny_tokenizer):
+    """TRL's rule for a cut turn, applied to the cap: the call its parser finds runs (side effects), its result does
+    not join the conversation, and the rollout ends with the cut turn, whatever budget is left."""
+    first = call("add", n=1)
+    second = call("add", n=2).removesuffix("<|im_end|>") + " and more words after the call"
+    b = ScriptBackend(tiny_tokenizer, [[second]])
+    env = LedgerEnv()
+    cap = len(b.enc(second)) - 3  # the call is complete, the text after it is cut
+    assert cap > len(b.enc(first))
+    _, _, (tool_mask, completions, completion_ids, _, tool_calls, _, _), result = run_loop(
+        b, [first], [env], cfg(max_turn_tokens=cap)
+    )
+    suffix = b.enc("<R>1</R><|im_start|>")
+    assert completion_ids[0] == b.enc(first) + suffix + b.enc(second)[:cap]
+    assert env.log == [1, 2] and tool_calls == 2 and len(b.calls) == 1
+    assert [m["role"] for m in completions[0]] == ["assistant", "tool", "assistant"]  # the cut turn's result dropped
     assert result.stats.truncated_turns == 1 and result.stats.turn_cap_truncations == 1
 
 
@@ -119,6 +139,8 @@ def test_the_trainer_generates_at_most_the_cap_and_masks_cut_turns(tiny_model_di
     assert lengths == 5  # every rollout is its first turn, cut at 5 tokens (not 40)
     assert batch["completion_mask"].sum().item() == 0  # all truncated, all masked (TRL's rule)
     assert trainer._last_loop_result.stats.turn_cap_truncations == 4
+    metrics = trainer._metrics["train"]  # the metrics the config's help names
+    assert metrics["tools/truncated_turns"][-1] == metrics["tools/turn_cap_truncations"][-1] == 4
     assert trainer.generation_config.max_new_tokens == 40  # the cap applied to a copy, not the trainer's config
     # Without the cap, TRL's own generation runs past it.
     ids, _ = GRPOTrainer._generate_single_turn(trainer, [[1, 2, 3]], None, {}, 1)

@@ -717,9 +717,10 @@ class BatchAugmenter:
                         stats.user_turns,
                         stats.user_turns_dropped,
                         stats.retired_environments,
+                        stats.turn_cap_truncations,
                     ]
                     if stats is not None
-                    else [0] * 17
+                    else [0] * 18
                 ),
             ],
             dtype=torch.float64,
@@ -747,6 +748,7 @@ class BatchAugmenter:
             user_turns,
             user_turns_dropped,
             retired,
+            turn_cap_truncations,
         ) = total
         sizes = torch.bincount(group_t - group_t.min()) if group_t.numel() else torch.zeros(1)
         sizes = sizes[sizes > 0].float()
@@ -768,6 +770,8 @@ class BatchAugmenter:
             metrics["tools/malformed_calls"].append(malformed)
             metrics["tools/truncated_outputs"].append(truncated)
             metrics["tools/truncated_turns"].append(truncated_turns)
+            if args.max_turn_tokens is not None:
+                metrics["tools/turn_cap_truncations"].append(turn_cap_truncations)
             metrics["tools/retired_environments"].append(retired)
             metrics["conversation/user_turns"].append(user_turns)
             metrics["conversation/user_turns_dropped"].append(user_turns_dropped)

@@ -193,12 +193,15 @@ class AgenticGRPOConfig(GRPOConfig):
             `delete_context` it is reused up to the first deleted message. Generation is otherwise TRL's (same
             padded inputs, generation config and logits processors): greedy tokens are the same as without it and
             log-probabilities equal to float tolerance. Off (with a logged reason) for models whose cache is not
-            all full-attention layers, `cache_implementation`, beam search, continuous batching and vision models.
+            all full-attention layers, dynamic-NTK / LongRoPE models, `cache_implementation`, `prefill_chunk_size`,
+            beam search, continuous batching and vision models, and in training mode for models with dropout (TRL
+            samples under fresh dropout masks at every turn).
         max_turn_tokens (`int`, *optional*):
             Most tokens the model may generate in one assistant turn (TRL has only the per-rollout
             `max_completion_length`, which still applies). A turn that reaches it without an end-of-turn token is
-            truncated like a turn cut by `max_completion_length`: it is not executed, the rollout ends there and the
-            turn counts in `tools/truncated_turns` (and `tools/turn_cap_truncations`); the rollout's last token is
+            truncated like a turn cut by `max_completion_length`: calls TRL's parser still finds in it run as in
+            TRL's loop and their results are dropped, the rollout ends there and the turn counts in
+            `tools/truncated_turns` (and `tools/turn_cap_truncations`); the rollout's last token is
             then not end-of-sequence, so `mask_truncated_completions` masks it as TRL masks a truncated completion.
             Setting it routes tool rollouts through trl-agentic's loop. Unset: no per-turn cap.
 
@@ -465,7 +468,7 @@ class AgenticGRPOConfig(GRPOConfig):
             "with every feature off TRL's generation runs untouched): keep each conversation's KV cache between "
             "turns and prefill only the new tokens (cropped after a rollback, reused up to the first deleted message "
             "after delete_context). Same tokens as without it under greedy decoding. Off, with a logged reason, "
-            "where it does not apply (vLLM caches prefixes itself)."
+            "where it does not apply (vLLM caches prefixes itself; in training mode, models with dropout)."
         },
     )
     max_turn_tokens: int | None = field(

@@ -22,7 +22,13 @@ from contextlib import contextmanager
 
 import torch
 
-from .rollout.prefix_cache import PrefixCache, generate_with_prefix_cache, unsupported_reason, with_max_new_tokens
+from .rollout.prefix_cache import (
+    PrefixCache,
+    dropout_reason,
+    generate_with_prefix_cache,
+    unsupported_reason,
+    with_max_new_tokens,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +39,7 @@ class GenerationMixin:
     def _init_generation(self) -> None:
         """Decide once whether prefix caching applies; log why not when it was asked for and does not."""
         self._prefix_cache: PrefixCache | None = None
+        self._dropout_in_training: str | None = None
         args = self.args
         if not args.transformers_prefix_caching or self.use_vllm or not self.tools:
             return  # vLLM has its own prefix caching; without tools every rollout is one turn
@@ -55,11 +62,21 @@ class GenerationMixin:
             )
             return
         self._prefix_cache = PrefixCache()
+        # TRL samples under dropout in training mode, with fresh masks at every turn: no cache then (eval mode is fine).
+        self._dropout_in_training = dropout_reason(self.accelerator.unwrap_model(self.model))
+        if self._dropout_in_training is not None:
+            logger.warning(
+                "transformers_prefix_caching is not used in training mode: the model has dropout (%s), which TRL "
+                "applies during generation with fresh masks at every turn. It is used in evaluation.",
+                self._dropout_in_training,
+            )
         # Sharing a prompt's prefix within a call costs one more forward per prompt; under ZeRO-3 without gathered
-        # weights every forward is a collective and processes would make different numbers of them.
+        # weights, and under FSDP (its units all-gather in every forward), every forward is a collective and processes
+        # would make different numbers of them (transformers' `synced_gpus` rule: ZeRO-3 or FSDP, several processes).
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         zero3_sharded = plugin is not None and plugin.zero_stage == 3 and not args.ds3_gather_for_generation
-        self._prefix_sharing_is_local = not zero3_sharded
+        fsdp = self._dist.is_fsdp and self.accelerator.num_processes > 1
+        self._prefix_sharing_is_local = not (zero3_sharded or fsdp)
 
     @contextmanager
     def _turn_cap(self):
@@ -84,9 +101,15 @@ class GenerationMixin:
         finally:
             self.generation_config = old
 
+    def _active_prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache when it applies now (not in training mode with dropout: see `dropout_reason`)."""
+        if self._prefix_cache is None or (self._dropout_in_training is not None and self.model.training):
+            return None
+        return self._prefix_cache
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         with self._turn_cap():
-            cache = self._prefix_cache
+            cache = self._active_prefix_cache()
             if cache is None or images is not None or multimodal_fields or has_tool_images:
                 return super()._generate_single_turn(
                     prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
@@ -100,6 +123,7 @@ class GenerationMixin:
     def _generate_with_prefix_cache(self, prompt_ids: list[list[int]]) -> list[list[int]]:
         """TRL's regular transformers generation (`_generate_single_turn`'s last branch) with the kept prefixes."""
         from transformers import Trainer
+        from trl.extras.profiling import profiling_context
         from trl.models.utils import unwrap_model_for_generation
         from trl.trainer.utils import pad
 
@@ -120,6 +144,7 @@ class GenerationMixin:
         }
         inputs = Trainer._prepare_inputs(self, inputs)  # what TRL's `super()._prepare_inputs` is: device placement
         with (
+            profiling_context(self, "transformers.generate"),
             unwrap_model_for_generation(
                 self.model_wrapped,
                 self.accelerator,
@@ -142,7 +167,7 @@ class GenerationMixin:
             )
 
     def _generate_and_score_completions(self, inputs):
-        cache = self._prefix_cache
+        cache = self._active_prefix_cache()
         if cache is None:
             return super()._generate_and_score_completions(inputs)
         cache.clear()

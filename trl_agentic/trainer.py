@@ -235,7 +235,11 @@ class AgenticGRPOTrainer(RowSelectionMixin, GenerationMixin, TracInMixin, RowWei
         self._last_loop_result = None
         self._last_rewards_per_func = None
         output = super()._generate_and_score_completions(inputs)
-        output = self._augmenter(output, inputs, self._last_rewards_per_func, self._last_loop_result)
+        try:
+            output = self._augmenter(output, inputs, self._last_rewards_per_func, self._last_loop_result)
+        finally:
+            if self._prefix_cache is not None:
+                self._prefix_cache.clear()  # an estimator's generation (RLVCR's thinking) kept its caches: drop them
         return self._select_rows(output)  # `row_selection` (trl_agentic.selection): last, on the finished batch
 
     # ------------------------------------------------------------------------------------------------------------

@@ -459,19 +459,30 @@ class AgenticRolloutLoop:
             else:
                 coroutine, outcome = self._start_async(i, call)
                 if coroutine is not None:
-                    deferred.append((call, coroutine))
+                    deferred.append((call, coroutine, self._async_tools[i][name]))
                     continue
                 outcome = outcome or self._run_sync(i, call)
             outcomes.append(outcome)
             ordered.append(call)
             if outcome.category == "infra":
-                for _, coroutine in deferred:
+                for _, coroutine, _ in deferred:
                     coroutine.close()  # never awaited: the rollout is lost, later calls of the turn are not run
                 return outcomes, ordered
         if deferred:
-            outcomes += self._run_async(i, deferred)
-            ordered += [call for call, _ in deferred]
+            outcomes += self._run_async(i, [self._rebind(i, *d) for d in deferred])
+            ordered += [call for call, _, _ in deferred]
         return outcomes, ordered
+
+    def _rebind(self, i: int, call: dict, coroutine, fn) -> tuple[dict, Any]:
+        """`(call, coroutine)` for the tool the rollout has now: a sync call of the turn that timed out retired the
+        environment (`_isolate_timed_out_env`) after the async calls' coroutines were made, and they must not run on
+        the retired instance (the rollout, and its reward, go on with the fresh one)."""
+        current = self._async_tools[i][call["function"]["name"]]
+        if current is fn:
+            return call, coroutine
+        coroutine.close()
+        arguments = call["function"].get("arguments")
+        return call, current(**({} if arguments is None else arguments))
 
     def _tool_call(self, i: int, call: dict, sync_tools: dict, async_tools: dict, timed: bool = True) -> ToolOutcome:
         started = time.perf_counter()
@@ -508,13 +519,14 @@ class AgenticRolloutLoop:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or call.get("type", "function") != "function":
             return None, None
-        name, arguments = function.get("name"), function.get("arguments") or {}
-        if name in self._sync_tools[i] or name not in self._async_tools[i] or not isinstance(arguments, dict):
+        name, arguments = function.get("name"), function.get("arguments")
+        arguments = {} if arguments is None else arguments  # as `run_tool_call`: a non-object raises TRL's TypeError
+        if name in self._sync_tools[i] or name not in self._async_tools[i]:
             return None, None
         try:
             return self._async_tools[i][name](**arguments), None
         except Exception as e:  # noqa: BLE001 - reported to the model, as run_tool_call does
-            return None, self._tool_call(i, call, {name: _Replay(e)}, {}, timed=False)
+            return None, self._tool_call(i, _without_arguments(call), {name: _Replay(e)}, {}, timed=False)
 
     def _run_async(self, i: int, deferred: list[tuple[dict, Any]]) -> list[ToolOutcome]:
         """Run async calls together (TRL's `asyncio.gather`), each then classified by `run_tool_call`; a call with an
@@ -526,7 +538,7 @@ class AgenticRolloutLoop:
         outcomes = []
         for (call, _), result in zip(deferred, results):
             name = call["function"]["name"]
-            outcome = self._tool_call(i, call, {name: _Replay(result)}, {}, timed=False)
+            outcome = self._tool_call(i, _without_arguments(call), {name: _Replay(result)}, {}, timed=False)
             for _ in range(cfg.max_infra_retries):
                 if outcome.category != "infra":
                     break
@@ -745,6 +757,11 @@ class _Replay:
         if isinstance(self.result, BaseException):
             raise self.result
         return self.result
+
+
+def _without_arguments(call: dict) -> dict:
+    """`call` with no arguments, for a `_Replay` (which reports what the call itself did, its TypeError included)."""
+    return {**call, "function": {**call["function"], "arguments": {}}}
 
 
 def _has_image(content) -> bool:

@@ -26,8 +26,10 @@ batch layouts is exact up to floating-point summation order: greedy tokens equal
 tolerance (tests/test_prefix_cache.py).
 
 Scope: decoder-only text models whose transformers cache is all `DynamicLayer`s (full attention; sliding-window and
-linear-attention layers are not reused), greedy or multinomial sampling with one sequence per prompt (no beams), no
-`cache_implementation`. Elsewhere `unsupported_reason` says why and the trainer logs it and generates as TRL does.
+linear-attention layers are not reused) with a RoPE that does not depend on the sequence length (no dynamic NTK nor
+LongRoPE), greedy or multinomial sampling with one sequence per prompt (no beams), no `cache_implementation` nor
+`prefill_chunk_size`. Elsewhere `unsupported_reason` says why and the trainer logs it and generates as TRL does; in
+training mode a model with dropout is generated as TRL does too (`dropout_reason`).
 The kept caches live for one generation batch (`_generate_and_score_completions`): weights change between batches.
 """
 
@@ -105,16 +107,49 @@ def unsupported_reason(model, generation_config) -> str | None:
         return f"`cache_implementation={generation_config.cache_implementation!r}` builds its own cache"
     if generation_config.use_cache is False:
         return "`use_cache=False` in the generation config"
+    if getattr(generation_config, "prefill_chunk_size", None) is not None:
+        return (
+            "`prefill_chunk_size`: transformers' chunked prefill starts from the first token, ignoring a filled cache"
+        )
     if (generation_config.num_beams or 1) != 1 or (generation_config.num_return_sequences or 1) != 1:
         return "beam search or several sequences per prompt reorder the cache"
     if getattr(model.config, "is_encoder_decoder", False):
         return "encoder-decoder model"
+    rope = getattr(model.config.get_text_config(decoder=True), "rope_parameters", None) or {}
+    rope_types = [rope.get("rope_type")] + [v.get("rope_type") for v in rope.values() if isinstance(v, dict)]
+    varying = sorted({t for t in rope_types if isinstance(t, str) and ("dynamic" in t or t == "longrope")})
+    if varying:
+        # transformers recomputes these frequencies from the longest position of each forward: keys kept from a
+        # shorter forward were rotated otherwise than TRL's prefill of the whole history rotates them.
+        return f"RoPE type {varying} rotates keys by the forward's length"
     if hasattr(model, "_supports_default_dynamic_cache") and not model._supports_default_dynamic_cache():
         return f"{type(model).__name__} does not use transformers' dynamic cache"
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     kinds = {type(layer).__name__ for layer in cache.layers}
     if not cache.layers or kinds != {DynamicLayer.__name__}:
         return f"cache layers {sorted(kinds)} (only full-attention `DynamicLayer`s are reused)"
+    return None
+
+
+def dropout_reason(model) -> str | None:
+    """What makes the model's forward random in training mode (a dropout with p > 0, MoE router jitter), or None.
+
+    TRL generates in the trainer's mode, so during training with dropout every turn re-encodes the history under fresh
+    dropout masks (or jitter). Kept keys and values (computed under the masks that sampled the earlier tokens) and a prompt
+    prefilled once for all its copies would sample from another distribution, so the cache is not used then.
+    """
+    from torch.nn.modules.dropout import _DropoutNd
+
+    for name, module in model.named_modules():
+        if isinstance(module, _DropoutNd) and module.p > 0:
+            return f"`{name}` has p={module.p:g}"
+    # Attention dropout is mostly functional (`dropout=config.attention_dropout if training`), not a module; so is
+    # the router jitter of MoE models (`router_jitter_noise`, `moe_jitter_eps`).
+    config = model.config.get_text_config(decoder=True)
+    for key, value in config.to_dict().items():
+        random_in_training = "dropout" in key or "pdrop" in key or "jitter" in key
+        if random_in_training and type(value) in (int, float) and value > 0:
+            return f"`{key}={value:g}` in the model config"
     return None
 
 

@@ -212,9 +212,10 @@ def run_tool_call(
     if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(function, dict):
         kind = call.get("type") if isinstance(call, dict) else type(call).__name__
         return failure(name, BAD_CALL, f"Unsupported tool call type: {kind}", policy)
-    arguments = function.get("arguments") or {}
-    if not isinstance(arguments, dict):
-        return failure(name, "TypeError", f"arguments of {name!r} must be an object", policy)
+    # Only None means no arguments (TRL's parser normalises it to {}); other non-objects reach `tool(**arguments)`,
+    # whose TypeError is the message TRL shows ("... argument after ** must be a mapping, not str").
+    arguments = function.get("arguments")
+    arguments = {} if arguments is None else arguments
     try:
         if name in sync_tools:
             result = _call_with_timeout(sync_tools[name], arguments, timeout)
