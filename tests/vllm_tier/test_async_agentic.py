@@ -100,3 +100,79 @@ def test_adapter_names_are_versioned_on_every_sync(server, calculator_policy_dir
     # Requests named the versioned adapter of their policy: the rows' policy versions are among the synced ones.
     assert {r["policy_versions"][0] for r in trainer._observed_rows} <= set(range(1, 5))
     assert not math.isnan(trainer.state.log_history[-1].get("train_loss", math.nan))
+
+
+def test_refused_adapter_load_is_a_clear_error_and_resume_continues(server, calculator_policy_dir, tmp_path):
+    """The server refuses a policy's adapter (a name it already holds: HTTP 400); the step-1 checkpoint survives and a
+    resumed run trains on from it, publishing its adapters under a new name."""
+    import torch
+    from async_helpers import async_config, build, rollback_overrides
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    args = async_config(out, server.url, save_strategy="steps", save_steps=1, **rollback_overrides())
+    trainer = build(calculator_policy_dir, args)
+    steps = []
+
+    def refuse_second_step(*a, **k):
+        steps.append(trainer.state.global_step)
+        if trainer.state.global_step == 2:
+            trainer.model_version -= 1  # the next sync republishes a name the server holds: vLLM answers 400
+        return original(*a, **k)
+
+    original = trainer._sync_weight
+    trainer._sync_weight = refuse_second_step  # instance attribute: TRL's step callback holds the bound method
+    for cb in trainer.callback_handler.callbacks:
+        if getattr(cb, "fn", None) is not None and getattr(cb.fn, "__name__", "") == "_sync_weight":
+            cb.fn = refuse_second_step
+    with pytest.raises(RuntimeError, match="refused the policy of version .*resume_from_checkpoint"):
+        trainer.train()
+    checkpoint = out / "checkpoint-1"
+    assert (checkpoint / "adapter_model.safetensors").exists() and (checkpoint / "rollout_state.json").exists()
+    saved = load_file(str(checkpoint / "adapter_model.safetensors"))
+
+    resumed = build(calculator_policy_dir, async_config(out, server.url, save_strategy="no", **rollback_overrides()))
+    assert resumed._lora_name != trainer._lora_name
+    loaded = {}
+    original_load = resumed._load_from_checkpoint
+
+    def capture(*a, **k):
+        result = original_load(*a, **k)
+        for name, p in resumed.model.named_parameters():
+            if "lora_" in name:
+                loaded[name] = p.detach().clone()
+        return result
+
+    resumed._load_from_checkpoint = capture
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 2
+    # The resumed run started from the checkpoint's adapter weights.
+    assert loaded and len(saved) == len(loaded)
+    for key, value in saved.items():
+        match = [n for n in loaded if n.replace(".default", "").endswith(key.removeprefix("base_model.model."))]
+        assert match, key
+        assert torch.equal(loaded[match[0]], value)
+
+
+def test_killed_server_is_a_clear_error(calculator_policy_dir, tmp_path):
+    """A server killed mid-run: training stops with an error naming the server and the checkpoints, not a hang."""
+    import threading
+
+    from async_helpers import async_config, build, rollback_overrides
+
+    from trl_agentic.async_grpo.server import VLLMServer
+
+    with VLLMServer(calculator_policy_dir, max_lora_rank=8, max_loras=6, log_path=str(tmp_path / "s.log")) as doomed:
+        out = tmp_path / "out"
+        args = async_config(out, doomed.url, max_steps=50, save_strategy="steps", save_steps=1, **rollback_overrides())
+        trainer = build(calculator_policy_dir, args)
+
+        def kill_after_first_checkpoint():
+            while not (out / "checkpoint-1").exists():
+                threading.Event().wait(0.2)
+            doomed.kill()
+
+        threading.Thread(target=kill_after_first_checkpoint, daemon=True).start()
+        with pytest.raises(RuntimeError, match=f"vLLM server at {doomed.url} failed.*resume_from_checkpoint"):
+            trainer.train()
+    assert (out / "checkpoint-1" / "adapter_model.safetensors").exists()

@@ -165,7 +165,48 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
 
         return get_config_model_id(self.accelerator.unwrap_model(self.model).config)
 
+    def _server_unreachable(self, what: str, error: BaseException) -> RuntimeError:
+        return RuntimeError(
+            f"{what}: the vLLM server at {self.args.vllm_server_base_url} failed ({type(error).__name__}: {error}). "
+            f"Training stopped at step {self.state.global_step} (policy version {self.model_version}); the "
+            f"checkpoints saved so far in {self.args.output_dir} are intact: restart the server and call "
+            "`train(resume_from_checkpoint=...)` (a resumed run publishes its adapters under a new name)."
+        )
+
+    def _sync_weight(self):
+        """TRL's weight sync; a server that is gone or refuses the adapter stops training with a clear error."""
+        import requests
+
+        try:
+            return super()._sync_weight()
+        except requests.RequestException as error:
+            raise self._server_unreachable("Weight sync failed", error) from error
+        except Exception as error:
+            if "Request failed" in str(error):  # TRL's client: the server answered with an error status
+                raise self._server_unreachable(
+                    f"The vLLM server refused the policy of version {self.model_version + 1}", error
+                ) from error
+            raise
+
+    def _check_health(self, stale_after_s: float) -> None:
+        """TRL's worker health check, plus the server's: the worker retries a dead server for minutes."""
+        import requests
+
+        self._worker_check_health(stale_after_s)
+        try:
+            requests.get(f"{self.args.vllm_server_base_url.rstrip('/')}/health", timeout=5).raise_for_status()
+            self._server_failures = 0
+        except requests.RequestException as error:
+            self._server_failures = getattr(self, "_server_failures", 0) + 1
+            if self._server_failures >= 2:
+                raise self._server_unreachable("Waiting for rollouts", error) from error
+
     def get_train_dataloader(self):
+        worker = self.rollout_worker
+        if self.accelerator.is_main_process and worker is not None and not hasattr(self, "_worker_check_health"):
+            # Read by TRL's queue dataset when it waits for rollouts (every `poll_interval_s`).
+            self._worker_check_health = worker.check_health
+            worker.check_health = self._check_health
         if self._features_on and self.accelerator.is_main_process and self.rollout_queue is not None:
             from .stage import AgenticRolloutQueue
 
