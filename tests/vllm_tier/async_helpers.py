@@ -118,3 +118,19 @@ class TwoQuestionCalculatorEnv(CalculatorEnv):
 
 def tool_call(expression: str) -> str:
     return f"<tool_call>\n{json.dumps({'name': 'calculate', 'arguments': {'expression': expression}})}\n</tool_call>"
+
+
+def scaled_token_estimator(batch, trainer):
+    """A token-level estimator for the tests: GRPO's advantage on every completion token, doubled on the row's first
+    trained token. Uses the host's model to prove it is reachable (a forward of one row)."""
+    import torch
+
+    from trl_agentic.estimators import grpo_estimator
+
+    episode = grpo_estimator(batch, trainer)
+    with torch.no_grad():
+        trainer.model(input_ids=batch.prompt_ids[:1, -4:])
+    weights = torch.ones_like(batch.loss_mask, dtype=torch.float32)
+    first = batch.loss_mask.float().argmax(dim=1)
+    weights[torch.arange(len(first)), first] = 2.0
+    return episode[:, None] * weights

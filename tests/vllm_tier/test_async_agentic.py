@@ -176,3 +176,21 @@ def test_killed_server_is_a_clear_error(calculator_policy_dir, tmp_path):
         with pytest.raises(RuntimeError, match=f"vLLM server at {doomed.url} failed.*resume_from_checkpoint"):
             trainer.train()
     assert (out / "checkpoint-1" / "adapter_model.safetensors").exists()
+
+
+def test_user_turns_and_a_token_level_estimator_in_an_async_run(server, calculator_policy_dir, tmp_path):
+    from async_helpers import TwoQuestionCalculatorEnv, async_config, build, total
+
+    args = async_config(tmp_path / "out", server.url, advantage_estimator="async_helpers:scaled_token_estimator")
+    trainer = build(calculator_policy_dir, args, environment_factory=TwoQuestionCalculatorEnv)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert total(trainer, "conversation/user_turns_total") > 0
+    rows = trainer._observed_rows
+    token_rows = [r for r in rows if isinstance(r["advantage"], np.ndarray)]
+    assert token_rows and len(token_rows) == len(rows)
+    for r in token_rows:
+        trained = np.nonzero(r["completion_mask"])[0]
+        values = r["advantage"][trained]
+        assert values[0] == pytest.approx(2 * values[-1]) or len(set(values.tolist())) == 1
+        assert (r["advantage"][: trained[0]] == 0).all()  # nothing on the prompt

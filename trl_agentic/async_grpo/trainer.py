@@ -217,7 +217,9 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
             from .stage import token_advantage_collate
 
             before = self._tracin.filter_rows if getattr(self, "_tracin", None) is not None else None
-            dataloader.collate_fn = token_advantage_collate(dataloader.collate_fn, before=before)
+            # accelerate's dispatcher iterates its `base_dataloader`, whose collate function is TRL's collator.
+            target = getattr(dataloader, "base_dataloader", dataloader)
+            target.collate_fn = token_advantage_collate(target.collate_fn, before=before)
         return dataloader
 
     def _save_checkpoint(self, model, trial):
