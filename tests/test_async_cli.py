@@ -58,3 +58,10 @@ def test_warm_start_needs_the_synchronous_trainer(monkeypatch):
     _forbid_model_loading(monkeypatch)
     with pytest.raises(ValueError, match="`warmstart_steps` needs `trainer: grpo`"):
         main(["train", "--config", str(CONFIG), "--warmstart_steps", "4"])
+
+
+def test_tracin_is_refused_by_the_async_config():
+    from trl_agentic.async_grpo import AsyncAgenticGRPOConfig
+
+    with pytest.raises(ValueError, match="`tracin_enabled` is not supported by AsyncAgenticGRPOTrainer"):
+        AsyncAgenticGRPOConfig(output_dir="x", tracin_enabled=True)
