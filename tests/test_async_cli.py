@@ -60,8 +60,9 @@ def test_warm_start_needs_the_synchronous_trainer(monkeypatch):
         main(["train", "--config", str(CONFIG), "--warmstart_steps", "4"])
 
 
-def test_tracin_is_refused_by_the_async_config():
+def test_tracin_needs_gradient_checkpointing_off():
     from trl_agentic.async_grpo import AsyncAgenticGRPOConfig
 
-    with pytest.raises(ValueError, match="`tracin_enabled` is not supported by AsyncAgenticGRPOTrainer"):
+    with pytest.raises(ValueError, match="`tracin_enabled=True` needs `gradient_checkpointing=False`"):
         AsyncAgenticGRPOConfig(output_dir="x", tracin_enabled=True)
+    assert AsyncAgenticGRPOConfig(output_dir="x", tracin_enabled=True, gradient_checkpointing=False).tracin_enabled

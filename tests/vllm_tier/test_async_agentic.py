@@ -194,3 +194,27 @@ def test_user_turns_and_a_token_level_estimator_in_an_async_run(server, calculat
         values = r["advantage"][trained]
         assert values[0] == pytest.approx(2 * values[-1]) or len(set(values.tolist())) == 1
         assert (r["advantage"][: trained[0]] == 0).all()  # nothing on the prompt
+
+
+def test_tracin_filtered_step_in_an_async_run(server, calculator_policy_dir, tmp_path):
+    from async_helpers import async_config, build, calculator_dataset, logged, rollback_overrides
+
+    args = async_config(
+        tmp_path / "out",
+        server.url,
+        tracin_enabled=True,
+        tracin_val_batch_size=1,
+        tracin_val_num_generations=4,
+        tracin_val_refresh_steps=2,  # V at step 0 only: validation rollouts are sequential (seconds each)
+        tracin_selection="top_fraction",
+        tracin_top_fraction=0.5,
+        **rollback_overrides(),
+    )
+    trainer = build(calculator_policy_dir, args, tracin_eval_dataset=calculator_dataset(4))
+    trainer.train()
+    assert trainer.state.global_step == 2
+    selected = logged(trainer, "tracin/num_selected")
+    assert len(selected) == 2 and all(1 <= n <= 4 for n in selected)  # half of each micro-batch of 8 rows
+    assert len(logged(trainer, "tracin/val_grad_norm")) == 1
+    last = trainer._tracin.last
+    assert int(last["selected"].sum()) == 4 and last["scores"].shape == (8,)

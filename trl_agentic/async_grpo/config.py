@@ -79,11 +79,10 @@ def _validate_async(self) -> None:
             "environment to its pool after the rollout, so an environment whose timed-out call still runs in a thread "
             "would be reused. Leave `tool_timeout=0`."
         )
-    if self.tracin_enabled:
+    if self.tracin_enabled and self.gradient_checkpointing:
         raise ValueError(
-            "`tracin_enabled` is not supported by AsyncAgenticGRPOTrainer yet: TRL's asynchronous trainer packs a "
-            "micro-batch's rows into one tree-packed sequence, which the TracIn hooks cannot split per row "
-            "(docs/async.md, 'Not done')."
+            "`tracin_enabled=True` needs `gradient_checkpointing=False` in AsyncAgenticGRPOTrainer: the TracIn scoring "
+            "forward records the LoRA activations (AsyncGRPOConfig turns gradient checkpointing on by default)."
         )
     if self.max_tool_output_chars is not None or self.malformed_tool_call_feedback:
         raise ValueError(
@@ -104,7 +103,7 @@ _namespace["__doc__"] = f"""
     fields of [`AgenticGRPOConfig`] (same names, defaults and meaning; see its documentation): rollback and negative
     samples, context snapshots, further user turns, the advantage estimator (`advantage_estimator`, `rlvcr_*`) and
     the TracIn filter (`tracin_*`). With all of them at their defaults the trainer behaves exactly like TRL's
-    `AsyncGRPOTrainer`. Own fields: `scale_rewards`, `vllm_server_start`. Not supported yet: `tracin_enabled`,
+    `AsyncGRPOTrainer`. Own fields: `scale_rewards`, `vllm_server_start`. Not supported yet:
     `tool_timeout`, `max_tool_output_chars`, `malformed_tool_call_feedback` (refused with an error naming the field).
 
     Feature fields: {", ".join(f.name for f in _feature_fields())}.

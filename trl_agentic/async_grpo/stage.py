@@ -87,7 +87,9 @@ class EstimatorHost:
     def model(self):
         return self._trainer.accelerator.unwrap_model(self._trainer.model)
 
-    def _generate_single_turn(self, prompt_ids, images=None, multimodal_fields=None, num_generations=1, **kwargs):
+    def _generate_single_turn(
+        self, prompt_ids, images=None, multimodal_fields=None, num_generations=1, max_tokens=None, **kwargs
+    ):
         """One sampled turn per prompt from the vLLM server, with the adapter of the current policy version."""
         import requests
 
@@ -97,7 +99,7 @@ class EstimatorHost:
             payload = {
                 "model": t._request_model_name(),
                 "prompt": list(prompt),
-                "max_tokens": getattr(args, "rlvcr_max_thinking_tokens", args.max_completion_length),
+                "max_tokens": max_tokens or getattr(args, "rlvcr_max_thinking_tokens", args.max_completion_length),
                 "temperature": args.temperature,
                 "top_p": args.top_p,
                 "top_k": args.top_k,

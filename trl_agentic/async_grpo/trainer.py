@@ -10,7 +10,7 @@ fixes of `compat.py`, which change nothing on a GPU). With a feature on:
 - the main process reads the worker's queue through `stage.AgenticRolloutQueue` (staleness per row kind; the
   estimator stage for `advantage_estimator != "grpo"`), and packs rows with per-token advantages when an estimator
   gives them;
-- `tracin_enabled` is refused by the config for now (docs/async.md, "Not done").
+- `tracin_enabled` filters each micro-batch's rows by their TracIn score before packing (`tracin.AsyncTracIn`).
 
 Adapter names stay TRL's versioned names, `{lora_name}-v{N}` with a new `N` at every sync (vLLM #42125: an adapter
 reloaded under the same name would reuse the old adapter's cached prefix blocks); `lora_name` is
@@ -150,7 +150,11 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
                 "max_model_len": self.vllm_client.get_max_model_len(),
                 "seed": args.seed,
             }
-        self._tracin = None  # `tracin_enabled` is refused by the config (docs/async.md, "Not done")
+        self._tracin = None
+        if args.tracin_enabled:
+            from .tracin import AsyncTracIn
+
+            self._tracin = AsyncTracIn(self, tracin_eval_dataset)
 
     # ------------------------------------------------------------------------------------------------------------
     def _request_model_name(self) -> str:
