@@ -134,3 +134,13 @@ def scaled_token_estimator(batch, trainer):
     first = batch.loss_mask.float().argmax(dim=1)
     weights[torch.arange(len(first)), first] = 2.0
     return episode[:, None] * weights
+
+
+def delete_call(message_ids) -> str:
+    call = {"name": "delete_context", "arguments": {"message_ids": message_ids}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
+# Whole turns as single tokens: a good calculator call, a deletion of message 3 (the first tool result when the
+# conversation is [system, user, call, result, ...]), an answer.
+SNAPSHOT_TURNS = (tool_call("6*7"), delete_call([3]), "Answer: 42")

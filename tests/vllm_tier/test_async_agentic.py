@@ -218,3 +218,38 @@ def test_tracin_filtered_step_in_an_async_run(server, calculator_policy_dir, tmp
     assert len(logged(trainer, "tracin/val_grad_norm")) == 1
     last = trainer._tracin.last
     assert int(last["selected"].sum()) == 4 and last["scores"].shape == (8,)
+
+
+def test_context_snapshots_in_an_async_run(tmp_path_factory):
+    """A policy that calls `delete_context`: each deletion closes a segment, which reaches the trainer as a snapshot
+    row of its group carrying its episode's reward and advantage (TRL's fork: one advantage per conversation)."""
+    from async_helpers import SNAPSHOT_TURNS, async_config, build, total
+    from vllm_helpers import build_calculator_policy
+
+    from trl_agentic.async_grpo.server import VLLMServer
+    from trl_agentic.rollout.types import RowKind
+
+    folder = tmp_path_factory.mktemp("snap")
+    policy = build_calculator_policy(folder / "snapshot-policy", turn_tokens=SNAPSHOT_TURNS, biases=(0.9, 0.9, 0.7))
+    with VLLMServer(policy, max_lora_rank=8, max_loras=6, log_path=str(folder / "server.log")) as server:
+        args = async_config(folder / "out", server.url, enable_context_snapshots=True, max_snapshots_per_episode=4)
+        trainer = build(policy, args)
+        trainer.train()
+    assert total(trainer, "snapshots/closed_total") > 0
+    rows = trainer._observed_rows
+    snapshots = [r for r in rows if r["kind"] == RowKind.SNAPSHOT]
+    assert snapshots, "no snapshot row reached the trainer"
+    matched = 0
+    for snap in snapshots:
+        episode = [
+            r
+            for r in rows
+            if r["kind"] == RowKind.REGULAR and (r["group_id"], r["episode"]) == (snap["group_id"], snap["episode"])
+        ]
+        # snapshot_advantage="episode": outside the baseline, its episode's reward -> its episode's advantage
+        if episode:  # the episode's last segment may sit in a micro-batch after the last step
+            assert episode[0]["reward"] == snap["reward"]
+            assert episode[0]["advantage"] == pytest.approx(snap["advantage"], abs=1e-6)
+            matched += 1
+        assert snap["completion_mask"].sum() > 0
+    assert matched >= 1

@@ -17,7 +17,7 @@ ANSWER = "Answer: 42"
 TURN_TOKENS = (FAILING_CALL, GOOD_CALL, ANSWER)
 
 
-def build_calculator_policy(path, *, seed: int = 0) -> str:
+def build_calculator_policy(path, *, seed: int = 0, turn_tokens=TURN_TOKENS, biases=(0.9, 0.9, 0.75)) -> str:
     """A tiny random Qwen3 that vLLM's CPU backend serves and that uses the calculator, built in a second.
 
     The tokenizer is `trl_agentic.models.build_tiny_model`'s (byte-level, TRL's Qwen3 chat template) plus three
@@ -27,7 +27,8 @@ def build_calculator_policy(path, *, seed: int = 0) -> str:
     column acts as an output bias favouring the three turn tokens and `<|im_end|>`. Sampled at temperature 1, a turn
     is then mostly one or two of these tokens and an end of turn: tool calls that fail or succeed, answers. The rest
     of the network is random and context-dependent, so a LoRA adapter on it changes the distribution. Head size is
-    32, the smallest vLLM's CPU attention supports.
+    32, the smallest vLLM's CPU attention supports. `turn_tokens` / `biases` replace the three turns and their output
+    biases (the asynchronous trainer's snapshot test adds a `delete_context` call).
     """
     import torch
     from tokenizers import AddedToken
@@ -39,7 +40,7 @@ def build_calculator_policy(path, *, seed: int = 0) -> str:
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(f"{path}-base"))
-    tokenizer.add_tokens([AddedToken(text, normalized=False, special=False) for text in TURN_TOKENS])
+    tokenizer.add_tokens([AddedToken(text, normalized=False, special=False) for text in turn_tokens])
     hidden = 64
     config = Qwen3Config(
         vocab_size=len(tokenizer),
@@ -55,7 +56,7 @@ def build_calculator_policy(path, *, seed: int = 0) -> str:
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
-    turn_ids = [tokenizer.convert_tokens_to_ids(t) for t in TURN_TOKENS]
+    turn_ids = [tokenizer.convert_tokens_to_ids(t) for t in turn_tokens]
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
@@ -68,7 +69,7 @@ def build_calculator_policy(path, *, seed: int = 0) -> str:
         head = model.lm_head.weight
         head.normal_(0.0, 0.05)
         head[:, 0] = 0.0
-        head[turn_ids, 0] = torch.tensor([0.9, 0.9, 0.75])
+        head[turn_ids, 0] = torch.tensor(list(biases))
         head[tokenizer.eos_token_id, 0] = 0.95
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id

@@ -182,6 +182,7 @@ class AgenticRolloutQueue:
                 "model_version": int(sample.model_version),
                 "policy_versions": tuple(getattr(sample, "policy_versions", ())),
                 "group_id": int(sample.group_id),
+                "episode": int(getattr(sample, "episode", -1)),
                 "reward": float(getattr(sample, "reward", math.nan)),
                 "advantage": advantage if isinstance(advantage, float) else np.asarray(advantage).copy(),
                 "input_ids": np.asarray(sample.input_ids).copy(),
