@@ -12,7 +12,9 @@ Runs the benchmarks and writes one markdown report, opening with the goals side 
   through);
 - `rlvcr`: the extra model calls per step of the RLVCR advantage estimator (`rlvcr.py`);
 - `cpu`: bfloat16 autocast and tcmalloc on a SmolLM2 forward and backward (`cpu_settings.py`), the settings the
-  integration tiers of `make test` use.
+  integration tiers of `make test` use;
+- `async`: steps per hour and tokens per second of the asynchronous trainer against the synchronous one, features off
+  and on (`async_vs_sync.py`, run with the vLLM venv's interpreter).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import sys
 import tempfile
 import time
 
-SECTIONS = ("tracin-e2e", "tracin-memory", "vllm", "overhead", "tracin", "rlvcr", "cpu")
+SECTIONS = ("tracin-e2e", "tracin-memory", "vllm", "overhead", "tracin", "rlvcr", "cpu", "async")
 
 
 def _log(message: str) -> None:
@@ -138,6 +140,34 @@ def _vllm_section(python: str, quick: bool, summary: list) -> str:
     return "## vLLM weight sync and decode cost\n\n" + section.strip() + "\n"
 
 
+def _async_section(python: str, quick: bool, summary: list) -> str:
+    title = "## Asynchronous vs synchronous trainer"
+    if not os.path.exists(python):
+        return f"{title}\n\nNot run: no vLLM interpreter at `{python}` (`make install-vllm` builds it).\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "async.json")
+        argv = [python, "-m", "trl_agentic.bench.async_vs_sync", "--json", path, "--steps", "3" if quick else "6"]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        run = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+        if run.returncode != 0 or not os.path.exists(path):
+            return f"{title}\n\nFailed:\n\n```\n{(run.stdout + run.stderr)[-3000:]}\n```\n"
+        with open(path) as f:
+            data = json.load(f)
+    runs = {(r["trainer"], r["features"]): r for r in data["runs"]}
+    for features in ("off", "rollback + negatives"):
+        sync, asyn = runs.get(("sync", features)), runs.get(("async", features))
+        if sync and asyn:
+            summary.append(
+                (
+                    f"Async / sync trainer, steady-state tokens per second, features {features}",
+                    f"{asyn['steady_tokens_per_s'] / sync['steady_tokens_per_s']:.2f}",
+                    "measured",
+                    None,
+                )
+            )
+    return data["section"]
+
+
 def _cpu_section(quick: bool, summary: list) -> str:
     from .cpu_settings import render, run
 
@@ -190,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             sections.append(report(micro + rest, prog="python -m trl_agentic.bench --only tracin"))
         elif name == "cpu":
             sections.append(_cpu_section(args.quick, summary))
+        elif name == "async":
+            sections.append(_async_section(args.vllm_python, args.quick, summary))
         else:
             from .rlvcr import report as rlvcr_report
 
