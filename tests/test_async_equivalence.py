@@ -205,3 +205,60 @@ def test_pack_with_token_advantages_matches_a_plain_loop(token_level):
     packed = pack_with_token_advantages(row)
     torch.testing.assert_close(packed["advantages"], torch.tensor(expected, dtype=torch.float32))
     assert packed["token_index"].numel() == len(expected)
+
+
+def test_max_staleness_drops_extra_rows_like_regular_ones():
+    """TRL's `RolloutQueueDataset` reading through trl-agentic's queue stage: a negative or snapshot row of a stale
+    group is dropped exactly like its regular rows, and the per-kind metrics count what was dropped."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from accelerate import PartialState
+
+    from trl_agentic.async_grpo.compat import trainer_module
+    from trl_agentic.async_grpo.stage import AgenticRolloutQueue
+    from trl_agentic.async_grpo.worker import AgenticRolloutSample
+    from trl_agentic.rollout.types import RowKind
+
+    PartialState()  # TRL's dataset logs through accelerate's logger
+    inner = queue.Queue()
+    kinds = [RowKind.REGULAR, RowKind.NEGATIVE, RowKind.SNAPSHOT]
+    # Groups started at versions 1..4; the trainer is at version 5 with max_staleness 2: versions 1 and 2 are stale.
+    for version in (1, 2, 3, 4):
+        for kind in kinds:
+            inner.put(
+                AgenticRolloutSample(
+                    prompt=[],
+                    completion=[],
+                    input_ids=np.arange(4),
+                    completion_mask=np.array([0, 0, 1, 1]),
+                    old_log_probs=np.zeros(4, dtype=np.float32),
+                    advantage=0.0,
+                    model_version=version,
+                    group_id=version,
+                    metrics={},
+                    row_kind=int(kind),
+                    group_rows=3,
+                )
+            )
+    metrics = defaultdict(list)
+    trainer = SimpleNamespace(
+        model_version=5, args=SimpleNamespace(max_staleness=2), _metrics={"train": metrics}, _observed_rows=[]
+    )
+    stage = AgenticRolloutQueue(trainer, inner)
+    dataset = trainer_module().RolloutQueueDataset(
+        rollout_queue=stage,
+        model_version_fn=lambda: trainer.model_version,
+        check_health_fn=lambda s: None,
+        stale_after_s=10,
+        metrics=metrics,
+        max_staleness=2,
+        poll_interval_s=0.01,
+    )
+    it = iter(dataset)
+    kept = [next(it) for _ in range(6)]
+    assert sorted({k["group_id"] for k in kept}) == [3, 4]  # every kind of the two fresh groups, none of the stale
+    assert len(metrics["sample/dropped_stale_total"]) == 6  # TRL's own count: 3 rows x 2 stale groups
+    for name in ("regular", "negative", "snapshot"):
+        assert sum(metrics[f"sample/dropped_stale_{name}_total"]) == 2
+        assert max(metrics[f"sample/staleness_{name}_max"]) == 4
