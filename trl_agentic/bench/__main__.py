@@ -144,28 +144,33 @@ def _async_section(python: str, quick: bool, summary: list) -> str:
     title = "## Asynchronous vs synchronous trainer"
     if not os.path.exists(python):
         return f"{title}\n\nNot run: no vLLM interpreter at `{python}` (`make install-vllm` builds it).\n"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "async.json")
-        argv = [python, "-m", "trl_agentic.bench.async_vs_sync", "--json", path, "--steps", "3" if quick else "6"]
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        run = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
-        if run.returncode != 0 or not os.path.exists(path):
-            return f"{title}\n\nFailed:\n\n```\n{(run.stdout + run.stderr)[-3000:]}\n```\n"
-        with open(path) as f:
-            data = json.load(f)
-    runs = {(r["trainer"], r["features"]): r for r in data["runs"]}
-    for features in ("off", "rollback + negatives"):
-        sync, asyn = runs.get(("sync", features)), runs.get(("async", features))
-        if sync and asyn:
-            summary.append(
-                (
-                    f"Async / sync trainer, steady-state tokens per second, features {features}",
-                    f"{asyn['steady_tokens_per_s'] / sync['steady_tokens_per_s']:.2f}",
-                    "measured",
-                    None,
+    parts = [title, ""]
+    for policy in ("smollm2", "tiny"):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "async.json")
+            argv = [python, "-m", "trl_agentic.bench.async_vs_sync", "--json", path, "--policy", policy]
+            argv += ["--steps", "3" if quick else "6"]
+            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            run = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+            if run.returncode != 0 or not os.path.exists(path):
+                parts.append(f"{policy}: failed:\n\n```\n{(run.stdout + run.stderr)[-3000:]}\n```\n")
+                continue
+            with open(path) as f:
+                data = json.load(f)
+        runs = {(r["trainer"], r["features"]): r for r in data["runs"]}
+        for features in ("off", "rollback + negatives"):
+            sync, asyn = runs.get(("sync", features)), runs.get(("async", features))
+            if sync and asyn and sync["steady_tokens_per_s"]:
+                summary.append(
+                    (
+                        f"Async / sync trainer, steady-state tokens per second, {policy}, features {features}",
+                        f"{asyn['steady_tokens_per_s'] / sync['steady_tokens_per_s']:.2f}",
+                        "measured",
+                        None,
+                    )
                 )
-            )
-    return data["section"]
+        parts.append(data["section"])
+    return "\n".join(parts)
 
 
 def _cpu_section(quick: bool, summary: list) -> str:

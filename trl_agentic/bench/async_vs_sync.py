@@ -7,9 +7,12 @@ other on the same machine and server, same task, model, LoRA and batch:
 - `AgenticGRPOTrainer` (TRL's `GRPOTrainer`, `vllm_mode="server"`, trl-agentic's LoRA sync), features off / on;
 - `AsyncAgenticGRPOTrainer` (TRL's `AsyncGRPOTrainer`), features off / on.
 
-Task: the calculator word problems (a tool environment: multi-turn when the model calls the tool), SmolLM2-135M +
-LoRA r=8, 8 rollouts per step (2 problems x 4, trained in 2 micro-batches of 4), `max_completion_length` 64, up to 3 tool rounds. "Features on" is
-rollback + negative samples. Tokens are the model-generated tokens of the rows trained on (completion mask times
+Task: the calculator word problems (a tool environment: multi-turn when the model calls the tool), LoRA r=8, 8
+rollouts per step (2 problems x 4, trained in 2 micro-batches of 4), `max_completion_length` 64, up to 3 tool rounds.
+"Features on" is rollback + negative samples. Two policies (`--policy`): the embedded SmolLM2-135M (which, without a
+warm start, does not call the tool: single-turn rollouts, realistic model cost) and the tiny calculator policy of
+`tool_policy.py` (whole turns as single tokens: multi-turn conversations with failing calls, negligible model cost:
+the trainers' own overheads). Tokens are the model-generated tokens of the rows trained on (completion mask times
 tool mask), counted from the batches each trainer trained on. Two clocks: the whole `train()` call (the asynchronous
 trainer's includes spawning its rollout worker, which re-imports torch / transformers / vLLM), and the steady state
 from the end of the first step to the end of the last.
@@ -57,6 +60,12 @@ def _lora():
     from peft import LoraConfig
 
     return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+POLICIES = {
+    "smollm2": "SmolLM2-135M + LoRA r=8 on q/k/v/o",
+    "tiny": "the tiny calculator policy (`trl_agentic.bench.tool_policy`) + LoRA r=8 on q/k/v/o",
+}
 
 
 class _StepClock:
@@ -179,7 +188,7 @@ def _result(kind, features, wall, ends, start, tokens, history):
     }
 
 
-def run(steps: int = 6, log=print) -> dict:
+def run(steps: int = 6, policy: str = "smollm2", log=print) -> dict:
     import tempfile
 
     from datasets import Dataset
@@ -187,26 +196,30 @@ def run(steps: int = 6, log=print) -> dict:
     from ..async_grpo.server import VLLMServer
     from ..envs.calculator import make_arithmetic_tasks
     from ..models import resolve_model_path
+    from .tool_policy import build_tool_policy
 
-    model = resolve_model_path("smollm2-135m")
+    tmp = tempfile.mkdtemp(prefix="trl-agentic-async-bench-")
+    if policy == "tiny":
+        model = build_tool_policy(os.path.join(tmp, "tiny-calculator-policy"))
+    else:
+        model = resolve_model_path("smollm2-135m")
     dataset = Dataset.from_list(make_arithmetic_tasks(64, seed=0, difficulty="easy"))
     runs = []
-    tmp = tempfile.mkdtemp(prefix="trl-agentic-async-bench-")
     with VLLMServer(model, max_lora_rank=8, max_loras=6, log_path=os.path.join(tmp, "server.log")) as server:
         for kind, fn in (("sync", _sync_run), ("async", _async_run)):
             for features in (False, True):
-                log(f"[async-bench] {kind}, features {'on' if features else 'off'} ...")
+                log(f"[async-bench] {policy}: {kind}, features {'on' if features else 'off'} ...")
                 runs.append(fn(model, server.url, dataset, steps, features, os.path.join(tmp, f"{kind}-{features}")))
                 log(f"[async-bench] {json.dumps(runs[-1])}")
     load = os.getloadavg()
-    return {"runs": runs, "steps": steps, "cpus": os.cpu_count(), "load": load}
+    return {"runs": runs, "steps": steps, "policy": policy, "cpus": os.cpu_count(), "load": load}
 
 
-def render(data: dict, command: str) -> str:
+def render(data: dict, command: str, title: str = "## Asynchronous vs synchronous trainer") -> str:
     lines = [
-        "## Asynchronous vs synchronous trainer",
+        title,
         "",
-        f"`{command}`: SmolLM2-135M + LoRA r=8, calculator tool task, 8 rollouts per step, "
+        f"`{command}`: {POLICIES[data.get('policy', 'smollm2')]}, calculator tool task, 8 rollouts per step, "
         f"{data['steps']} steps per run, one vLLM CPU server for all four runs, {data['cpus']} CPU cores "
         f"(load average at the end {data['load'][0]:.1f} / {data['load'][1]:.1f} / {data['load'][2]:.1f}). "
         "Tokens: model-generated tokens of the rows trained on. Whole run: the `train()` call; steady: end of the "
@@ -228,11 +241,13 @@ def render(data: dict, command: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trl_agentic.bench.async_vs_sync")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--policy", choices=sorted(POLICIES), default="smollm2")
     parser.add_argument("--json", help="Write the raw results here.")
     parser.add_argument("--out", help="Write the markdown section here.")
     args = parser.parse_args(argv)
-    data = run(args.steps, log=lambda m: print(m, file=sys.stderr, flush=True))
-    section = render(data, f"python -m trl_agentic.bench.async_vs_sync --steps {args.steps}")
+    data = run(args.steps, args.policy, log=lambda m: print(m, file=sys.stderr, flush=True))
+    command = f"python -m trl_agentic.bench.async_vs_sync --steps {args.steps} --policy {args.policy}"
+    section = render(data, command, title=f"### {POLICIES[args.policy]}")
     data["section"] = section
     if args.json:
         with open(args.json, "w") as f:
