@@ -65,4 +65,7 @@ def test_tracin_needs_gradient_checkpointing_off():
 
     with pytest.raises(ValueError, match="`tracin_enabled=True` needs `gradient_checkpointing=False`"):
         AsyncAgenticGRPOConfig(output_dir="x", tracin_enabled=True)
-    assert AsyncAgenticGRPOConfig(output_dir="x", tracin_enabled=True, gradient_checkpointing=False).tracin_enabled
+    ok = AsyncAgenticGRPOConfig(
+        output_dir="x", tracin_enabled=True, gradient_checkpointing=False, use_cpu=True, bf16=False
+    )
+    assert ok.tracin_enabled

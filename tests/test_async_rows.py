@@ -8,7 +8,7 @@ import math
 from types import SimpleNamespace
 
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_agentic.advantages import group_advantages
@@ -42,6 +42,7 @@ rows_strategy = st.lists(
 )
 
 
+@settings(max_examples=60)
 @given(
     rewards=st.lists(st.one_of(st.sampled_from([0.0, 0.1, 1.0, math.nan]), st.floats(-1, 1)), min_size=4, max_size=4),
     extra=rows_strategy,

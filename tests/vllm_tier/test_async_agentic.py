@@ -7,8 +7,6 @@ by the example and the benchmark (docs/async.md says why: it never calls the too
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -31,6 +29,7 @@ def _negatives(rows):
 
 
 def test_rollback_and_negative_rows_fire_in_an_async_run(server, calculator_policy_dir, tmp_path):
+    import requests
     from async_helpers import async_config, build, logged, rollback_overrides, total
 
     from trl_agentic.advantages import group_advantages, negative_sample_rewards
@@ -38,9 +37,24 @@ def test_rollback_and_negative_rows_fire_in_an_async_run(server, calculator_poli
 
     args = async_config(tmp_path / "out", server.url, **rollback_overrides())
     trainer = build(calculator_policy_dir, args)
+    loads = []
+    original = trainer.vllm_client.load_lora_adapter
+
+    def recording(name, path, *a, **k):
+        loads.append(name)
+        return original(name, path, *a, **k)
+
+    trainer.vllm_client.load_lora_adapter = recording
     trainer.train()
     rows = trainer._observed_rows
     assert trainer.state.global_step == 2
+    # vLLM #42125: a new adapter name at every sync (one cold sync at train begin, one per step), never TRL's fixed
+    # `trl-policy` (a second run against this server would collide with it).
+    base = trainer._lora_name
+    assert base.startswith("trl-policy-") and loads == [f"{base}-v{n}" for n in (1, 2, 3)]
+    served = {m["id"] for m in requests.get(f"{server.url}/v1/models", timeout=10).json()["data"]}
+    assert f"{base}-v3" in served
+    assert {r["policy_versions"][0] for r in rows} <= {1, 2, 3}
     # Rollbacks ran in the worker and produced negative rows that reached the trainer.
     assert total(trainer, "rollback/attempts_total") > 0
     negatives = _negatives(rows)
@@ -73,33 +87,6 @@ def test_rollback_and_negative_rows_fire_in_an_async_run(server, calculator_poli
     assert logged(trainer, "sample/staleness_negative_max")
     assert all(r["staleness"] <= args.max_staleness for r in rows)
     assert all(r["model_version"] <= r["policy_versions"][0] for r in rows)
-
-
-def test_adapter_names_are_versioned_on_every_sync(server, calculator_policy_dir, tmp_path):
-    """vLLM #42125: an adapter reloaded under the same name reuses the old adapter's prefix-cache blocks."""
-    import requests
-    from async_helpers import async_config, build, rollback_overrides
-
-    args = async_config(tmp_path / "out", server.url, max_steps=3, **rollback_overrides())
-    trainer = build(calculator_policy_dir, args)
-    calls = []
-    original = trainer.vllm_client.load_lora_adapter
-
-    def recording(name, path, *a, **k):
-        calls.append(name)
-        return original(name, path, *a, **k)
-
-    trainer.vllm_client.load_lora_adapter = recording
-    trainer.train()
-    base = trainer._lora_name
-    assert base.startswith("trl-policy-") and base != "trl-policy"
-    # One cold sync at train begin, then one per step: every one a new name.
-    assert calls == [f"{base}-v{n}" for n in range(1, 5)]
-    served = {m["id"] for m in requests.get(f"{server.url}/v1/models", timeout=10).json()["data"]}
-    assert f"{base}-v4" in served
-    # Requests named the versioned adapter of their policy: the rows' policy versions are among the synced ones.
-    assert {r["policy_versions"][0] for r in trainer._observed_rows} <= set(range(1, 5))
-    assert not math.isnan(trainer.state.log_history[-1].get("train_loss", math.nan))
 
 
 def test_refused_adapter_load_is_a_clear_error_and_resume_continues(server, calculator_policy_dir, tmp_path):
