@@ -240,3 +240,42 @@ def test_context_snapshots_in_an_async_run(tmp_path_factory):
             matched += 1
         assert snap["completion_mask"].sum() > 0
     assert matched >= 1
+
+
+def test_every_feature_on_the_embedded_model(tmp_path_factory):
+    """SmolLM2-135M (the embedded model) + LoRA against a real server, every feature switched on at once: rollback,
+    negatives, snapshots, further user turns, the RLVCR estimator and the TracIn filter. The untrained model rarely
+    calls a tool, so this checks that one asynchronous step runs end to end with all of them, not that they fire (the
+    tests above make each fire on a tiny policy)."""
+    from async_helpers import TwoQuestionCalculatorEnv, async_config, build, calculator_dataset, logged
+
+    from trl_agentic.async_grpo.server import VLLMServer
+    from trl_agentic.models import resolve_model_path
+
+    folder = tmp_path_factory.mktemp("smollm2")
+    model = resolve_model_path("smollm2-135m")
+    with VLLMServer(model, max_lora_rank=8, max_loras=6, log_path=str(folder / "server.log")) as server:
+        args = async_config(
+            folder / "out",
+            server.url,
+            max_steps=1,
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=32,
+            max_tool_calling_iterations=2,
+            enable_tool_rollback=True,
+            rollback_on_errors=["ValueError", "ZeroDivisionError", "ToolCallParseError"],
+            save_negative_samples=True,
+            enable_context_snapshots=True,
+            advantage_estimator="rlvcr",
+            tracin_enabled=True,
+            tracin_val_batch_size=1,
+            tracin_val_num_generations=2,
+        )
+        trainer = build(
+            model, args, environment_factory=TwoQuestionCalculatorEnv, tracin_eval_dataset=calculator_dataset(2)
+        )
+        trainer.train()
+    assert trainer.state.global_step == 1
+    assert logged(trainer, "tracin/num_selected") and logged(trainer, "rlvcr/invalid_format")
+    assert sum(logged(trainer, "conversation/user_turns_total")) > 0  # every conversation gets its second question
