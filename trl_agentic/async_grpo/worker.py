@@ -124,14 +124,16 @@ class WorkerBackend:
         return ids, logprobs
 
     def _wait(self, future):
-        # Polled, so that a trajectory thread ends when the worker stops (its event loop then never answers).
+        # Polled, so that a trajectory thread ends once the worker's event loop is closed (it never answers then).
+        # A stop request alone does not end it: TRL's generate loop lets in-flight rollouts finish when it stops
+        # (and its parent terminates the worker after a grace period), so a trajectory finishes like TRL's do.
         while True:
             try:
                 return future.result(timeout=1.0)
             except concurrent.futures.TimeoutError:
-                if self._rl._stop_event.is_set() or self._loop.is_closed():
+                if self._loop.is_closed():
                     future.cancel()
-                    raise RuntimeError("The rollout worker is stopping.") from None
+                    raise RuntimeError("The rollout worker's event loop is closed.") from None
 
     def parse(self, ids, prefix, row, tools=None):
         from trl.chat_template_utils import parse_response
