@@ -83,6 +83,10 @@ class AgenticRolloutSample(RolloutSample):
     token_advantages: object = None
 
 
+class _Stopping(Exception):
+    """A trajectory abandoned because the worker is stopping."""
+
+
 def _environment_of(tool_dict: dict):
     """The environment instance whose bound methods are this rollout's tools (TRL does not pass it on)."""
     for tool in tool_dict.values():
@@ -124,16 +128,16 @@ class WorkerBackend:
         return ids, logprobs
 
     def _wait(self, future):
-        # Polled, so that a trajectory thread ends once the worker's event loop is closed (it never answers then).
-        # A stop request alone does not end it: TRL's generate loop lets in-flight rollouts finish when it stops
-        # (and its parent terminates the worker after a grace period), so a trajectory finishes like TRL's do.
+        # Polled: once the worker is asked to stop (or its event loop is closed), the trajectory is abandoned at its
+        # next generation request, so that stopping does not wait for whole multi-turn trajectories (see
+        # `AgenticAsyncRolloutLoop._generate_one`).
         while True:
             try:
                 return future.result(timeout=1.0)
             except concurrent.futures.TimeoutError:
-                if self._loop.is_closed():
+                if self._rl._stop_event.is_set() or self._loop.is_closed():
                     future.cancel()
-                    raise RuntimeError("The rollout worker's event loop is closed.") from None
+                    raise _Stopping from None
 
     def parse(self, ids, prefix, row, tools=None):
         from trl.chat_template_utils import parse_response
@@ -204,6 +208,11 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
         finally:
             if self._agentic is not None:
                 self._trajectory_pool.shutdown(wait=False, cancel_futures=True)
+                # Rows the trainer will never read (it stopped) must not keep this process alive: the queue's feeder
+                # thread blocks on a full pipe at exit (multi-turn rows are large), and the parent then waits 15 s
+                # before terminating the worker.
+                self.rollout_buffer.cancel_join_thread()
+                self._metrics_queue.cancel_join_thread()
 
     # --------------------------------------------------------------------------------------------------- one rollout
     async def _generate_one(self, prompt, tool_dict, tools, group_id=0):
@@ -213,10 +222,15 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
         loop = asyncio.get_running_loop()
         with self._seed_lock:
             seed = self._seed_rng.getrandbits(63)
-        result, stats = await loop.run_in_executor(
-            self._trajectory_pool,
-            functools.partial(self._run_trajectory, prompt, tool_dict, tools, group_id, loop, seed),
-        )
+        try:
+            result, stats = await loop.run_in_executor(
+                self._trajectory_pool,
+                functools.partial(self._run_trajectory, prompt, tool_dict, tools, group_id, loop, seed),
+            )
+        except _Stopping:
+            # TRL's generate loop waits for every in-flight rollout when it stops; an abandoned trajectory returns
+            # no row at once (its group is never scored: the score loop has stopped).
+            return [], [], [], 0, 0, None
         completion, completion_ids, sequences, n_calls, n_failures, _ = result
         # Metrics are touched on the event loop's thread only (TRL's accumulators are not locked).
         for key, value in stats.items():
@@ -298,6 +312,8 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
 
     # --------------------------------------------------------------------------------------------------- one group
     async def _score_group(self, group):
+        if self._agentic is not None and self._stop_event.is_set():
+            return []  # it may hold abandoned trajectories (`_generate_one`)
         samples = await super()._score_group(group)
         if self._agentic is None:
             return samples
