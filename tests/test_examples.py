@@ -34,6 +34,15 @@ PYTHON_EXAMPLES = {
     ),
     "context_snapshots.py": ("context_snapshots.yaml", {"enable_context_snapshots": True, "task": "calculator"}),
     "bfcl.py": ("bfcl.yaml", {"task": "bfcl", "enable_tool_rollback": True, "save_negative_samples": True}),
+    "async_agentic.py": (
+        "async_calculator.yaml",
+        {
+            "trainer": "async_grpo",
+            "enable_tool_rollback": True,
+            "save_negative_samples": True,
+            "vllm_server_start": True,
+        },
+    ),
 }
 # Examples whose argument classes are the CLI's: `trl-agentic train --config <their config>` must parse as well.
 CLI_COMPATIBLE = ("quickstart.py", "tracin_filtered.py", "tool_rollback.py", "context_snapshots.py", "bfcl.py")

@@ -14,6 +14,7 @@ import contextlib
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 
 from .gloo_exit import register_gloo_exit_pause
 
@@ -21,22 +22,83 @@ USAGE = """usage: trl-agentic <command> [options]
 
 commands:
   train --config CONFIG.yaml [--field value ...]   train with AgenticGRPOTrainer (fields of TaskArguments,
-                                                   AgenticGRPOConfig and trl.ModelConfig)
+                                                   AgenticGRPOConfig and trl.ModelConfig); `trainer: async_grpo`
+                                                   selects AsyncAgenticGRPOTrainer (AsyncAgenticGRPOConfig fields)
   eval [--config CONFIG.yaml] [--field value ...]  BFCL multi-turn accuracy per category with the official
                                                    checker (fields of BFCLEvalArguments: --model_name_or_path,
                                                    --adapter_path, --categories, --split, --limit, --output ...)
 """
 
 DEFAULT_MODEL = "smollm2-135m"
+TRAINERS = ("grpo", "async_grpo")
 
 
-def make_parser():
+@dataclass
+class TrainerArguments:
+    """Which trainer `trl-agentic train` runs."""
+
+    trainer: str = field(
+        default="grpo",
+        metadata={
+            "help": "'grpo': AgenticGRPOTrainer (TRL's GRPOTrainer); 'async_grpo': AsyncAgenticGRPOTrainer (TRL's "
+            "AsyncGRPOTrainer, needs vLLM and a vLLM server; see docs/async.md).",
+            "choices": list(TRAINERS),
+        },
+    )
+
+    def __post_init__(self):
+        if self.trainer not in TRAINERS:
+            raise ValueError(f"`trainer` must be one of {list(TRAINERS)}, got {self.trainer!r}.")
+
+
+def trainer_kind(argv: list[str]) -> str:
+    """The `trainer` field of a `train` command line (its YAML config, then a `--trainer` flag), validated."""
+    from trl import TrlParser
+
+    (choice, _) = TrlParser((TrainerArguments,)).parse_args_and_config(args=list(argv), return_remaining_strings=True)
+    return choice.trainer
+
+
+def async_model_config():
+    """TRL's `ModelConfig` without the fields `AsyncGRPOConfig` has too (`dtype`, `trust_remote_code`): one flag, read
+    by the trainer (an argument parser cannot hold two options of one name)."""
+    import dataclasses
+
+    from trl import ModelConfig
+
+    from .async_grpo.config import AsyncAgenticGRPOConfig
+
+    taken = {f.name for f in dataclasses.fields(AsyncAgenticGRPOConfig)}
+    own = [
+        (f.name, f.type, field(default_factory=f.default_factory, metadata=f.metadata))
+        if f.default_factory is not dataclasses.MISSING
+        else (f.name, f.type, field(default=f.default, metadata=f.metadata))
+        for f in dataclasses.fields(ModelConfig)
+        if f.name not in taken
+    ]
+    return dataclasses.make_dataclass(
+        "AsyncModelConfig",
+        own,
+        namespace={"__post_init__": ModelConfig.__post_init__, "__module__": ModelConfig.__module__},
+    )
+
+
+def make_parser(trainer: str | None = None):
+    """The `train` parser: `(TaskArguments, AgenticGRPOConfig, ModelConfig)`; with `trainer` given, the config of that
+    trainer and a fourth dataclass, `TrainerArguments` (so a YAML `trainer:` key is accepted)."""
     from trl import ModelConfig, TrlParser
 
-    from .config import AgenticGRPOConfig
     from .tasks import TaskArguments
 
-    return TrlParser((TaskArguments, AgenticGRPOConfig, ModelConfig), prog="trl-agentic train")
+    if trainer == "async_grpo":
+        from .async_grpo.config import AsyncAgenticGRPOConfig as Config
+    else:
+        from .config import AgenticGRPOConfig as Config
+    if trainer is None:
+        return TrlParser((TaskArguments, Config, ModelConfig), prog="trl-agentic train")
+    if trainer == "async_grpo":
+        ModelConfig = async_model_config()  # noqa: N806
+    return TrlParser((TaskArguments, Config, ModelConfig, TrainerArguments), prog="trl-agentic train")
 
 
 def _stage(title: str) -> None:
@@ -192,7 +254,58 @@ def train(task_args, training_args, model_args):
 
 def _rollouts_per_step(args) -> int:
     """Rollouts generated per optimizer step (TRL's generation batch; with `num_iterations=1`)."""
-    return args.per_device_train_batch_size * args.steps_per_generation * args.world_size
+    return args.per_device_train_batch_size * getattr(args, "steps_per_generation", 1) * args.world_size
+
+
+def train_async(task_args, training_args, model_args):
+    """`trainer: async_grpo`: AsyncAgenticGRPOTrainer on the task, against a vLLM server (started here when
+    `vllm_server_start`), then the optional held-out evaluations of the synchronous pipeline."""
+    from trl import get_peft_config
+
+    from .async_grpo import AsyncAgenticGRPOTrainer
+    from .async_grpo.server import VLLMServer
+    from .models import resolve_model_path
+    from .tasks import build_task
+
+    task = build_task(task_args)
+    model_path = resolve_model_path(model_args.model_name_or_path or DEFAULT_MODEL)
+    peft_config = get_peft_config(model_args)
+    server = None
+    if training_args.vllm_server_start and _is_main_process():
+        rank = peft_config.r if peft_config is not None else 8
+        server = VLLMServer(
+            model_path,
+            max_lora_rank=rank,
+            max_loras=training_args.max_staleness + 2,
+            log_path=os.path.join(training_args.output_dir, "vllm-server.log"),
+        )
+        os.makedirs(training_args.output_dir, exist_ok=True)
+        _stage(f"Starting a vLLM server for {model_path} (log: {server.log_path})")
+        training_args.vllm_server_base_url = server.start().url
+    try:
+        trainer = AsyncAgenticGRPOTrainer(
+            model=model_path,
+            reward_funcs=task.reward_funcs,
+            args=training_args,
+            train_dataset=task.train_dataset,
+            tracin_eval_dataset=task.eval_dataset if training_args.tracin_enabled else None,
+            environment_factory=task.environment_factory,
+            tools=task.tools or None,
+            peft_config=peft_config,
+        )
+        _stage(f"Asynchronous GRPO: {training_args.max_steps} steps against {training_args.vllm_server_base_url}")
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        trainer.save_model(training_args.output_dir)
+    finally:
+        if server is not None:
+            server.stop()
+    if task_args.heldout_eval and _is_main_process():
+        results, records = {}, {}
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        _evaluate_into(
+            "after training", policy, trainer.processing_class, task, task_args, training_args, results, records
+        )
+    return trainer
 
 
 def _is_main_process() -> bool:
@@ -324,11 +437,20 @@ def main(argv: list[str] | None = None) -> int:
     if command != "train":
         print(f"trl-agentic: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
-    task_args, training_args, model_args = make_parser().parse_args_and_config(args=rest)
+    kind = trainer_kind(rest)
+    task_args, training_args, model_args, _ = make_parser(kind).parse_args_and_config(args=rest)
     if training_args.tracin_enabled and not model_args.use_peft:
         raise ValueError("`tracin_enabled` needs `use_peft: true`: the influence scores come from the LoRA layers.")
+    if kind == "async_grpo" and task_args.warmstart_steps:
+        raise ValueError(
+            "`warmstart_steps` needs `trainer: grpo`: the asynchronous trainer takes its model as a folder that the "
+            "vLLM server serves (warm-start first, merge the adapter, then train asynchronously from that folder)."
+        )
     try:
-        train(task_args, training_args, model_args)
+        if kind == "async_grpo":
+            train_async(task_args, training_args, model_args)
+        else:
+            train(task_args, training_args, model_args)
     finally:
         _shutdown_distributed()
     return 0

@@ -17,65 +17,11 @@ ANSWER = "Answer: 42"
 TURN_TOKENS = (FAILING_CALL, GOOD_CALL, ANSWER)
 
 
-def build_calculator_policy(path, *, seed: int = 0) -> str:
-    """A tiny random Qwen3 that vLLM's CPU backend serves and that uses the calculator, built in a second.
+def build_calculator_policy(path, *, seed: int = 0, turn_tokens=TURN_TOKENS, biases=(0.9, 0.9, 0.75)) -> str:
+    """The tiny calculator policy (`trl_agentic.bench.tool_policy.build_tool_policy`; see its docstring)."""
+    from trl_agentic.bench.tool_policy import build_tool_policy
 
-    The tokenizer is `trl_agentic.models.build_tiny_model`'s (byte-level, TRL's Qwen3 chat template) plus three
-    tokens, each a whole turn: `FAILING_CALL` (`calculate("1/0")`), `GOOD_CALL` (`calculate("6*7")`) and `ANSWER`.
-    The weights are random except for a constant channel: hidden dimension 0 of the residual stream holds the same
-    value at every position (its embedding column is constant, nothing writes to it), so the matching `lm_head`
-    column acts as an output bias favouring the three turn tokens and `<|im_end|>`. Sampled at temperature 1, a turn
-    is then mostly one or two of these tokens and an end of turn: tool calls that fail or succeed, answers. The rest
-    of the network is random and context-dependent, so a LoRA adapter on it changes the distribution. Head size is
-    32, the smallest vLLM's CPU attention supports.
-    """
-    import torch
-    from tokenizers import AddedToken
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
-
-    from trl_agentic.models import build_tiny_model
-
-    path = str(path)
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(f"{path}-base"))
-    tokenizer.add_tokens([AddedToken(text, normalized=False, special=False) for text in TURN_TOKENS])
-    hidden = 64
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        intermediate_size=128,
-        tie_word_embeddings=False,
-        max_position_embeddings=4096,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    turn_ids = [tokenizer.convert_tokens_to_ids(t) for t in TURN_TOKENS]
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
-        embed = model.model.embed_tokens.weight
-        embed.normal_(0.0, 1.0)
-        embed[:, 0] = 8.0  # the constant channel
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight[0].zero_()
-            layer.mlp.down_proj.weight[0].zero_()
-        head = model.lm_head.weight
-        head.normal_(0.0, 0.05)
-        head[:, 0] = 0.0
-        head[turn_ids, 0] = torch.tensor([0.9, 0.9, 0.75])
-        head[tokenizer.eos_token_id, 0] = 0.95
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return build_tool_policy(path, seed=seed, turn_tokens=turn_tokens, biases=biases)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ Runs the benchmarks and writes one markdown report, opening with the goals side 
 - `rlvcr`: the extra model calls per step of the RLVCR advantage estimator (`rlvcr.py`);
 - `cpu`: bfloat16 autocast and tcmalloc on a SmolLM2 forward and backward (`cpu_settings.py`), the settings the
   integration tiers of `make test` use;
+- `async`: steps per hour and tokens per second of the asynchronous trainer against the synchronous one, features off
+  and on (`async_vs_sync.py`, run with the vLLM venv's interpreter).
 - `multiturn`: whole GRPO steps of the log search, the text world and BFCL with prefix caching off / on / on with the
   per-turn cap (`multiturn.py`; about 1.5 h, resumable through `outputs/bench-multiturn.json`).
 
@@ -29,7 +31,7 @@ import sys
 import tempfile
 import time
 
-SECTIONS = ("tracin-e2e", "tracin-memory", "vllm", "overhead", "tracin", "rlvcr", "cpu", "multiturn")
+SECTIONS = ("tracin-e2e", "tracin-memory", "vllm", "overhead", "tracin", "rlvcr", "cpu", "multiturn", "async")
 
 
 def _log(message: str) -> None:
@@ -142,6 +144,39 @@ def _vllm_section(python: str, quick: bool, summary: list) -> str:
     return "## vLLM weight sync and decode cost\n\n" + section.strip() + "\n"
 
 
+def _async_section(python: str, quick: bool, summary: list) -> str:
+    title = "## Asynchronous vs synchronous trainer"
+    if not os.path.exists(python):
+        return f"{title}\n\nNot run: no vLLM interpreter at `{python}` (`make install-vllm` builds it).\n"
+    parts = [title, ""]
+    for policy in ("smollm2", "tiny"):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "async.json")
+            argv = [python, "-m", "trl_agentic.bench.async_vs_sync", "--json", path, "--policy", policy]
+            argv += ["--steps", "3" if quick else "6"]
+            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            run = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+            if run.returncode != 0 or not os.path.exists(path):
+                parts.append(f"{policy}: failed:\n\n```\n{(run.stdout + run.stderr)[-3000:]}\n```\n")
+                continue
+            with open(path) as f:
+                data = json.load(f)
+        runs = {(r["trainer"], r["features"]): r for r in data["runs"]}
+        for features in ("off", "rollback + negatives"):
+            sync, asyn = runs.get(("sync", features)), runs.get(("async", features))
+            if sync and asyn and sync["steady_tokens_per_s"]:
+                summary.append(
+                    (
+                        f"Async / sync trainer, steady-state tokens per second, {policy}, features {features}",
+                        f"{asyn['steady_tokens_per_s'] / sync['steady_tokens_per_s']:.2f}",
+                        "measured",
+                        None,
+                    )
+                )
+        parts.append(data["section"])
+    return "\n".join(parts)
+
+
 def _cpu_section(quick: bool, summary: list) -> str:
     from .cpu_settings import render, run
 
@@ -222,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             sections.append(_cpu_section(args.quick, summary))
         elif name == "multiturn":
             sections.append(_multiturn_section(args.quick, summary, args.vllm_python))
+        elif name == "async":
+            sections.append(_async_section(args.vllm_python, args.quick, summary))
         else:
             from .rlvcr import report as rlvcr_report
 

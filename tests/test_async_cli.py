@@ -1,0 +1,71 @@
+"""`trl-agentic train` chooses the asynchronous trainer from the YAML config; bad values fail before a model loads."""
+
+from pathlib import Path
+
+import pytest
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "async_calculator.yaml"
+
+
+def _forbid_model_loading(monkeypatch):
+    import transformers
+
+    import trl_agentic.models
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a model was loaded while parsing the config")
+
+    monkeypatch.setattr(trl_agentic.models, "resolve_model_path", forbidden)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", forbidden)
+
+
+def test_yaml_selects_the_async_trainer_and_its_config(monkeypatch):
+    from trl_agentic.async_grpo import AsyncAgenticGRPOConfig
+    from trl_agentic.cli import make_parser, trainer_kind
+
+    _forbid_model_loading(monkeypatch)
+    argv = ["--config", str(CONFIG)]
+    assert trainer_kind(argv) == "async_grpo"
+    task_args, training_args, model_args, choice = make_parser("async_grpo").parse_args_and_config(args=argv)
+    assert isinstance(training_args, AsyncAgenticGRPOConfig) and choice.trainer == "async_grpo"
+    assert training_args.enable_tool_rollback and training_args.vllm_server_start
+    assert trainer_kind([*argv, "--trainer", "grpo"]) == "grpo"  # the command line overrides the YAML
+    assert trainer_kind(["--output_dir", "x"]) == "grpo"  # the default
+
+
+def test_unknown_trainer_fails_naming_the_field(monkeypatch):
+    from trl_agentic.cli import main
+
+    _forbid_model_loading(monkeypatch)
+    with pytest.raises((ValueError, SystemExit)) as error:
+        main(["train", "--config", str(CONFIG), "--trainer", "sync_grpo"])
+    assert "trainer" in str(error.value) or error.value.code == 2
+
+
+def test_bad_feature_field_fails_in_the_async_parser(monkeypatch):
+    from trl_agentic.cli import main
+
+    _forbid_model_loading(monkeypatch)
+    with pytest.raises(ValueError, match="`max_negative_samples_per_group`"):
+        main(["train", "--config", str(CONFIG), "--max_negative_samples_per_group", "-1"])
+    with pytest.raises(ValueError, match="`tool_timeout`"):
+        main(["train", "--config", str(CONFIG), "--tool_timeout", "5"])
+
+
+def test_warm_start_needs_the_synchronous_trainer(monkeypatch):
+    from trl_agentic.cli import main
+
+    _forbid_model_loading(monkeypatch)
+    with pytest.raises(ValueError, match="`warmstart_steps` needs `trainer: grpo`"):
+        main(["train", "--config", str(CONFIG), "--warmstart_steps", "4"])
+
+
+def test_tracin_needs_gradient_checkpointing_off():
+    from trl_agentic.async_grpo import AsyncAgenticGRPOConfig
+
+    with pytest.raises(ValueError, match="`tracin_enabled=True` needs `gradient_checkpointing=False`"):
+        AsyncAgenticGRPOConfig(output_dir="x", tracin_enabled=True)
+    ok = AsyncAgenticGRPOConfig(
+        output_dir="x", tracin_enabled=True, gradient_checkpointing=False, use_cpu=True, bf16=False
+    )
+    assert ok.tracin_enabled

@@ -1,0 +1,287 @@
+"""`AsyncAgenticGRPOTrainer` in real asynchronous runs against a real vLLM CPU server started here.
+
+The policy is the vLLM tier's tiny calculator policy (`vllm_helpers.build_calculator_policy`: whole turns as single
+tokens, a failing call `1/0`, a good call, an answer), so rollbacks happen in every step; the embedded SmolLM2 is used
+by the example and the benchmark (docs/async.md says why: it never calls the tool before a warm start).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def server(calculator_policy_dir, tmp_path_factory):
+    from trl_agentic.async_grpo.server import VLLMServer
+
+    log = tmp_path_factory.mktemp("async-vllm") / "server.log"
+    with VLLMServer(calculator_policy_dir, max_lora_rank=8, max_loras=6, log_path=str(log)) as s:
+        yield s
+
+
+def _negatives(rows):
+    from trl_agentic.rollout.types import RowKind
+
+    return [r for r in rows if r["kind"] == RowKind.NEGATIVE]
+
+
+def test_rollback_and_negative_rows_fire_in_an_async_run(server, calculator_policy_dir, tmp_path):
+    import requests
+    from async_helpers import async_config, build, logged, rollback_overrides, total
+
+    from trl_agentic.advantages import group_advantages, negative_sample_rewards
+    from trl_agentic.rollout.types import RowKind
+
+    args = async_config(tmp_path / "out", server.url, **rollback_overrides())
+    trainer = build(calculator_policy_dir, args)
+    loads = []
+    original = trainer.vllm_client.load_lora_adapter
+
+    def recording(name, path, *a, **k):
+        loads.append(name)
+        return original(name, path, *a, **k)
+
+    trainer.vllm_client.load_lora_adapter = recording
+    trainer.train()
+    rows = trainer._observed_rows
+    assert trainer.state.global_step == 2
+    # vLLM #42125: a new adapter name at every sync (one cold sync at train begin, one per step), never TRL's fixed
+    # `trl-policy` (a second run against this server would collide with it).
+    base = trainer._lora_name
+    assert base.startswith("trl-policy-") and loads == [f"{base}-v{n}" for n in (1, 2, 3)]
+    served = {m["id"] for m in requests.get(f"{server.url}/v1/models", timeout=10).json()["data"]}
+    assert f"{base}-v3" in served
+    assert {r["policy_versions"][0] for r in rows} <= {1, 2, 3}
+    # Rollbacks ran in the worker and produced negative rows that reached the trainer.
+    assert total(trainer, "rollback/attempts_total") > 0
+    negatives = _negatives(rows)
+    assert negatives, "no negative row reached the trainer"
+    penalty = negative_sample_rewards([["ZeroDivisionError"]], args.negative_sample_reward, None)[0]
+    assert all(r["reward"] == penalty and r["advantage"] <= 0.0 for r in negatives)
+    # Variable-size groups: a group with a negative row has more rows than conversations.
+    by_group: dict[int, list] = {}
+    for r in rows:
+        by_group.setdefault(r["group_id"], []).append(r)
+    complete = [g for g in by_group.values() if len(g) == g[0].get("group_rows", len(g))]
+    assert any(len([r for r in g if r["kind"] == RowKind.NEGATIVE]) for g in by_group.values())
+    # The advantages are the synchronous trainer's: group_advantages over (episodes + negatives) of each full group.
+    for g in complete:
+        regular = [r for r in g if r["kind"] == RowKind.REGULAR]
+        if len(regular) != args.num_generations:
+            continue  # a group split across steps by the stale-drop or the step boundary is not checked here
+        rewards = [r["reward"] for r in g]
+        import torch
+
+        expected = group_advantages(torch.tensor(rewards), torch.zeros(len(g), dtype=torch.long))
+        expected = [min(e, 0.0) if r["kind"] == RowKind.NEGATIVE else e for e, r in zip(expected.tolist(), g)]
+        assert [r["advantage"] for r in g] == pytest.approx(expected, abs=1e-5)
+    # A negative row trains its failed turn only: one run of model tokens, then the masked error result.
+    for r in negatives:
+        trained = np.nonzero(r["completion_mask"])[0]
+        assert len(trained) >= 1 and (np.diff(trained) == 1).all()
+        assert trained[-1] < len(r["completion_mask"]) - 1  # the tool's error message follows, untrained
+    # Staleness per row kind is logged, and every row kind obeys max_staleness.
+    assert logged(trainer, "sample/staleness_negative_max")
+    assert all(r["staleness"] <= args.max_staleness for r in rows)
+    assert all(r["model_version"] <= r["policy_versions"][0] for r in rows)
+
+
+def test_refused_adapter_load_is_a_clear_error_and_resume_continues(server, calculator_policy_dir, tmp_path):
+    """The server refuses a policy's adapter (a name it already holds: HTTP 400); the step-1 checkpoint survives and a
+    resumed run trains on from it, publishing its adapters under a new name."""
+    import torch
+    from async_helpers import async_config, build, rollback_overrides
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    args = async_config(out, server.url, save_strategy="steps", save_steps=1, **rollback_overrides())
+    trainer = build(calculator_policy_dir, args)
+    steps = []
+
+    def refuse_second_step(*a, **k):
+        steps.append(trainer.state.global_step)
+        if trainer.state.global_step == 2:
+            trainer.model_version -= 1  # the next sync republishes a name the server holds: vLLM answers 400
+        return original(*a, **k)
+
+    original = trainer._sync_weight
+    trainer._sync_weight = refuse_second_step  # instance attribute: TRL's step callback holds the bound method
+    for cb in trainer.callback_handler.callbacks:
+        if getattr(cb, "fn", None) is not None and getattr(cb.fn, "__name__", "") == "_sync_weight":
+            cb.fn = refuse_second_step
+    with pytest.raises(RuntimeError, match="refused the policy of version .*resume_from_checkpoint"):
+        trainer.train()
+    checkpoint = out / "checkpoint-1"
+    assert (checkpoint / "adapter_model.safetensors").exists() and (checkpoint / "rollout_state.json").exists()
+    saved = load_file(str(checkpoint / "adapter_model.safetensors"))
+
+    resumed = build(calculator_policy_dir, async_config(out, server.url, save_strategy="no", **rollback_overrides()))
+    assert resumed._lora_name != trainer._lora_name
+    loaded = {}
+    original_load = resumed._load_from_checkpoint
+
+    def capture(*a, **k):
+        result = original_load(*a, **k)
+        for name, p in resumed.model.named_parameters():
+            if "lora_" in name:
+                loaded[name] = p.detach().clone()
+        return result
+
+    resumed._load_from_checkpoint = capture
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 2
+    # The resumed run started from the checkpoint's adapter weights.
+    assert loaded and len(saved) == len(loaded)
+    for key, value in saved.items():
+        match = [n for n in loaded if n.replace(".default", "").endswith(key.removeprefix("base_model.model."))]
+        assert match, key
+        assert torch.equal(loaded[match[0]], value)
+
+
+def test_killed_server_is_a_clear_error(calculator_policy_dir, tmp_path):
+    """A server killed mid-run: training stops with an error naming the server and the checkpoints, not a hang."""
+    import threading
+
+    from async_helpers import async_config, build, rollback_overrides
+
+    from trl_agentic.async_grpo.server import VLLMServer
+
+    with VLLMServer(calculator_policy_dir, max_lora_rank=8, max_loras=6, log_path=str(tmp_path / "s.log")) as doomed:
+        out = tmp_path / "out"
+        args = async_config(out, doomed.url, max_steps=50, save_strategy="steps", save_steps=1, **rollback_overrides())
+        trainer = build(calculator_policy_dir, args)
+
+        def kill_after_first_checkpoint():
+            while not (out / "checkpoint-1").exists():
+                threading.Event().wait(0.2)
+            doomed.kill()
+
+        threading.Thread(target=kill_after_first_checkpoint, daemon=True).start()
+        with pytest.raises(RuntimeError, match=f"vLLM server at {doomed.url} failed.*resume_from_checkpoint"):
+            trainer.train()
+    assert (out / "checkpoint-1" / "adapter_model.safetensors").exists()
+
+
+def test_user_turns_and_a_token_level_estimator_in_an_async_run(server, calculator_policy_dir, tmp_path):
+    from async_helpers import TwoQuestionCalculatorEnv, async_config, build, total
+
+    args = async_config(tmp_path / "out", server.url, advantage_estimator="async_helpers:scaled_token_estimator")
+    trainer = build(calculator_policy_dir, args, environment_factory=TwoQuestionCalculatorEnv)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert total(trainer, "conversation/user_turns_total") > 0
+    rows = trainer._observed_rows
+    token_rows = [r for r in rows if isinstance(r["advantage"], np.ndarray)]
+    assert token_rows and len(token_rows) == len(rows)
+    for r in token_rows:
+        trained = np.nonzero(r["completion_mask"])[0]
+        values = r["advantage"][trained]
+        assert values[0] == pytest.approx(2 * values[-1]) or len(set(values.tolist())) == 1
+        assert (r["advantage"][: trained[0]] == 0).all()  # nothing on the prompt
+
+
+def test_tracin_filtered_step_in_an_async_run(server, calculator_policy_dir, tmp_path):
+    from async_helpers import async_config, build, calculator_dataset, logged, rollback_overrides
+
+    args = async_config(
+        tmp_path / "out",
+        server.url,
+        tracin_enabled=True,
+        tracin_val_batch_size=1,
+        tracin_val_num_generations=4,
+        tracin_val_refresh_steps=2,  # V at step 0 only: validation rollouts are sequential (seconds each)
+        tracin_selection="top_fraction",
+        tracin_top_fraction=0.5,
+        **rollback_overrides(),
+    )
+    trainer = build(calculator_policy_dir, args, tracin_eval_dataset=calculator_dataset(4))
+    trainer.train()
+    assert trainer.state.global_step == 2
+    selected = logged(trainer, "tracin/num_selected")
+    assert len(selected) == 2 and all(1 <= n <= 4 for n in selected)  # half of each micro-batch of 8 rows
+    assert len(logged(trainer, "tracin/val_grad_norm")) == 1
+    last = trainer._tracin.last
+    assert int(last["selected"].sum()) == 4 and last["scores"].shape == (8,)
+
+
+def test_context_snapshots_in_an_async_run(tmp_path_factory):
+    """A policy that calls `delete_context`: each deletion closes a segment, which reaches the trainer as a snapshot
+    row of its group carrying its episode's reward and advantage (TRL's fork: one advantage per conversation)."""
+    from async_helpers import SNAPSHOT_TURNS, async_config, build, total
+    from vllm_helpers import build_calculator_policy
+
+    from trl_agentic.async_grpo.server import VLLMServer
+    from trl_agentic.rollout.types import RowKind
+
+    folder = tmp_path_factory.mktemp("snap")
+    policy = build_calculator_policy(folder / "snapshot-policy", turn_tokens=SNAPSHOT_TURNS, biases=(0.9, 0.9, 0.7))
+    # The tool schemas of `calculate` and `delete_context` make a ~2000-token prompt with the byte-level tokenizer.
+    log = str(folder / "server.log")
+    with VLLMServer(policy, max_lora_rank=8, max_loras=6, max_model_len=4096, max_num_seqs=8, log_path=log) as server:
+        args = async_config(
+            folder / "out", server.url, max_steps=3, enable_context_snapshots=True, max_snapshots_per_episode=4
+        )
+        trainer = build(policy, args)
+        trainer.train()
+    assert total(trainer, "snapshots/closed_total") > 0
+    rows = trainer._observed_rows
+    snapshots = [r for r in rows if r["kind"] == RowKind.SNAPSHOT]
+    assert snapshots, "no snapshot row reached the trainer"
+    matched = 0
+    for snap in snapshots:
+        episode = [
+            r
+            for r in rows
+            if r["kind"] == RowKind.REGULAR and (r["group_id"], r["episode"]) == (snap["group_id"], snap["episode"])
+        ]
+        # snapshot_advantage="episode": outside the baseline, its episode's reward -> its episode's advantage
+        if episode:  # the episode's last segment may sit in a micro-batch after the last step
+            assert episode[0]["reward"] == snap["reward"]
+            assert episode[0]["advantage"] == pytest.approx(snap["advantage"], abs=1e-6)
+            matched += 1
+        assert snap["completion_mask"].sum() > 0
+    assert matched >= 1
+
+
+def test_every_feature_on_the_embedded_model(tmp_path_factory):
+    """SmolLM2-135M (the embedded model) + LoRA against a real server, every feature switched on at once: rollback,
+    negatives, snapshots, further user turns, the RLVCR estimator and the TracIn filter. The untrained model rarely
+    calls a tool, so this checks that one asynchronous step runs end to end with all of them, not that they fire (the
+    tests above make each fire on a tiny policy)."""
+    from async_helpers import TwoQuestionCalculatorEnv, async_config, build, calculator_dataset, logged
+
+    from trl_agentic.async_grpo.server import VLLMServer
+    from trl_agentic.models import resolve_model_path
+
+    folder = tmp_path_factory.mktemp("smollm2")
+    model = resolve_model_path("smollm2-135m")
+    with VLLMServer(model, max_lora_rank=8, max_loras=6, log_path=str(folder / "server.log")) as server:
+        args = async_config(
+            folder / "out",
+            server.url,
+            max_steps=1,
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=32,
+            max_tool_calling_iterations=2,
+            enable_tool_rollback=True,
+            rollback_on_errors=["ValueError", "ZeroDivisionError", "ToolCallParseError"],
+            save_negative_samples=True,
+            enable_context_snapshots=True,
+            advantage_estimator="rlvcr",
+            tracin_enabled=True,
+            tracin_val_batch_size=1,
+            tracin_val_num_generations=2,
+        )
+        trainer = build(
+            model, args, environment_factory=TwoQuestionCalculatorEnv, tracin_eval_dataset=calculator_dataset(2)
+        )
+        trainer.train()
+    assert trainer.state.global_step == 1
+    assert logged(trainer, "tracin/num_selected") and logged(trainer, "rlvcr/invalid_format")
+    # The environment's second question was asked (or found no room left: a truncated first answer ends the rollout).
+    asked = logged(trainer, "conversation/user_turns_total") + logged(trainer, "conversation/user_turns_dropped_total")
+    assert sum(asked) > 0

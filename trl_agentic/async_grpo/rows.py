@@ -1,0 +1,250 @@
+"""Training rows of one asynchronous trajectory and the advantages of a group's rows: pure functions, no model.
+
+A trajectory run by trl-agentic's rollout loop (`trl_agentic.rollout.loop.AgenticRolloutLoop`) gives TRL's worker
+one row per conversation segment plus its extra rows, as `AgenticSequence`s (TRL's `TrainingSequence` with the row's
+kind): the regular row (the last segment), then the loop's `ExtraRow`s (negative samples, earlier snapshot segments)
+in the loop's order. A row's `completion_mask` is TRL's: 1 on tokens the model generated (`tool_mask == 1`), 0 on the
+prompt and on environment tokens; `old_log_probs` are vLLM's sampling log-probs there and 0 elsewhere.
+
+`group_row_advantages` gives every row of a group its reward and advantage with the synchronous trainer's rules
+(`trl_agentic.batch.BatchAugmenter`, steps 1-2): a negative row's reward is `negative_sample_rewards` of its error
+types, a snapshot row's the episode's reward plus the optional `snapshot_reward_func` term; the per-group cap
+`max_negative_samples_per_group` keeps the first negatives in row order; the baseline is `group_baseline` /
+`snapshot_advantage`; the advantages come from the configured estimator through the estimator protocol
+(`trl_agentic.estimators`, `grpo_estimator` = `group_advantages`), and a negative row's advantage is clamped at 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..advantages import negative_sample_rewards
+from ..estimators import AdvantageBatch, grpo_estimator
+from ..rollout.types import ExtraRow, RowKind
+from .compat import worker_module
+
+__all__ = [
+    "AgenticSequence",
+    "GroupRows",
+    "advantage_batch",
+    "group_row_advantages",
+    "row_from_tokens",
+    "sequences_from_loop",
+]
+
+TrainingSequence = worker_module().TrainingSequence
+
+
+@dataclass
+class AgenticSequence(TrainingSequence):
+    """TRL's `TrainingSequence` (one training row) with what trl-agentic's advantage rules need.
+
+    Attributes:
+        kind: `RowKind` of the row (regular, negative, snapshot).
+        error_types: A negative row's error type names (its reward: `negative_sample_rewards`).
+        segment_index: The row's segment in its episode (0 = first).
+        tokens_freed: A snapshot row's context tokens freed by the deletion that closed it.
+        policy_versions: `(first, last)` policy version that generated a turn of the trajectory.
+        lost: The rollout was lost to an infrastructure failure (unscorable, not trained on).
+    """
+
+    kind: int = int(RowKind.REGULAR)
+    error_types: list[str] = field(default_factory=list)
+    segment_index: int = 0
+    tokens_freed: int = 0
+    policy_versions: tuple = (0, 0)
+    lost: bool = False
+
+
+def row_from_tokens(prompt_ids, completion_ids, tool_mask, logprobs) -> tuple[list[int], list[int], list[float]]:
+    """`(input_ids, completion_mask, old_log_probs)` of TRL's row layout from trl-agentic's prompt / completion split."""
+    n = len(completion_ids)
+    if len(tool_mask) != n:
+        raise ValueError(f"tool_mask has {len(tool_mask)} entries for {n} completion tokens")
+    lps = [0.0 if lp is None or (isinstance(lp, float) and math.isnan(lp)) else float(lp) for lp in (logprobs or [])]
+    if logprobs is None:
+        lps = [0.0] * n
+    if len(lps) != n:
+        raise ValueError(f"logprobs has {len(lps)} entries for {n} completion tokens")
+    mask = [int(m) for m in tool_mask]
+    return (
+        list(prompt_ids) + list(completion_ids),
+        [0] * len(prompt_ids) + mask,
+        [0.0] * len(prompt_ids) + [lp if m else 0.0 for lp, m in zip(lps, mask)],
+    )
+
+
+def sequences_from_loop(
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    tool_mask: list[int],
+    logprobs: list[float] | None,
+    extra_rows: list[ExtraRow],
+    rollout_id: str,
+    last_segment: int = 0,
+) -> list[AgenticSequence]:
+    """The training rows of one trajectory: the regular row (last segment) first, then the loop's extra rows."""
+    rows = []
+    ids, mask, lps = row_from_tokens(prompt_ids, completion_ids, tool_mask, logprobs)
+    rows.append(AgenticSequence(ids, mask, lps, rollout_id, kind=int(RowKind.REGULAR), segment_index=last_segment))
+    for e in extra_rows:
+        ids, mask, lps = row_from_tokens(e.prompt_ids, e.completion_ids, e.tool_mask, e.logprobs)
+        rows.append(
+            AgenticSequence(
+                ids,
+                mask,
+                lps,
+                rollout_id,
+                kind=int(e.kind),
+                error_types=list(e.error_types),
+                segment_index=e.segment_index,
+                tokens_freed=e.tokens_freed,
+            )
+        )
+    return rows
+
+
+def advantage_batch(rows: list[dict], rewards: torch.Tensor, group_ids, baseline, kinds, episodes, scale: str):
+    """An `AdvantageBatch` for rows given as `{"input_ids", "completion_mask"}` in TRL's layout.
+
+    The prompt of a row is everything before its first trained token (left-padded), the completion the rest
+    (right-padded); `tool_mask` is the completion part of `completion_mask`, `completion_mask` (attention) is 1 on the
+    completion's real tokens.
+    """
+    prompts, completions, tool_masks = [], [], []
+    for row in rows:
+        ids, mask = [int(t) for t in row["input_ids"]], [int(m) for m in row["completion_mask"]]
+        start = next((k for k, m in enumerate(mask) if m), len(ids))
+        prompts.append(ids[:start])
+        completions.append(ids[start:])
+        tool_masks.append(mask[start:])
+    n = len(rows)
+    p_w = max([len(p) for p in prompts] + [1])
+    c_w = max([len(c) for c in completions] + [1])
+    prompt_ids = torch.zeros(n, p_w, dtype=torch.long)
+    prompt_mask = torch.zeros(n, p_w, dtype=torch.long)
+    completion_ids = torch.zeros(n, c_w, dtype=torch.long)
+    completion_mask = torch.zeros(n, c_w, dtype=torch.long)
+    tool_mask = torch.zeros(n, c_w, dtype=torch.long)
+    for i in range(n):
+        p, c = prompts[i], completions[i]
+        if p:
+            prompt_ids[i, p_w - len(p) :] = torch.tensor(p)
+            prompt_mask[i, p_w - len(p) :] = 1
+        if c:
+            completion_ids[i, : len(c)] = torch.tensor(c)
+            completion_mask[i, : len(c)] = 1
+            tool_mask[i, : len(c)] = torch.tensor(tool_masks[i])
+    return AdvantageBatch(
+        rewards=rewards,
+        group_ids=torch.as_tensor(group_ids, dtype=torch.long),
+        baseline_mask=torch.as_tensor(baseline, dtype=torch.bool),
+        row_kind=torch.as_tensor(kinds, dtype=torch.long),
+        episode_ids=torch.as_tensor(episodes, dtype=torch.long),
+        local_index=torch.arange(n),
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        tool_mask=tool_mask,
+        loss_mask=completion_mask * tool_mask,
+        scale=scale,
+    )
+
+
+@dataclass
+class GroupRows:
+    """The rows of one group after `group_row_advantages`.
+
+    Attributes:
+        keep: Per input row, whether it stays (a negative beyond `max_negative_samples_per_group` does not).
+        rewards: Reward of each kept row.
+        kinds / episodes: `RowKind` and conversation index of each kept row.
+        baseline: Whether each kept row enters the group statistics.
+        advantages: `(K,)` advantages of the kept rows.
+    """
+
+    keep: list[bool]
+    rewards: torch.Tensor
+    kinds: torch.Tensor
+    episodes: torch.Tensor
+    baseline: torch.Tensor
+    advantages: torch.Tensor
+
+
+def baseline_mask(kinds: torch.Tensor, args) -> torch.Tensor:
+    """The rows entering the group statistics: `group_baseline` / `snapshot_advantage` (as `BatchAugmenter` does)."""
+    regular = kinds == RowKind.REGULAR
+    if args.group_baseline == "episodes":
+        return regular
+    baseline = regular | (kinds == RowKind.NEGATIVE)
+    if args.snapshot_advantage == "row":
+        baseline = baseline | (kinds == RowKind.SNAPSHOT)
+    return baseline
+
+
+def clamp_negatives(advantages: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
+    """A failed attempt is never reinforced (`BatchAugmenter`): a negative row's advantage is at most 0."""
+    negative = kinds == RowKind.NEGATIVE
+    if advantages.dim() == 2:
+        negative = negative.unsqueeze(1)
+    return torch.where(negative, advantages.clamp(max=0), advantages)
+
+
+def group_row_advantages(
+    conversation_rewards: list[float],
+    row_conversation: list[int],
+    row_kinds: list[int],
+    row_error_types: list[list[str]],
+    args,
+    segment_terms: list[float] | None = None,
+) -> GroupRows:
+    """Rewards and advantages of one group's rows with the synchronous trainer's rules (module docstring).
+
+    Args:
+        conversation_rewards: Reward of each conversation (rollout) of the group; NaN = unscorable.
+        row_conversation / row_kinds / row_error_types: Per row, its conversation, `RowKind` and error types.
+        args: The config (`negative_sample_reward`, `negative_reward_by_error`, `max_negative_samples_per_group`,
+            `group_baseline`, `snapshot_advantage`, `scale_rewards`).
+        segment_terms: Per row, the `snapshot_reward_func` term of a snapshot row (0 elsewhere).
+    """
+    keep, rewards, kinds, episodes = [], [], [], []
+    negatives = 0
+    for k, (conv, kind) in enumerate(zip(row_conversation, row_kinds)):
+        ok = True
+        if kind == RowKind.NEGATIVE:
+            ok = negatives < args.max_negative_samples_per_group
+            negatives += ok
+            value = negative_sample_rewards(
+                [row_error_types[k]], args.negative_sample_reward, args.negative_reward_by_error
+            )[0]
+        else:  # regular and snapshot rows: the episode's reward (plus a snapshot's segment term)
+            value = conversation_rewards[conv] + (segment_terms[k] if segment_terms else 0.0)
+        keep.append(ok)
+        if ok:
+            rewards.append(value)
+            kinds.append(int(kind))
+            episodes.append(conv)
+    rewards_t = torch.tensor(rewards, dtype=torch.float32)
+    kinds_t = torch.tensor(kinds, dtype=torch.long)
+    baseline = baseline_mask(kinds_t, args)
+    batch = AdvantageBatch(
+        rewards=rewards_t,
+        group_ids=torch.zeros(len(rewards), dtype=torch.long),
+        baseline_mask=baseline,
+        row_kind=kinds_t,
+        episode_ids=torch.tensor(episodes, dtype=torch.long),
+        local_index=torch.arange(len(rewards)),
+        prompt_ids=torch.zeros(len(rewards), 0, dtype=torch.long),
+        prompt_mask=torch.zeros(len(rewards), 0, dtype=torch.long),
+        completion_ids=torch.zeros(len(rewards), 0, dtype=torch.long),
+        completion_mask=torch.zeros(len(rewards), 0, dtype=torch.long),
+        tool_mask=torch.zeros(len(rewards), 0, dtype=torch.long),
+        loss_mask=torch.zeros(len(rewards), 0, dtype=torch.long),
+        scale=args.scale_rewards,
+    )
+    advantages = clamp_negatives(grpo_estimator(batch), kinds_t)
+    return GroupRows(keep, rewards_t, kinds_t, torch.tensor(episodes, dtype=torch.long), baseline, advantages)

@@ -1,0 +1,304 @@
+"""The trainer side of the asynchronous agentic trainer: between TRL's rollout queue and its dataloader.
+
+`AgenticRolloutQueue` wraps the worker's queue (TRL's `RolloutQueueDataset` reads it with `get` / `qsize`):
+
+- **Staleness per row kind.** For every row it logs the staleness TRL's dataset is about to check (current policy
+  version minus the row's `model_version`, the version when its group started, the same for every kind) as
+  `sample/staleness_{kind}_mean` / `_max`, and the rows `max_staleness` is about to drop as
+  `sample/dropped_stale_{kind}_total` (`kind` = regular, negative, snapshot, expansion). The drop itself is TRL's.
+- **Estimators.** When `advantage_estimator` is not `"grpo"`, the rows of a group (pushed one after the other by the
+  worker, `group_rows` of them) are collected and the estimator is called once per group through the estimator
+  protocol (`trl_agentic.estimators`): an `AdvantageBatch` of the group (`rows.advantage_batch`), and as `trainer` an
+  `EstimatorHost`, which gives an estimator the attributes of `AgenticGRPOTrainer` the built-in ones use (the
+  tokenizer, the model, one-turn generation through the vLLM server with the current adapter, per-token log-probs).
+  Token-level advantages travel as the row's `advantage` array (over its whole `input_ids`, 0 on the prompt), which
+  `pack_with_token_advantages` turns into TRL's per-loss-term advantages. Rows an estimator adds
+  (`EstimatorResult.extra_rows`, RLVCR's expansions) join the group as `RowKind.EXPANSION` rows. A negative row's
+  advantage is clamped at 0 afterwards, as in the synchronous trainer.
+
+Estimators run on the main process, one group at a time; their collectives see one process (`EstimatorHost.accelerator`).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import random
+
+import numpy as np
+import torch
+
+from ..estimators import EstimatorResult
+from ..rollout.types import RowKind
+from .compat import trainer_module
+from .rows import advantage_batch, baseline_mask, clamp_negatives, row_from_tokens
+
+__all__ = ["AgenticRolloutQueue", "EstimatorHost", "pack_with_token_advantages", "token_advantage_collate"]
+
+KIND_NAMES = {
+    int(RowKind.REGULAR): "regular",
+    int(RowKind.NEGATIVE): "negative",
+    int(RowKind.SNAPSHOT): "snapshot",
+    int(RowKind.EXPANSION): "expansion",
+}
+
+
+class _OneProcess:
+    """The accelerator an estimator sees: the main process alone (estimators run there, one group at a time)."""
+
+    num_processes = 1
+    process_index = 0
+    is_main_process = True
+
+    def __init__(self, device):
+        self.device = device
+
+    def reduce(self, tensor, reduction="sum"):
+        return tensor
+
+    def gather(self, tensor):
+        return tensor
+
+    def unwrap_model(self, model):
+        return model
+
+
+class EstimatorHost:
+    """What an advantage estimator reads from its `trainer` argument, for the asynchronous trainer.
+
+    The built-in estimators (`grpo`, `rlvcr`) use: `args`, `model`, `_tokenizer`, `processing_class`, `accelerator`,
+    `_metrics`, `chat_template` / `chat_template_kwargs`, `use_vllm`, `_generate_single_turn` and
+    `_get_per_token_logps_and_entropies` (same signatures as `GRPOTrainer`'s).
+    """
+
+    use_vllm = True  # generation goes through the vLLM server (no transformers generation config to cap)
+    chat_template = None
+
+    def __init__(self, trainer):
+        self._trainer = trainer
+        self.args = trainer.args
+        self.processing_class = self._tokenizer = trainer.processing_class
+        self.chat_template_kwargs = trainer.args.chat_template_kwargs or {}
+        self._metrics = trainer._metrics
+        self.accelerator = _OneProcess(trainer.accelerator.device)
+        self.temperature = trainer.args.temperature
+
+    @property
+    def model(self):
+        return self._trainer.accelerator.unwrap_model(self._trainer.model)
+
+    def _generate_single_turn(
+        self, prompt_ids, images=None, multimodal_fields=None, num_generations=1, max_tokens=None, **kwargs
+    ):
+        """One sampled turn per prompt from the vLLM server, with the adapter of the current policy version."""
+        import requests
+
+        t, args = self._trainer, self.args
+        ids, logprobs = [], []
+        for prompt in prompt_ids:
+            payload = {
+                "model": t._request_model_name(),
+                "prompt": list(prompt),
+                "max_tokens": max_tokens or getattr(args, "rlvcr_max_thinking_tokens", args.max_completion_length),
+                "temperature": args.temperature,
+                "top_p": args.top_p,
+                "top_k": args.top_k,
+                "n": 1,
+                "return_token_ids": True,
+                "logprobs": 0,
+                "seed": random.getrandbits(63),
+            }
+            response = requests.post(
+                f"{args.vllm_server_base_url.rstrip('/')}/v1/completions", json=payload, timeout=args.request_timeout
+            )
+            response.raise_for_status()
+            choice = response.json()["choices"][0]
+            ids.append(choice["token_ids"])
+            logprobs.append(choice["logprobs"]["token_logprobs"])
+        return ids, logprobs
+
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **_
+    ):
+        """Log-probs of the last `logits_to_keep` tokens (at the sampling temperature), as `GRPOTrainer` returns them."""
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        logits = logits[:, -logits_to_keep - 1 : -1].float() / self.temperature
+        targets = input_ids[:, -logits_to_keep:]
+        logps = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return logps, None, None
+
+
+class AgenticRolloutQueue:
+    """The worker's rollout queue, seen through trl-agentic's trainer-side stage (module docstring).
+
+    Args:
+        trainer: The `AsyncAgenticGRPOTrainer`.
+        inner: The worker's queue (`rollout_worker.rollout_buffer`).
+        estimator: The estimator to run per group, or None (the worker's GRPO advantages are kept).
+    """
+
+    def __init__(self, trainer, inner, estimator=None):
+        self._trainer = trainer
+        self._inner = inner
+        self._estimator = estimator
+        self._host = EstimatorHost(trainer) if estimator is not None else None
+        self._pending: list = []
+        self._ready: collections.deque = collections.deque()
+
+    def qsize(self) -> int:
+        return self._inner.qsize() + len(self._ready)
+
+    def get(self, timeout=None):
+        while not self._ready:
+            sample = self._inner.get(timeout=timeout)  # `queue.Empty` reaches TRL's dataset, which polls again
+            if self._estimator is None or getattr(sample, "group_rows", 0) <= 0:
+                self._ready.append(sample)
+                continue
+            self._pending.append(sample)
+            if len(self._pending) >= sample.group_rows:
+                group, self._pending = self._pending, []
+                self._ready.extend(self._estimate(group))
+        sample = self._ready.popleft()
+        self._observe(sample)
+        return sample
+
+    def get_nowait(self):
+        return self.get(timeout=0)
+
+    def _observe(self, sample) -> None:
+        t = self._trainer
+        metrics = t._metrics["train"]
+        kind = KIND_NAMES.get(int(getattr(sample, "row_kind", 0)), "regular")
+        staleness = t.model_version - sample.model_version
+        metrics[f"sample/staleness_{kind}_mean"].append(float(staleness))
+        metrics[f"sample/staleness_{kind}_max"].append(float(staleness))
+        if staleness > t.args.max_staleness:
+            metrics[f"sample/dropped_stale_{kind}_total"].append(1.0)
+        advantage = sample.advantage
+        t._observed_rows.append(
+            {
+                "kind": int(getattr(sample, "row_kind", 0)),
+                "staleness": int(staleness),
+                "model_version": int(sample.model_version),
+                "policy_versions": tuple(getattr(sample, "policy_versions", ())),
+                "group_id": int(sample.group_id),
+                "episode": int(getattr(sample, "episode", -1)),
+                "reward": float(getattr(sample, "reward", math.nan)),
+                "advantage": advantage if isinstance(advantage, float) else np.asarray(advantage).copy(),
+                "input_ids": np.asarray(sample.input_ids).copy(),
+                "completion_mask": np.asarray(sample.completion_mask).copy(),
+            }
+        )
+
+    def _estimate(self, group: list) -> list:
+        args = self._trainer.args
+        kinds = torch.tensor([int(s.row_kind) for s in group], dtype=torch.long)
+        rewards = torch.tensor([float(s.reward) for s in group], dtype=torch.float32)
+        rows = [{"input_ids": s.input_ids, "completion_mask": s.completion_mask} for s in group]
+        batch = advantage_batch(
+            rows,
+            rewards,
+            [0] * len(group),
+            baseline_mask(kinds, args),
+            kinds,
+            [s.episode for s in group],
+            args.scale_rewards,
+        )
+        result = self._estimator(batch, self._host)
+        if isinstance(result, EstimatorResult):
+            advantages, extra, extra_adv = result.advantages, list(result.extra_rows), result.extra_advantages
+        else:
+            advantages, extra, extra_adv = result, [], None
+        advantages = clamp_negatives(advantages.detach().float().cpu(), kinds)
+        for k, s in enumerate(group):
+            s.advantage = _row_advantage(advantages[k], batch.prompt_ids.size(1), batch.prompt_mask[k], s)
+        out = list(group)
+        for k, row in enumerate(extra):
+            parent = group[row.parent]
+            ids, mask, lps = row_from_tokens(row.prompt_ids, row.completion_ids, row.tool_mask, row.logprobs)
+            value = extra_adv[k].detach().float().cpu()
+            if value.dim() == 1:  # token-level over the row's completion
+                value = np.concatenate([np.zeros(len(row.prompt_ids)), value[: len(row.completion_ids)].numpy()])
+                value = np.pad(value, (0, len(ids) - len(value)))
+            else:
+                value = float(value)
+            out.append(
+                type(parent)(
+                    prompt=parent.prompt,
+                    completion=parent.completion,
+                    input_ids=np.asarray(ids, dtype=np.int64),
+                    completion_mask=np.asarray(mask, dtype=np.int64),
+                    old_log_probs=np.asarray(lps, dtype=np.float32),
+                    advantage=value,
+                    model_version=parent.model_version,
+                    group_id=parent.group_id,
+                    metrics={**parent.metrics, "rows/expansion_frac": 1.0},
+                    row_kind=int(RowKind.EXPANSION),
+                    reward=parent.reward,
+                    episode=parent.episode,
+                    group_rows=len(group) + len(extra),
+                    policy_versions=parent.policy_versions,
+                )
+            )
+        for s in out[: len(group)]:
+            s.metrics = {**s.metrics, "rows/expansion_frac": 0.0}
+        return out
+
+
+def _row_advantage(value: torch.Tensor, prompt_width: int, prompt_mask: torch.Tensor, sample):
+    """A row's advantage in TRL's layout: a float, or an array over its `input_ids` (0 on the prompt)."""
+    if value.dim() == 0:
+        return float(value)
+    prompt_len = int(prompt_mask.sum())
+    completion_len = len(sample.input_ids) - prompt_len
+    tokens = np.zeros(len(sample.input_ids), dtype=np.float32)
+    tokens[prompt_len:] = value[:completion_len].numpy()
+    return tokens
+
+
+def pack_with_token_advantages(row) -> dict:
+    """TRL's `TreeRow.pack`, with each loss term's advantage read per token when a row's `advantage` is an array.
+
+    TRL's packer appends `sample["advantage"]` once per trained target, in sample order and, within a sample, in
+    position order (`p = 1 .. len - 1` with `completion_mask[p]`); the same order is used here.
+    """
+    saved = [s["advantage"] for s in row.samples]
+    for s in row.samples:
+        if isinstance(s["advantage"], np.ndarray):
+            s["advantage"] = 0.0
+    try:
+        packed = trainer_module().TreeRow.pack(row)
+    finally:
+        for s, value in zip(row.samples, saved):
+            s["advantage"] = value
+    values = []
+    for s, value in zip(row.samples, saved):
+        mask = np.asarray(s["completion_mask"])
+        positions = np.nonzero(mask[1:])[0] + 1
+        if isinstance(value, np.ndarray):
+            values.extend(value[positions].tolist())
+        else:
+            values.extend([float(value)] * len(positions))
+    packed["advantages"] = torch.tensor(values, dtype=torch.float32)
+    return packed
+
+
+class token_advantage_collate:  # noqa: N801 - a callable used like TRL's collator instance
+    """Wraps TRL's rollout collator: rows are packed with `pack_with_token_advantages`, and an optional `before`
+    hook sees the micro-batch's rows first (the TracIn filter)."""
+
+    def __init__(self, inner, before=None):
+        self.inner = inner
+        self.before = before
+
+    def __call__(self, examples):
+        (rows,) = examples
+        if self.before is not None:
+            self.before(rows)
+        for row in rows:
+            row.pack = _bound_pack(row)
+        return self.inner(examples)
+
+
+def _bound_pack(row):
+    return lambda: pack_with_token_advantages(row)

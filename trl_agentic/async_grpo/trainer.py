@@ -1,0 +1,236 @@
+"""`AsyncAgenticGRPOTrainer`: TRL's asynchronous GRPO trainer with trl-agentic's features.
+
+Built on TRL's `AsyncGRPOTrainer` (`trl.experimental.async_grpo` in TRL 1.16, top-level `trl` from 1.18; see
+`compat.py`). With every feature of `AsyncAgenticGRPOConfig` off it is `AsyncGRPOTrainer` unchanged (plus the two CPU
+fixes of `compat.py`, which change nothing on a GPU). With a feature on:
+
+- the rollout worker's child process runs `worker.AgenticAsyncRolloutLoop` (TRL's loop class, two methods
+  overridden): trl-agentic's rollout loop per trajectory (rollback, negatives, snapshots, further user turns) and the
+  synchronous trainer's group advantage rules;
+- the main process reads the worker's queue through `stage.AgenticRolloutQueue` (staleness per row kind; the
+  estimator stage for `advantage_estimator != "grpo"`), and packs rows with per-token advantages when an estimator
+  gives them;
+- `tracin_enabled` filters each micro-batch's rows by their TracIn score before packing (`tracin.AsyncTracIn`).
+
+Adapter names stay TRL's versioned names, `{lora_name}-v{N}` with a new `N` at every sync (vLLM #42125: an adapter
+reloaded under the same name would reuse the old adapter's cached prefix blocks); `lora_name` is
+`trl-policy-<8 hex digits>`, fresh for each trainer, so two runs against one server never collide (TRL's fixed
+`trl-policy` makes a second run against the same server fail with HTTP 400 "already been loaded").
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from ..envs.protocol import check_checkpointable, has_user_turns
+from ..estimators import resolve_estimator
+from ..rollout.context import delete_context
+from ..rollout.loop import LoopConfig
+from .compat import AsyncGRPOTrainer, cpu_peak_flops, register_cpu_tree_attention, trainer_module
+from .config import AsyncAgenticGRPOConfig
+from .worker import AgenticAsyncRolloutLoop
+
+__all__ = ["AsyncAgenticGRPOTrainer"]
+
+_ADVANTAGE_FIELDS = (
+    "negative_sample_reward",
+    "negative_reward_by_error",
+    "max_negative_samples_per_group",
+    "group_baseline",
+    "snapshot_advantage",
+    "snapshot_reward_func",
+    "scale_rewards",
+)
+
+
+def _environment_classes(environment_factory) -> list:
+    if environment_factory is None:
+        return []
+    factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
+    return [f for f in factories if isinstance(f, type)]
+
+
+class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
+    """
+    Asynchronous GRPO trainer for agentic tool use, built on TRL's `AsyncGRPOTrainer` (see the module docstring and
+    `docs/async.md`).
+
+    Args:
+        model (`str`):
+            As in `AsyncGRPOTrainer` (a model id or folder, served by the vLLM server too); a built-in short name such
+            as `"smollm2-135m"` is resolved to its local folder.
+        reward_funcs, train_dataset, processing_class, callbacks, optimizers, peft_config, tools,
+        environment_factory, rollout_worker, weight_transfer:
+            As in `AsyncGRPOTrainer`.
+        args ([`AsyncAgenticGRPOConfig`], *optional*):
+            The configuration.
+        advantage_estimator (`Callable`, *optional*):
+            An estimator callable, taking precedence over `args.advantage_estimator`.
+        tracin_eval_dataset (`Dataset`, *optional*):
+            Validation prompts of the TracIn filter (`args.tracin_enabled`).
+    """
+
+    _tag_names = ["trl", "async-grpo", "trl-agentic"]
+    _name = "AsyncAgenticGRPO"
+
+    def __init__(
+        self,
+        model: str,
+        reward_funcs=None,
+        args: AsyncAgenticGRPOConfig | None = None,
+        train_dataset=None,
+        *,
+        advantage_estimator=None,
+        tracin_eval_dataset=None,
+        tools=None,
+        environment_factory=None,
+        peft_config=None,
+        **kwargs,
+    ):
+        if args is None:
+            args = AsyncAgenticGRPOConfig(f"{str(model).split('/')[-1]}-AsyncAgenticGRPO")
+        elif not isinstance(args, AsyncAgenticGRPOConfig):
+            raise TypeError(f"`args` must be an AsyncAgenticGRPOConfig, got {type(args).__name__}.")
+        if not isinstance(model, str):
+            raise TypeError("AsyncAgenticGRPOTrainer takes the model as a name or folder (the vLLM server serves it).")
+        if args.tracin_enabled and peft_config is None:
+            raise ValueError("`tracin_enabled=True` needs a PEFT LoRA policy: pass `peft_config` (a `LoraConfig`).")
+        if args.enable_context_snapshots:
+            if environment_factory is None and not tools:
+                raise ValueError(
+                    "`enable_context_snapshots=True` needs a multi-turn tool setup: pass `tools` or "
+                    "`environment_factory` (the `delete_context` tool is added to them)."
+                )
+            tools = [*(tools or []), delete_context]
+        env_classes = _environment_classes(environment_factory)
+        user_turns = any(has_user_turns(cls) for cls in env_classes)
+        self._features_on = args.agentic_features_enabled or args.uses_agentic_loop or user_turns
+        from ..models import resolve_model_path
+
+        model = resolve_model_path(model)
+        # Reward functions and tools reach the spawned worker pickled; kept here for TracIn's validation rollouts.
+        self._reward_funcs_list = (
+            reward_funcs if isinstance(reward_funcs, list) else [reward_funcs] * bool(reward_funcs)
+        )
+        self._tools_list, self._environment_factory = tools, environment_factory
+        with cpu_peak_flops():
+            super().__init__(
+                model,
+                reward_funcs=reward_funcs,
+                args=args,
+                train_dataset=train_dataset,
+                tools=tools,
+                environment_factory=environment_factory,
+                peft_config=peft_config,
+                **kwargs,
+            )
+        register_cpu_tree_attention()
+        self._observed_rows: list[dict] = []  # every row the trainer consumed (kind, staleness, advantage, ...)
+        worker = self.rollout_worker
+        is_trl_worker = isinstance(worker, trainer_module().AsyncRolloutWorker)
+        if self._lora_sync and is_trl_worker:
+            # TRL's fixed name would collide with a previous run's adapters on the same server (module docstring).
+            self._lora_name = f"trl-policy-{uuid.uuid4().hex[:8]}"
+            worker._loop_kwargs["lora_name"] = self._lora_name
+        self.advantage_estimator = None
+        if args.advantage_estimator != "grpo" or advantage_estimator is not None:
+            self.advantage_estimator = resolve_estimator(advantage_estimator or args.advantage_estimator)
+        if not self._features_on:
+            return
+        for cls in env_classes:
+            if args.enable_tool_rollback or has_user_turns(cls):
+                check_checkpointable(cls())
+        if self.accelerator.is_main_process and is_trl_worker:
+            self.vllm_client.wait_for_server_ready()
+            worker._loop_cls = AgenticAsyncRolloutLoop  # read by `start()`, which spawns the child
+            worker._loop_kwargs["agentic"] = {
+                "loop": {name: getattr(args, name) for name in LoopConfig.__dataclass_fields__},
+                "advantage": {name: getattr(args, name) for name in _ADVANTAGE_FIELDS},
+                "max_model_len": self.vllm_client.get_max_model_len(),
+                "seed": args.seed,
+            }
+        self._tracin = None
+        if args.tracin_enabled:
+            from .tracin import AsyncTracIn
+
+            self._tracin = AsyncTracIn(self, tracin_eval_dataset)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _request_model_name(self) -> str:
+        """The model name a generation request of the current policy uses (TRL's versioned adapter name)."""
+        if self._lora_sync:
+            return f"{self._lora_name}-v{self.model_version}"
+        from trl.trainer.utils import get_config_model_id
+
+        return get_config_model_id(self.accelerator.unwrap_model(self.model).config)
+
+    def _server_unreachable(self, what: str, error: BaseException) -> RuntimeError:
+        return RuntimeError(
+            f"{what}: the vLLM server at {self.args.vllm_server_base_url} failed ({type(error).__name__}: {error}). "
+            f"Training stopped at step {self.state.global_step} (policy version {self.model_version}); the "
+            f"checkpoints saved so far in {self.args.output_dir} are intact: restart the server and call "
+            "`train(resume_from_checkpoint=...)` (a resumed run publishes its adapters under a new name)."
+        )
+
+    def _sync_weight(self):
+        """TRL's weight sync; a server that is gone or refuses the adapter stops training with a clear error."""
+        import requests
+
+        try:
+            return super()._sync_weight()
+        except requests.RequestException as error:
+            raise self._server_unreachable("Weight sync failed", error) from error
+        except Exception as error:
+            if "Request failed" in str(error):  # TRL's client: the server answered with an error status
+                raise self._server_unreachable(
+                    f"The vLLM server refused the policy of version {self.model_version + 1}", error
+                ) from error
+            raise
+
+    def _check_health(self, stale_after_s: float) -> None:
+        """TRL's worker health check, plus the server's: the worker retries a dead server for minutes."""
+        import requests
+
+        self._worker_check_health(stale_after_s)
+        try:
+            requests.get(f"{self.args.vllm_server_base_url.rstrip('/')}/health", timeout=5).raise_for_status()
+            self._server_failures = 0
+        except requests.RequestException as error:
+            self._server_failures = getattr(self, "_server_failures", 0) + 1
+            if self._server_failures >= 2:
+                raise self._server_unreachable("Waiting for rollouts", error) from error
+
+    def get_train_dataloader(self):
+        worker = self.rollout_worker
+        if self.accelerator.is_main_process and worker is not None and not hasattr(self, "_worker_check_health"):
+            # Read by TRL's queue dataset when it waits for rollouts (every `poll_interval_s`).
+            self._worker_check_health = worker.check_health
+            worker.check_health = self._check_health
+        if self._features_on and self.accelerator.is_main_process and self.rollout_queue is not None:
+            from .stage import AgenticRolloutQueue
+
+            if not hasattr(self.rollout_queue, "_observe"):
+                self.rollout_queue = AgenticRolloutQueue(self, self.rollout_queue, self.advantage_estimator)
+        dataloader = super().get_train_dataloader()
+        if self._features_on and self.accelerator.is_main_process:
+            from .stage import token_advantage_collate
+
+            before = self._tracin.filter_rows if getattr(self, "_tracin", None) is not None else None
+            # accelerate's dispatcher iterates its `base_dataloader`, whose collate function is TRL's collator.
+            target = getattr(dataloader, "base_dataloader", dataloader)
+            target.collate_fn = token_advantage_collate(target.collate_fn, before=before)
+        return dataloader
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        tracin = getattr(self, "_tracin", None)
+        if tracin is not None and self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            tracin.save(folder)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        tracin = getattr(self, "_tracin", None)
+        if checkpoint is not None and tracin is not None:
+            tracin.load(checkpoint)
