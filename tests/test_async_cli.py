@@ -50,6 +50,11 @@ def test_bad_feature_field_fails_in_the_async_parser(monkeypatch):
         main(["train", "--config", str(CONFIG), "--max_negative_samples_per_group", "-1"])
     with pytest.raises(ValueError, match="`tool_timeout`"):
         main(["train", "--config", str(CONFIG), "--tool_timeout", "5"])
+    # Fields of the synchronous config the asynchronous trainer cannot honour are refused, not silently ignored.
+    with pytest.raises(ValueError, match="`max_turn_tokens` is not supported"):
+        main(["train", "--config", str(CONFIG), "--max_turn_tokens", "32"])
+    with pytest.raises(ValueError, match="`row_selection` is not supported"):
+        main(["train", "--config", str(CONFIG), "--row_selection", "random"])
 
 
 def test_warm_start_needs_the_synchronous_trainer(monkeypatch):

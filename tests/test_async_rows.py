@@ -27,6 +27,7 @@ def _args(**kw):
         snapshot_advantage="episode",
         snapshot_reward_func=None,
         scale_rewards="group",
+        advantage_std_floor=0.1,
     )
     values.update(kw)
     return SimpleNamespace(**values)
@@ -50,21 +51,28 @@ rows_strategy = st.lists(
     snapshot_advantage=st.sampled_from(["episode", "row"]),
     cap=st.integers(0, 3),
     scale=st.sampled_from(["group", "none"]),
+    floor=st.sampled_from([0.1, 0.5]),
+    order=st.randoms(use_true_random=False),
 )
-def test_group_rows_follow_the_synchronous_rules(rewards, extra, baseline, snapshot_advantage, cap, scale):
+def test_group_rows_follow_the_synchronous_rules(
+    rewards, extra, baseline, snapshot_advantage, cap, scale, floor, order
+):
     args = _args(
         group_baseline=baseline,
         snapshot_advantage=snapshot_advantage,
         max_negative_samples_per_group=cap,
         scale_rewards=scale,
+        advantage_std_floor=floor,
     )
-    conversation = [0, 1, 2, 3] + [c for c, _, _ in extra]
-    kinds = [int(RowKind.REGULAR)] * 4 + [k for _, k, _ in extra]
-    errors = [[]] * 4 + [e for _, _, e in extra]
+    rows = [(c, int(RowKind.REGULAR), []) for c in range(4)] + list(extra)
+    order.shuffle(rows)  # a group's rows in any order: regular rows need not come first
+    conversation = [c for c, _, _ in rows]
+    kinds = [k for _, k, _ in rows]
+    errors = [e for _, _, e in rows]
     got = group_row_advantages(rewards, conversation, kinds, errors, args)
 
     # Plain loop: the rules as documented.
-    keep, row_rewards, in_baseline, row_kinds, negatives = [], [], [], [], 0
+    keep, row_rewards, in_baseline, row_kinds, row_conv, negatives = [], [], [], [], [], 0
     for conv, kind, types in zip(conversation, kinds, errors):
         if kind == RowKind.NEGATIVE:
             ok = negatives < cap
@@ -77,6 +85,7 @@ def test_group_rows_follow_the_synchronous_rules(rewards, extra, baseline, snaps
         if ok:
             row_rewards.append(reward)
             row_kinds.append(kind)
+            row_conv.append(conv)
             if baseline == "episodes":
                 in_baseline.append(kind == RowKind.REGULAR)
             else:
@@ -84,11 +93,15 @@ def test_group_rows_follow_the_synchronous_rules(rewards, extra, baseline, snaps
                     kind in (RowKind.REGULAR, RowKind.NEGATIVE)
                     or (kind == RowKind.SNAPSHOT and snapshot_advantage == "row")
                 )
+    # An extra row is measured from its own rollout's regular row (its position among the kept rows).
+    position = {c: k for k, (c, kind) in enumerate(zip(row_conv, row_kinds)) if kind == RowKind.REGULAR}
     expected = group_advantages(
         torch.tensor(row_rewards, dtype=torch.float32),
         torch.zeros(len(row_rewards), dtype=torch.long),
         scale=scale,
         baseline_mask=torch.tensor(in_baseline),
+        anchors=torch.tensor([position[c] for c in row_conv]),
+        std_floor=floor,
     )
     expected = [min(a, 0.0) if k == RowKind.NEGATIVE else a for a, k in zip(expected.tolist(), row_kinds)]
     assert got.keep == keep

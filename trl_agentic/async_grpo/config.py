@@ -64,9 +64,10 @@ for _f in _feature_fields():
 
 
 def _post_init(self):
-    # Our checks first, as in AgenticGRPOConfig: cheap, and a bad value must fail before anything else happens.
-    AgenticGRPOConfig._validate_agentic_fields(self)
+    # Our checks first, as in AgenticGRPOConfig: cheap, and a bad value must fail before anything else happens (what
+    # the asynchronous trainer refuses first, so that its message names why).
     self._validate_async()
+    AgenticGRPOConfig._validate_agentic_fields(self)
     AsyncGRPOConfig.__post_init__(self)
 
 
@@ -89,10 +90,21 @@ def _validate_async(self) -> None:
             "`max_tool_output_chars` and `malformed_tool_call_feedback` are not supported by "
             "AsyncAgenticGRPOTrainer yet (docs/async.md)."
         )
+    if self.max_turn_tokens is not None:
+        raise ValueError(
+            "`max_turn_tokens` is not supported by AsyncAgenticGRPOTrainer yet: TRL's worker sends every turn with "
+            "the whole remaining `max_completion_length` (docs/async.md)."
+        )
+    if self.row_selection != "none":
+        raise ValueError(
+            "`row_selection` is not supported by AsyncAgenticGRPOTrainer: it selects rows of a synchronous generation "
+            "batch, which the asynchronous trainer does not have (docs/async.md)."
+        )
 
 
 _namespace["__post_init__"] = _post_init
 _namespace["_validate_async"] = _validate_async
+_namespace["_validate_row_selection"] = lambda self: None  # refused outright by `_validate_async`
 _namespace["uses_agentic_loop"] = AgenticGRPOConfig.uses_agentic_loop
 _namespace["agentic_features_enabled"] = AgenticGRPOConfig.agentic_features_enabled
 _namespace["_VALID_DICT_FIELDS"] = [*AsyncGRPOConfig._VALID_DICT_FIELDS, "negative_reward_by_error"]
@@ -104,7 +116,8 @@ _namespace["__doc__"] = f"""
     samples, context snapshots, further user turns, the advantage estimator (`advantage_estimator`, `rlvcr_*`) and
     the TracIn filter (`tracin_*`). With all of them at their defaults the trainer behaves exactly like TRL's
     `AsyncGRPOTrainer`. Own fields: `scale_rewards`, `vllm_server_start`. Not supported yet:
-    `tool_timeout`, `max_tool_output_chars`, `malformed_tool_call_feedback` (refused with an error naming the field).
+    `tool_timeout`, `max_tool_output_chars`, `malformed_tool_call_feedback`, `max_turn_tokens`, `row_selection`
+    (refused with an error naming the field); `transformers_prefix_caching` has no effect (vLLM generates).
 
     Feature fields: {", ".join(f.name for f in _feature_fields())}.
     """

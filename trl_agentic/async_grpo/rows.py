@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..advantages import negative_sample_rewards
+from ..advantages import DEFAULT_STD_FLOOR, negative_sample_rewards
 from ..estimators import AdvantageBatch, grpo_estimator
 from ..rollout.types import ExtraRow, RowKind
 from .compat import worker_module
@@ -107,8 +107,21 @@ def sequences_from_loop(
     return rows
 
 
-def advantage_batch(rows: list[dict], rewards: torch.Tensor, group_ids, baseline, kinds, episodes, scale: str):
+def advantage_batch(
+    rows: list[dict],
+    rewards: torch.Tensor,
+    group_ids,
+    baseline,
+    kinds,
+    episodes,
+    scale: str,
+    std_floor: float = DEFAULT_STD_FLOOR,
+):
     """An `AdvantageBatch` for rows given as `{"input_ids", "completion_mask"}` in TRL's layout.
+
+    `episodes` are conversation ids; the batch's `episode_ids` are the positions of each conversation's regular row
+    (what an estimator anchors an extra row to, as in the synchronous trainer, where a rollout's row index is its
+    episode id), -1 for a conversation without one.
 
     The prompt of a row is everything before its first trained token (left-padded), the completion the rest
     (right-padded); `tool_mask` is the completion part of `completion_mask`, `completion_mask` (attention) is 1 on the
@@ -143,7 +156,7 @@ def advantage_batch(rows: list[dict], rewards: torch.Tensor, group_ids, baseline
         group_ids=torch.as_tensor(group_ids, dtype=torch.long),
         baseline_mask=torch.as_tensor(baseline, dtype=torch.bool),
         row_kind=torch.as_tensor(kinds, dtype=torch.long),
-        episode_ids=torch.as_tensor(episodes, dtype=torch.long),
+        episode_ids=torch.tensor(regular_positions(kinds, episodes), dtype=torch.long),
         local_index=torch.arange(n),
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
@@ -152,7 +165,18 @@ def advantage_batch(rows: list[dict], rewards: torch.Tensor, group_ids, baseline
         tool_mask=tool_mask,
         loss_mask=completion_mask * tool_mask,
         scale=scale,
+        std_floor=std_floor,
     )
+
+
+def regular_positions(kinds, episodes) -> list[int]:
+    """For each row, the position of its conversation's regular row (-1 when the conversation has none here)."""
+    kinds, episodes = [int(k) for k in kinds], [int(e) for e in episodes]
+    first = {}
+    for k, (kind, episode) in enumerate(zip(kinds, episodes)):
+        if kind == RowKind.REGULAR:
+            first.setdefault(episode, k)
+    return [first.get(episode, -1) for episode in episodes]
 
 
 @dataclass
@@ -236,7 +260,8 @@ def group_row_advantages(
         group_ids=torch.zeros(len(rewards), dtype=torch.long),
         baseline_mask=baseline,
         row_kind=kinds_t,
-        episode_ids=torch.tensor(episodes, dtype=torch.long),
+        # Anchors are row positions: an extra row outside the baseline is measured from its conversation's regular row.
+        episode_ids=torch.tensor(regular_positions(kinds, episodes), dtype=torch.long),
         local_index=torch.arange(len(rewards)),
         prompt_ids=torch.zeros(len(rewards), 0, dtype=torch.long),
         prompt_mask=torch.zeros(len(rewards), 0, dtype=torch.long),
@@ -245,6 +270,7 @@ def group_row_advantages(
         tool_mask=torch.zeros(len(rewards), 0, dtype=torch.long),
         loss_mask=torch.zeros(len(rewards), 0, dtype=torch.long),
         scale=args.scale_rewards,
+        std_floor=args.advantage_std_floor,
     )
     advantages = clamp_negatives(grpo_estimator(batch), kinds_t)
     return GroupRows(keep, rewards_t, kinds_t, torch.tensor(episodes, dtype=torch.long), baseline, advantages)

@@ -203,6 +203,7 @@ class AgenticRolloutQueue:
             kinds,
             [s.episode for s in group],
             args.scale_rewards,
+            args.advantage_std_floor,
         )
         result = self._estimator(batch, self._host)
         if isinstance(result, EstimatorResult):

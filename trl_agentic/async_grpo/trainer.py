@@ -41,6 +41,7 @@ _ADVANTAGE_FIELDS = (
     "snapshot_advantage",
     "snapshot_reward_func",
     "scale_rewards",
+    "advantage_std_floor",
 )
 
 
