@@ -98,7 +98,7 @@ class AgenticGRPOTrainer(GenerationMixin, TracInMixin, RowWeightedLossMixin, GRP
       every engine, and on TRL's regular transformers path the prefix cache across turns
       (`transformers_prefix_caching`); otherwise TRL's;
     - `_calculate_rewards`: calls TRL's and keeps the gathered rewards for the batch augmentation;
-    - `_generate_and_score_completions`: calls TRL's, then `trl_agentic.batch.BatchAugmenter` appends the extra
+    - `_generate_and_score_completions`: calls TRL's (within the prefix cache's lifetime), then `trl_agentic.batch.BatchAugmenter` appends the extra
       rows, recomputes the advantages over explicit group ids and the loss normaliser, and pads every process to the
       same divisible row count;
     - `_compute_loss` (`trl_agentic.loss_weights.RowWeightedLossMixin`): calls TRL's; for per-row loss types
@@ -231,8 +231,9 @@ class AgenticGRPOTrainer(GenerationMixin, TracInMixin, RowWeightedLossMixin, GRP
     def _generate_and_score_completions(self, inputs):
         self._last_loop_result = None
         self._last_rewards_per_func = None
-        output = super()._generate_and_score_completions(inputs)
-        return self._augmenter(output, inputs, self._last_rewards_per_func, self._last_loop_result)
+        with self._prefix_cache_scope():
+            output = super()._generate_and_score_completions(inputs)
+            return self._augmenter(output, inputs, self._last_rewards_per_func, self._last_loop_result)
 
     # ------------------------------------------------------------------------------------------------------------
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
