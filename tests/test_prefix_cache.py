@@ -599,6 +599,30 @@ def test_features_off_generates_with_trl_and_no_cache(tiny_model_dir, tmp_path):
     assert (default["tool_mask"] == 0).any()  # a tool result is in there: there was a second turn
 
 
+def test_generations_of_the_batch_augmentation_reuse_the_rollouts(tiny_model_dir, tmp_path):
+    """RLVCR's alternative thinking is generated after the rollouts, from their histories (inside
+    `_generate_and_score_completions`, in the batch augmentation): the rollouts' caches are still kept then."""
+    trainer = _trainer(tmp_path, tiny_model_dir)
+    tok = trainer._tokenizer
+    reused = []
+    original = trainer._augmenter
+
+    def augment(output, inputs, rewards, loop_result):
+        row = output["prompt_ids"][0][output["prompt_mask"][0].bool()].tolist()
+        row += output["completion_ids"][0][output["completion_mask"][0].bool()].tolist()
+        before = trainer._prefix_cache.stats.reused_tokens
+        trainer._generate_single_turn([row + tok.encode("<think>")], None, {}, 1)
+        reused.append(trainer._prefix_cache.stats.reused_tokens - before)
+        return original(output, inputs, rewards, loop_result)
+
+    trainer._augmenter = augment
+    trainer.model.train()
+    prompts = [[{"role": "user", "content": "hi" * n}] for n in (1, 1, 3, 3)]
+    trainer._generate_and_score_completions([{"prompt": p} for p in prompts])
+    assert reused[0] > 0
+    assert trainer._prefix_cache.conversations == []  # dropped at the end of the batch
+
+
 @pytest.mark.slow
 def test_smollm2_multi_turn_greedy_tokens_and_logits_equal_with_the_cache(tmp_path):
     """The embedded SmolLM2-135M (30 layers, grouped-query attention, RoPE) over three turns of a tool conversation

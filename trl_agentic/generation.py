@@ -166,18 +166,21 @@ class GenerationMixin:
                 share_within_call=self._prefix_sharing_is_local,
             )
 
-    def _generate_and_score_completions(self, inputs):
+    @contextmanager
+    def _prefix_cache_scope(self):
+        """The lifetime of the kept caches: one generation batch, its extra generations (RLVCR's alternative
+        thinking reuses the rollouts' prefixes) included; the metrics are logged at its end."""
         cache = self._active_prefix_cache()
         if cache is None:
-            return super()._generate_and_score_completions(inputs)
+            yield
+            return
         cache.clear()
         cache.reset_stats()
         try:
-            output = super()._generate_and_score_completions(inputs)
+            yield
         finally:
             cache.clear()  # the next batch is generated with other weights
         self._log_prefix_cache(cache.stats)
-        return output
 
     def _log_prefix_cache(self, stats) -> None:
         mode = "train" if self.model.training else "eval"

@@ -99,7 +99,7 @@ class AgenticGRPOTrainer(RowSelectionMixin, GenerationMixin, TracInMixin, RowWei
       every engine, and on TRL's regular transformers path the prefix cache across turns
       (`transformers_prefix_caching`); otherwise TRL's;
     - `_calculate_rewards`: calls TRL's and keeps the gathered rewards for the batch augmentation;
-    - `_generate_and_score_completions`: calls TRL's, then `trl_agentic.batch.BatchAugmenter` appends the extra
+    - `_generate_and_score_completions`: calls TRL's (within the prefix cache's lifetime), then `trl_agentic.batch.BatchAugmenter` appends the extra
       rows, recomputes the advantages over explicit group ids and the loss normaliser, and pads every process to the
       same divisible row count;
     - `_compute_loss` (`trl_agentic.loss_weights.RowWeightedLossMixin`): calls TRL's; for per-row loss types
@@ -234,12 +234,9 @@ class AgenticGRPOTrainer(RowSelectionMixin, GenerationMixin, TracInMixin, RowWei
     def _generate_and_score_completions(self, inputs):
         self._last_loop_result = None
         self._last_rewards_per_func = None
-        output = super()._generate_and_score_completions(inputs)
-        try:
+        with self._prefix_cache_scope():  # the kept caches live through the augmentation (RLVCR reuses them)
+            output = super()._generate_and_score_completions(inputs)
             output = self._augmenter(output, inputs, self._last_rewards_per_func, self._last_loop_result)
-        finally:
-            if self._prefix_cache is not None:
-                self._prefix_cache.clear()  # an estimator's generation (RLVCR's thinking) kept its caches: drop them
         return self._select_rows(output)  # `row_selection` (trl_agentic.selection): last, on the finished batch
 
     # ------------------------------------------------------------------------------------------------------------

@@ -259,8 +259,8 @@ def render(data: dict, command: str) -> str:
         f"tokens it returned. Cap: `max_turn_tokens={cap}`.",
         "",
         "| task | variant | step wall | step CPU | generation wall | generation CPU | generated tokens | tokens/s "
-        "(CPU) | prefilled / context tokens | turns cut by the cap | step CPU vs off |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "(wall) | tokens/s (CPU) | prefilled / context tokens | turns cut by the cap | step CPU vs off |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for task, cells in data["cells"].items():
         off = cells.get("off", {}).get("step_cpu_s")
@@ -273,12 +273,16 @@ def render(data: dict, command: str) -> str:
                 continue
             g = c["generation"]
             prefilled = sum(s["prefilled_tokens"] for s in c["cache"]) if c["cache"] else g["context_tokens"]
-            cpu = c.get("step_cpu_s")
+            # vLLM's engine runs in processes of its own: this process's CPU time leaves most of its work out.
+            cpu = c.get("step_cpu_s") if variant != "vllm" else None
+            gen_cpu = g.get("cpu_s") if variant != "vllm" else None
             ratio = f"{cpu / off:.2f}" if off and cpu else "–"
             lines.append(
                 f"| {task} | {LABELS[variant]} | {_minutes(c['step_s'])} | {_minutes(cpu) if cpu else '–'} | "
-                f"{_minutes(g['seconds'])} | {_minutes(g['cpu_s']) if 'cpu_s' in g else '–'} | {g['tokens']} | "
-                f"{g['tokens'] / max(g.get('cpu_s', g['seconds']), 1e-9):.1f} | {prefilled} / {g['context_tokens']} | "
+                f"{_minutes(g['seconds'])} | {_minutes(gen_cpu) if gen_cpu else '–'} | {g['tokens']} | "
+                f"{g['tokens'] / max(g['seconds'], 1e-9):.1f} | "
+                f"{f'{g_tps:.1f}' if (g_tps := g['tokens'] / gen_cpu if gen_cpu else None) else '–'} | "
+                f"{prefilled if variant != 'vllm' else '–'} / {g['context_tokens']} | "
                 f"{c['loop'].get('turn_cap_truncations', 0)} | {ratio} |"
             )
     lines.append("")
