@@ -119,6 +119,7 @@ def test_the_trainer_generates_at_most_the_cap_and_masks_cut_turns(tiny_model_di
     assert lengths == 5  # every rollout is its first turn, cut at 5 tokens (not 40)
     assert batch["completion_mask"].sum().item() == 0  # all truncated, all masked (TRL's rule)
     assert trainer._last_loop_result.stats.turn_cap_truncations == 4
+    assert trainer._metrics["train"]["tools/turn_cap_truncations"] == [4.0]
     assert trainer.generation_config.max_new_tokens == 40  # the cap applied to a copy, not the trainer's config
     # Without the cap, TRL's own generation runs past it.
     ids, _ = GRPOTrainer._generate_single_turn(trainer, [[1, 2, 3]], None, {}, 1)

@@ -152,6 +152,15 @@ class GenerationMixin:
             cache.clear()  # the next batch is generated with other weights
         self._log_prefix_cache(cache.stats)
 
+    def _log_turn_cap(self, loop_result) -> None:
+        """`tools/turn_cap_truncations`: turns cut by `max_turn_tokens` in this batch, summed over processes."""
+        if self.args.max_turn_tokens is None:
+            return
+        count = loop_result.stats.turn_cap_truncations if loop_result is not None else 0
+        local = torch.tensor([count], dtype=torch.float64, device=self.accelerator.device)
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["tools/turn_cap_truncations"].append(self.accelerator.reduce(local, "sum").item())
+
     def _log_prefix_cache(self, stats) -> None:
         mode = "train" if self.model.training else "eval"
         local = torch.tensor(

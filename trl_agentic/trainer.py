@@ -233,7 +233,9 @@ class AgenticGRPOTrainer(GenerationMixin, TracInMixin, RowWeightedLossMixin, GRP
         self._last_rewards_per_func = None
         with self._prefix_cache_scope():
             output = super()._generate_and_score_completions(inputs)
-            return self._augmenter(output, inputs, self._last_rewards_per_func, self._last_loop_result)
+            output = self._augmenter(output, inputs, self._last_rewards_per_func, self._last_loop_result)
+        self._log_turn_cap(self._last_loop_result)
+        return output
 
     # ------------------------------------------------------------------------------------------------------------
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
