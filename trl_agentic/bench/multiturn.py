@@ -244,7 +244,8 @@ def run(tasks, variants, cap: int, workdir: str, json_path: str | None, log=prin
 
 
 def _minutes(seconds: float) -> str:
-    return f"{int(seconds // 60)} min {seconds % 60:02.0f} s" if seconds >= 60 else f"{seconds:.0f} s"
+    whole = round(seconds)
+    return f"{whole // 60} min {whole % 60:02d} s" if whole >= 60 else f"{whole} s"
 
 
 def render(data: dict, command: str) -> str:
