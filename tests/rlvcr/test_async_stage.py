@@ -58,7 +58,9 @@ def test_rlvcr_token_advantages_through_the_async_stage(tiny_tokenizer):
     tok = tiny_tokenizer
     rows = [[(STEP_LOOK, True), (TOOL, False), (STEP_TAKE, True)], [(STEP_FAIL, True)]]
     rewards = [1.0, 0.0]
-    args = rlvcr_args(group_baseline="all_rows", snapshot_advantage="episode", scale_rewards="group")
+    args = rlvcr_args(
+        group_baseline="all_rows", snapshot_advantage="episode", scale_rewards="group", advantage_std_floor=0.1
+    )
     expected = rlvcr_estimator(make_batch(tok, rows, rewards, [0, 0]), FakeTrainer(tok, args))
     assert expected.dim() == 2
 
