@@ -74,3 +74,40 @@ def test_tracin_needs_gradient_checkpointing_off():
         output_dir="x", tracin_enabled=True, gradient_checkpointing=False, use_cpu=True, bf16=False
     )
     assert ok.tracin_enabled
+
+
+def test_a_reward_function_taking_environments_is_refused_before_a_model_loads(monkeypatch, tmp_path):
+    """TRL's asynchronous worker never passes `environments` to reward functions: such a function would only fail in
+    the worker process, after the model and the server started. The trainer refuses it first, naming it."""
+    from trl_agentic.async_grpo import AsyncAgenticGRPOConfig, AsyncAgenticGRPOTrainer
+    from trl_agentic.envs.calculator import ToolBonusCalculatorEnv, answer_reward, tool_use_reward
+
+    _forbid_model_loading(monkeypatch)
+    args = AsyncAgenticGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, enable_tool_rollback=True)
+    with pytest.raises(ValueError, match="`tool_use_reward` takes `environments`"):
+        AsyncAgenticGRPOTrainer(
+            "some/model",
+            reward_funcs=[answer_reward, tool_use_reward],
+            args=args,
+            environment_factory=ToolBonusCalculatorEnv,
+        )
+
+
+def test_tool_bonus_environment_rewards_what_tool_use_reward_does():
+    """`ToolBonusCalculatorEnv.get_reward` (the asynchronous trainer's way) gives `tool_use_reward`'s bonus: 0.1 once a
+    call returned, 0 with no call or only failed calls."""
+    from trl_agentic.envs.calculator import ToolBonusCalculatorEnv, tool_use_reward
+
+    cases = {(): 0.0, ("1/0",): 0.0, ("1/0", "2+3"): 0.1, ("7*6",): 0.1}
+    envs = []
+    for calls in cases:
+        env = ToolBonusCalculatorEnv()
+        env.reset(question="q", answer="1")
+        for expression in calls:
+            try:
+                env.calculate(expression)
+            except Exception:
+                pass
+        envs.append(env)
+    assert [env.get_reward() for env in envs] == list(cases.values())
+    assert tool_use_reward([[]] * len(envs), environments=envs) == list(cases.values())

@@ -121,3 +121,51 @@ def test_shim_prefers_top_level_trl(monkeypatch):
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
     assert compat._load()[0] is AsyncGRPOTrainer
+
+
+def test_stopping_a_worker_whose_child_already_exited_returns(monkeypatch, tmp_path):
+    """TRL's `AsyncRolloutWorker.stop` blocks forever once the child exited while its stop watcher waited on the event
+    (`multiprocessing.Condition.notify` waits for the dead sleeper to acknowledge); `stop_rollout_worker` returns and
+    leaves no process behind. The child is TRL's real `_child_main` in a real spawned process."""
+    import threading
+
+    from accelerate.state import PartialState
+    from async_stop_helpers import ExitWhenToldLoop
+
+    from trl_agentic.async_grpo.compat import install_stop, worker_module
+
+    PartialState()  # TRL's worker logs through accelerate's logger (its trainer has set this up)
+
+    module = worker_module()
+    monkeypatch.setattr(module, "is_vllm_available", lambda: True)
+    monkeypatch.setattr(module, "is_aiohttp_available", lambda: True)
+
+    def started_worker(name):
+        worker = module.AsyncRolloutWorker(child_ready_timeout=300)
+        worker._loop_cls = ExitWhenToldLoop
+        exit_now = tmp_path / name
+        worker._loop_kwargs = {"exit_now": str(exit_now)}
+        worker.start()
+        # The child's stop watcher has gone to sleep on the stop event (the count is a shared semaphore) ...
+        while worker._stop_event_mp._cond._sleeping_count.get_value() < 1:
+            threading.Event().wait(0.05)
+        exit_now.touch()  # ... and then the child exits, as it does when its rollout loop fails.
+        worker._process.join()
+        assert worker._process.exitcode == 0
+        return worker
+
+    # The defect in the installed TRL: its stop() is still blocked after 10 s (it never returns).
+    trl_worker = started_worker("trl")
+    blocked = threading.Thread(target=trl_worker.stop, daemon=True)
+    blocked.start()
+    blocked.join(timeout=10)
+    assert blocked.is_alive(), "TRL's AsyncRolloutWorker.stop returned: the workaround in compat.py may be obsolete"
+
+    worker = started_worker("ours")
+    child = worker._process
+    install_stop(worker)
+    done = threading.Thread(target=worker.stop, daemon=True)
+    done.start()
+    done.join(timeout=120)  # a hang detector only: it returns in well under a second
+    assert not done.is_alive()
+    assert worker._process is None and not child.is_alive()

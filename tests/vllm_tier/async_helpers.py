@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from trl_agentic.envs.calculator import CalculatorEnv
+from trl_agentic.envs.calculator import ToolBonusCalculatorEnv
 
 
 def async_config(output_dir, url, **overrides):
@@ -63,14 +63,14 @@ def calculator_dataset(n=16):
     return Dataset.from_list(make_arithmetic_tasks(n, seed=0, difficulty="easy"))
 
 
-def build(model_dir, args, environment_factory=CalculatorEnv, **kwargs):
+def build(model_dir, args, environment_factory=ToolBonusCalculatorEnv, **kwargs):
     from trl_agentic.async_grpo import AsyncAgenticGRPOTrainer
-    from trl_agentic.envs.calculator import answer_reward, tool_use_reward
+    from trl_agentic.envs.calculator import answer_reward
 
     kwargs.setdefault("train_dataset", calculator_dataset())
     return AsyncAgenticGRPOTrainer(
         model=str(model_dir),
-        reward_funcs=[answer_reward, tool_use_reward],
+        reward_funcs=[answer_reward],  # the tool bonus is the environment's get_reward
         args=args,
         environment_factory=environment_factory,
         peft_config=lora(),
@@ -86,7 +86,7 @@ def total(trainer, name):
     return sum(v for v in logged(trainer, name) if v is not None)
 
 
-class SnapshotCalculatorEnv(CalculatorEnv):
+class SnapshotCalculatorEnv(ToolBonusCalculatorEnv):
     """The calculator whose results are long: the conversation outgrows the budget unless context is deleted."""
 
     def calculate(self, expression: str) -> str:
@@ -102,7 +102,7 @@ class SnapshotCalculatorEnv(CalculatorEnv):
         return super().calculate(expression) + " " + "(checked) " * 8
 
 
-class TwoQuestionCalculatorEnv(CalculatorEnv):
+class TwoQuestionCalculatorEnv(ToolBonusCalculatorEnv):
     """A calculator conversation with a second user question after the first answer (a further user turn)."""
 
     def reset(self, **kwargs):

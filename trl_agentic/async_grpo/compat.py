@@ -24,6 +24,14 @@ top-level `trl` module only.
   attention in plain PyTorch (`sdpa_tree_attention`: one scaled-dot-product attention over the packed row with a
   boolean mask that lets each segment see its root-to-segment path, causally). A forward without tree inputs (a plain
   padded batch, as the estimators and TracIn scoring use) runs transformers' SDPA attention.
+
+**Stopping the rollout worker.** `AsyncRolloutWorker.stop` (`async_rollout_worker.py` line 1274) calls
+`multiprocessing.Event.set()` on the stop event the child's watcher thread waits on. CPython's
+`multiprocessing.Condition.notify` then blocks until every thread counted as sleeping acknowledges the wake-up; a child
+that has already exited (it failed, so TRL's `check_health` is raising, or it was killed) never does, and `set()` blocks
+forever: training hangs in its `finally` instead of raising the child's error. `stop_rollout_worker` sets the event
+from a daemon thread, waits for it only while the child is alive, then joins, terminates and kills the child as TRL
+does; `AsyncAgenticGRPOTrainer` installs it on TRL's worker.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
+import threading
+import types
 
 import torch
 
@@ -40,6 +50,8 @@ __all__ = [
     "cpu_peak_flops",
     "register_cpu_tree_attention",
     "sdpa_tree_attention",
+    "install_stop",
+    "stop_rollout_worker",
     "trainer_module",
     "worker_module",
 ]
@@ -66,6 +78,35 @@ def trainer_module():
 def worker_module():
     """The module the rollout worker was defined in (`_AsyncRolloutLoop`, `RolloutSample`, `TrainingSequence`)."""
     return sys.modules[trainer_module().AsyncRolloutWorker.__module__]
+
+
+def stop_rollout_worker(worker) -> None:
+    """`AsyncRolloutWorker.stop` that returns when the child has already exited (module docstring).
+
+    Install it on a worker with `worker.stop = types.MethodType(stop_rollout_worker, worker)`.
+    """
+    process = worker._process
+    if process is None:
+        return
+    # The setter blocks for good when a dead child was waiting on the event; it holds only that event's lock.
+    setter = threading.Thread(target=worker._stop_event_mp.set, daemon=True, name="grpo-rollout-worker-stop")
+    setter.start()
+    if process._popen is not None:  # None when start() failed while spawning
+        while setter.is_alive() and process.is_alive():
+            setter.join(timeout=0.1)
+        process.join(timeout=15)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    worker._process = None
+
+
+def install_stop(worker) -> None:
+    """Replace TRL's `worker.stop` with `stop_rollout_worker` on this worker instance."""
+    worker.stop = types.MethodType(stop_rollout_worker, worker)
 
 
 def _packing_module():

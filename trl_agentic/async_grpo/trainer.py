@@ -27,7 +27,7 @@ from ..envs.protocol import check_checkpointable, has_user_turns
 from ..estimators import resolve_estimator
 from ..rollout.context import delete_context
 from ..rollout.loop import LoopConfig
-from .compat import AsyncGRPOTrainer, cpu_peak_flops, register_cpu_tree_attention, trainer_module
+from .compat import AsyncGRPOTrainer, cpu_peak_flops, install_stop, register_cpu_tree_attention, trainer_module
 from .config import AsyncAgenticGRPOConfig
 from .worker import AgenticAsyncRolloutLoop
 
@@ -50,6 +50,33 @@ def _environment_classes(environment_factory) -> list:
         return []
     factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
     return [f for f in factories if isinstance(f, type)]
+
+
+def _refuse_environment_rewards(reward_funcs) -> None:
+    """Raise before any model loads when a reward function declares an `environments` argument.
+
+    TRL's asynchronous worker calls reward functions with the completions and dataset columns only: it returns each
+    rollout's environment to its pool (to be reset by the next rollout) before the group is scored, so it has no
+    environments to pass. Such a function would fail in the worker process, after the model and the server started.
+    """
+    import inspect
+
+    for func in reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]:
+        if func is None or isinstance(func, str) or not callable(func):
+            continue
+        try:
+            parameters = inspect.signature(func).parameters
+        except (TypeError, ValueError):
+            continue
+        if "environments" in parameters:
+            name = getattr(func, "__name__", type(func).__name__)
+            raise ValueError(
+                f"Reward function `{name}` takes `environments`, which TRL's asynchronous trainer does not pass (it "
+                "scores a group after its environments went back to the pool). Give the environment a `get_reward()` "
+                "method instead: TRL scores it when the rollout ends and adds it as a reward column (for the "
+                "calculator's tool bonus, `environment_factory=ToolBonusCalculatorEnv` in place of "
+                "`tool_use_reward`)."
+            )
 
 
 class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
@@ -95,6 +122,7 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
             raise TypeError(f"`args` must be an AsyncAgenticGRPOConfig, got {type(args).__name__}.")
         if not isinstance(model, str):
             raise TypeError("AsyncAgenticGRPOTrainer takes the model as a name or folder (the vLLM server serves it).")
+        _refuse_environment_rewards(reward_funcs)
         if args.tracin_enabled and peft_config is None:
             raise ValueError("`tracin_enabled=True` needs a PEFT LoRA policy: pass `peft_config` (a `LoraConfig`).")
         if args.enable_context_snapshots:
@@ -130,6 +158,8 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
         self._observed_rows: list[dict] = []  # every row the trainer consumed (kind, staleness, advantage, ...)
         worker = self.rollout_worker
         is_trl_worker = isinstance(worker, trainer_module().AsyncRolloutWorker)
+        if is_trl_worker:
+            install_stop(worker)  # TRL's stop() hangs when the child has already died (compat docstring)
         if self._lora_sync and is_trl_worker:
             # TRL's fixed name would collide with a previous run's adapters on the same server (module docstring).
             self._lora_name = f"trl-policy-{uuid.uuid4().hex[:8]}"

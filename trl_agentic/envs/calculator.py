@@ -406,6 +406,19 @@ def answer_reward(completions: list, answer: list, **kwargs) -> list[float]:
     return rewards
 
 
+class ToolBonusCalculatorEnv(CalculatorEnv):
+    """`CalculatorEnv` that owns `tool_use_reward`'s bonus through TRL's `get_reward` protocol.
+
+    TRL calls `get_reward()` when a rollout ends, while the environment still holds that rollout's state, and adds the
+    result as a reward column (named after this class, weight 1). Use it where reward functions get no
+    `environments` argument: TRL's asynchronous trainer (`AsyncAgenticGRPOTrainer`) does not pass one.
+    """
+
+    def get_reward(self) -> float:
+        """`TOOL_USE_BONUS` if at least one `calculate` call returned, else 0.0 (as `tool_use_reward`)."""
+        return TOOL_USE_BONUS if self.calls > self.failures else 0.0
+
+
 def tool_use_reward(completions: list, environments: list | None = None, **kwargs) -> list[float]:
     """
     TRL reward function: a small bonus (`TOOL_USE_BONUS`, 0.1) for completions with at least one successful tool call.
