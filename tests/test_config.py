@@ -146,6 +146,28 @@ def test_cli_choice_fields_fail_in_the_parser_naming_the_flag(tmp_path, capsys):
     assert "--group_baseline" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["command line", "yaml"])
+def test_negative_reward_by_error_parses_from_the_command_line_and_yaml(tmp_path, where):
+    """The dict field reaches the config as a dict both as JSON on the command line (HfArgumentParser would call
+    `dict()` on the string and exit) and as a YAML mapping; a bad JSON string still fails naming the field."""
+    from trl import TrlParser
+
+    config = tmp_path / "c.yaml"
+    values = {"output_dir": str(tmp_path), "use_cpu": True}
+    flags = []
+    if where == "yaml":
+        values["negative_reward_by_error"] = {"ZeroDivisionError": -0.75, "NameError": -1}
+    else:
+        flags = ["--negative_reward_by_error", '{"ZeroDivisionError": -0.75, "NameError": -1}']
+    config.write_text(yaml.safe_dump(values))
+    (args,) = TrlParser((AgenticGRPOConfig,)).parse_args_and_config(args=["--config", str(config), *flags])
+    assert args.negative_reward_by_error == {"ZeroDivisionError": -0.75, "NameError": -1}
+    with pytest.raises(ValueError, match="`negative_reward_by_error`"):
+        TrlParser((AgenticGRPOConfig,)).parse_args_and_config(
+            args=["--output_dir", str(tmp_path), "--use_cpu", "--negative_reward_by_error", "{-1}"]
+        )
+
+
 def test_cli_rejects_unknown_yaml_keys(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"output_dir": str(tmp_path), "max_tool_retriez": 2}))

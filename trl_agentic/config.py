@@ -298,9 +298,14 @@ class AgenticGRPOConfig(GRPOConfig):
         default=1, metadata={"help": "Maximum number of negative rows added to one prompt group."}
     )
     negative_sample_reward: float = field(default=-0.5, metadata={"help": "Reward of a negative row."})
-    negative_reward_by_error: dict[str, float] | None = field(
+    # `| str` lets the command line pass JSON (HfArgumentParser would call `dict()` on the string); parsed in
+    # __post_init__, as TRL does for `model_init_kwargs`.
+    negative_reward_by_error: dict[str, float] | str | None = field(
         default=None,
-        metadata={"help": "Reward per error type, e.g. {'SyntaxError': -1.0}; the most negative match wins."},
+        metadata={
+            "help": "Reward per error type, e.g. {'SyntaxError': -1.0} (JSON on the command line); the most negative "
+            "match wins."
+        },
     )
     group_baseline: str = field(
         default="all_rows",
