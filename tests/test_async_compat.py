@@ -169,3 +169,16 @@ def test_stopping_a_worker_whose_child_already_exited_returns(monkeypatch, tmp_p
     done.join(timeout=120)  # a hang detector only: it returns in well under a second
     assert not done.is_alive()
     assert worker._process is None and not child.is_alive()
+
+
+def test_trl_worker_stop_is_the_version_stop_rollout_worker_replaces():
+    """Drift guard: `stop_rollout_worker` re-implements TRL 1.16.0's `AsyncRolloutWorker.stop` (set the stop event,
+    join 15 s, terminate, join 5 s, kill) without its hang. If TRL changes that method, this fails: re-read it and
+    update (or drop) the replacement."""
+    import hashlib
+    import inspect
+
+    from trl_agentic.async_grpo.compat import worker_module
+
+    source = inspect.getsource(worker_module().AsyncRolloutWorker.stop)
+    assert hashlib.sha256(source.encode()).hexdigest()[:16] == "e53629230ba4d6eb", source
