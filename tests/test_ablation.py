@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from trl_agentic.ablation import cells as cells_mod
 from trl_agentic.ablation import design, report
@@ -76,6 +78,81 @@ def test_the_calculator_budget_fits_the_longest_warm_start_trace():
 def test_the_warm_start_rule(rungs, expected):
     steps, ok, reason = design.choose_warmstart([design.Rung(*r) for r in rungs])
     assert (steps, ok) == expected and str(steps) in reason
+
+
+_LADDER = (32, 64, 128, 256)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([0.0, 0.3, 0.5, 0.52, 0.54, 0.56, 0.9, 1.0]), st.sampled_from([0.2, 0.59, 0.6, 0.9])
+        ),
+        min_size=4,
+        max_size=4,
+    )
+)
+def test_a_ladder_that_stops_once_decided_chooses_what_the_whole_ladder_does(measurements):
+    """Amendment 1: running the rungs in order and stopping at `ladder_decision`'s first answer gives the choice of
+    the whole ladder, and it never stops while the whole ladder would choose a rung it has not measured twice over."""
+    rungs = [design.Rung(n, success, spread) for n, (success, spread) in zip(_LADDER, measurements)]
+    whole = design.choose_warmstart(rungs)
+    measured, stopped = {}, None
+    for rung in rungs:
+        measured[rung.steps] = rung
+        stopped = design.ladder_decision(measured, _LADDER)
+        if stopped is not None:
+            break
+    assert stopped == whole
+    if len(measured) < len(_LADDER):  # stopped early: only on a passing rung whose double was measured
+        assert stopped[1] and 2 * stopped[0] in measured
+    # A plain loop: the first rung whose double adds < 0.05 with >= 60 % spread, else the whole ladder is needed.
+    first_pass = next(
+        (a.steps for a, b in zip(rungs, rungs[1:]) if b.sampled_success - a.sampled_success < 0.05
+         and a.spread_fraction >= 0.6),
+        None,
+    )  # fmt: skip
+    assert len(measured) == (_LADDER.index(first_pass) + 2 if first_pass else len(_LADDER))
+
+
+def test_an_open_ladder_has_no_decision_and_the_render_says_which_rungs_were_not_needed():
+    measured = {32: design.Rung(32, 0.3, 0.9)}
+    assert design.ladder_decision(measured, _LADDER) is None
+    measured[64] = design.Rung(64, 0.6, 0.8)  # +0.3: 32 has not plateaued; 64 unknown without 128
+    assert design.ladder_decision(measured, _LADDER) is None
+    measured[128] = design.Rung(128, 0.62, 0.7)  # 64 plateaued with the spread: chosen, 256 not needed
+    assert design.ladder_decision(measured, _LADDER) == design.choose_warmstart(list(measured.values()))
+    assert design.ladder_decision({64: measured[64], 128: measured[128]}, _LADDER) is None  # not a prefix
+    calibration = {
+        ("calculator", n): {
+            "sampled": [r.sampled_success], "greedy": [r.sampled_success], "train_seconds": 1.0, "seconds": 2.0,
+            "date": "2026-11-27 15:00", "commit": "abc1234", "preregistration": "x",
+            "spread_check": {"groups_with_spread": round(32 * r.spread_fraction), "prompts": 32,
+                             "fraction": r.spread_fraction},
+            "trace_tokens": {"max": 170, "budget": 192},
+        }
+        for n, r in measured.items()
+    }  # fmt: skip
+    text = report.render_results({}, calibration, "x")
+    assert "| 256 | not run: decided |" in text and "Chosen: 64 steps" in text and "Check passed" in text
+
+
+def test_the_superseded_medium_rungs_are_what_this_page_says():
+    """docs/ablation-superseded/v2-medium/README.md's table, recomputed from its cells."""
+    folder = ROOT / "docs" / "ablation-superseded" / "v2-medium"
+    page = (folder / "README.md").read_text()
+    for steps in (32, 64):
+        cell = json.loads((folder / "calibration" / f"warmstart-{steps}.json").read_text())
+        assert cell["settings"]["task_difficulty"] == "medium" and cell["design"] == "v2"
+        sc, tokens = cell["spread_check"], cell["trace_tokens"]
+        row = (
+            f"| {steps} | {sum(cell['sampled']) / len(cell['sampled']):.3f} | "
+            f"{sum(cell['greedy']) / len(cell['greedy']):.3f} | {sc['groups_with_spread']} of {sc['prompts']} "
+            f"({sc['fraction']:.0%}".replace("%", " %")
+            + f") | {tokens['max']} / {tokens['budget']} | {cell['train_seconds']:.0f} | {cell['seconds']:.0f} |"
+        )
+        assert row in page, row
+    assert design.CALCULATOR.settings["task_difficulty"] == "hard"  # amendment 1
 
 
 def test_a_fixed_warm_start_needs_no_calibration(tmp_path):

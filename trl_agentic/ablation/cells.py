@@ -276,11 +276,14 @@ def warmstart_steps(task: Task, ctx: Context) -> tuple[int, bool, str]:
         if steps is None:
             raise ValueError(f"{task.name} has no calibration ladder and no `warmstart_steps`.")
         return steps, True, f"{steps} steps (fixed)"
-    rungs = []
-    for steps in ladder:
+    measured = {}
+    for steps in sorted(ladder):  # in increasing steps, stopping once the rule has decided (amendment 1)
         cell = calibration_cell(task, steps, ctx)
-        rungs.append(design.Rung(steps, _mean(cell["sampled"]), cell["spread_check"]["fraction"]))
-    return design.choose_warmstart(rungs)
+        measured[steps] = design.Rung(steps, _mean(cell["sampled"]), cell["spread_check"]["fraction"])
+        decision = design.ladder_decision(measured, ladder)
+        if decision is not None:
+            return decision
+    raise AssertionError("a whole ladder always decides")  # ladder_decision returns a choice for a whole ladder
 
 
 def _mean(values) -> float:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from .. import stats
 
-DESIGN = "v2"  # in every cell's settings hash: a cell of another design is never mixed in
+DESIGN = "v2.1"  # v2 amended (hard calculator problems, see the pre-registration); in every cell's settings hash: a cell of another design is never mixed in
 
 # ------------------------------------------------------------------------------------------------ decision rule
 
@@ -95,7 +95,7 @@ CALCULATOR = Task(
     settings={
         **_MODEL,
         "task": "calculator",
-        "task_difficulty": "medium",
+        "task_difficulty": "hard",
         "num_train_tasks": 512,
         "num_eval_tasks": 128,
         "task_seed": 0,
@@ -358,27 +358,67 @@ def choose_warmstart(rungs: Sequence[Rung]) -> tuple[int, bool, str]:
     return chosen.steps, False, f"{chosen.steps} steps: no rung kept {SPREAD_MIN:.0%} of groups with a spread"
 
 
+def ladder_decision(measured: dict[int, Rung], ladder: Sequence[int]) -> tuple[int, bool, str] | None:
+    """The warm-start choice as soon as the ladder decides it, run in increasing steps; `None` while it is open.
+
+    A rung that passes (plateaued, with the spread) is chosen by [`choose_warmstart`] once its double is measured,
+    whatever the longer rungs would show: the rule takes the *first* passing rung, and every shorter rung is compared
+    with the same double as in the whole ladder. So the ladder stops there (amendment 1), and the choice is the one
+    the whole ladder would make. Without a passing rung the whole ladder is needed.
+
+    Args:
+        measured: `{steps: Rung}` of the rungs measured so far.
+        ladder: The pre-registered lengths.
+    """
+    prefix = []
+    for steps in sorted(ladder):
+        if steps not in measured:
+            break
+        prefix.append(measured[steps])
+    if len(prefix) < 2:
+        return None
+    choice = choose_warmstart(prefix)
+    if choice[1] or len(prefix) == len(ladder):
+        return choice
+    return None
+
+
 # ------------------------------------------------------------------------------------------------ budget
 
-# Wall-time rates of the first ablation's cells (float32, this 2-core CPU; docs/ablation-superseded/first/cells):
-# calculator GRPO 2.6 s per rollout (rollback TRL control: 167 s for 64), rollback's agentic arm 3.5 s (224 s for 64,
-# regenerations included), warm start 5.1 s per step of 4 traces (82 s for 16), greedy evaluation 0.52 s per problem
-# (67 s for 128); log search: warm start 15.7 s per step (756 s for 48), the snapshot arm 32 s per rollout (1022 s
-# for 32), greedy evaluation 3.9 s per problem (505 s for 128). The TRL control there stopped at its budget; a
-# control whose budget fits both files is charged the snapshot arm's rate. bfloat16 autocast halves the step time
-# of SmolLM2-135M on a CPU with AVX512-BF16 (9.5 s against 19.5 s, `trl_agentic.warmstart.run_warmstart`); the
-# estimate uses 0.55. Medium calculator traces are ~10 % longer than easy ones (clean traces 67-76 against 64-66
-# completion tokens, measured with the model's tokenizer).
+# Wall-time rates in seconds, bfloat16 autocast on this 2-core CPU (AVX512-BF16). Training rollouts: the first
+# ablation's float32 cells (docs/ablation-superseded/first/cells) times 0.55, the bfloat16 speed-up measured on
+# SmolLM2-135M (9.5 s against 19.5 s a step, `trl_agentic.warmstart.run_warmstart`): calculator GRPO 2.6 s per
+# rollout (rollback's TRL control: 167 s for 64), rollback's agentic arm 3.5 s (224 s for 64, regenerations
+# included); log search: 32 s per rollout of the snapshot arm (1022 s for 32; a control whose budget fits both files
+# is charged that rate), warm start 15.7 s per step, greedy evaluation 3.9 s per problem. Calculator warm start and
+# evaluation: the v2 calibration rungs on `medium` problems (bfloat16, 2026-11-27; the first ablation's greedy rate
+# had left out sampling, which costs 1.7x greedy: a batch runs to its longest sample): 4.4 s per SFT step of 4
+# traces (140 s for 32), 0.68 s per greedy problem (87 s for 128), 1.2 s per sampled episode (620 s for 512; the
+# spread check alike), 1.7x greedy assumed for the log search. Hard calculator traces are ~20 % longer than easy
+# ones and ~10 % longer than medium ones (clean traces 64-66, 67-76, 76-82 completion tokens with the model's
+# tokenizer).
+_BF16 = 0.55
 RATES = {
-    "calculator": {"rollout": 2.6 * 1.1, "rollback_rollout": 3.5 * 1.1, "sft_step": 5.1 * 1.1, "eval": 0.52 * 1.1},
-    "logsearch": {"rollout": 32.0, "rollback_rollout": 32.0, "sft_step": 15.7, "eval": 3.9},
+    "calculator": {
+        "rollout": 2.6 * _BF16 * 1.2,
+        "rollback_rollout": 3.5 * _BF16 * 1.2,
+        "sft_step": 4.4 * 1.1,
+        "greedy": 0.68 * 1.1,
+        "sampled": 1.2 * 1.1,
+    },
+    "logsearch": {
+        "rollout": 32.0 * _BF16,
+        "rollback_rollout": 32.0 * _BF16,
+        "sft_step": 15.7 * _BF16,
+        "greedy": 3.9 * _BF16,
+        "sampled": 3.9 * _BF16 * 1.7,
+    },
 }
-BF16_FACTOR = 0.55
 
 
 def _evaluation_seconds(task: Task) -> float:
-    e = task.evaluation
-    return RATES[task.name]["eval"] * e.problems * (1 + e.samples) * BF16_FACTOR
+    e, rates = task.evaluation, RATES[task.name]
+    return rates["greedy"] * e.problems + rates["sampled"] * e.problems * e.samples
 
 
 def estimate_seconds(task: Task, arm_: Arm, warmstart_steps: int) -> float:
@@ -386,13 +426,13 @@ def estimate_seconds(task: Task, arm_: Arm, warmstart_steps: int) -> float:
     rates, s = RATES[task.name], task.settings
     evaluation = _evaluation_seconds(task)
     if arm_.trainer == "warmstart":
-        spread = rates["eval"] * task.evaluation.spread_prompts * s["num_generations"]
-        return (rates["sft_step"] * warmstart_steps + spread) * BF16_FACTOR + evaluation
+        spread = rates["sampled"] * task.evaluation.spread_prompts * s["num_generations"]
+        return rates["sft_step"] * warmstart_steps + spread + evaluation
     if arm_.time_budget_from is not None:
         arm_ = arm(task.name, arm_.time_budget_from)  # stopped at that arm's training time
     rollouts = s["max_steps"] * s["per_device_train_batch_size"] * s["gradient_accumulation_steps"]
     rate = rates["rollback_rollout"] if arm_.overrides.get("enable_tool_rollback") else rates["rollout"]
-    return rate * rollouts * BF16_FACTOR + evaluation
+    return rate * rollouts + evaluation
 
 
 def budget(warmstart_steps: int = 64) -> dict:

@@ -101,21 +101,24 @@ def _checks(cells: dict, calibration: dict) -> dict:
     out = {}
     for task in design.TASKS.values():
         ok = None
-        if task.calibration_steps and all((task.name, n) in calibration for n in task.calibration_steps):
-            rungs = [
-                design.Rung(
-                    n,
-                    _mean(calibration[task.name, n]["sampled"]),
-                    calibration[task.name, n]["spread_check"]["fraction"],
-                )
-                for n in task.calibration_steps
-            ]
-            ok = design.choose_warmstart(rungs)[1]
+        decision = _ladder_decision(task, calibration)
+        if decision is not None:
+            ok = decision[1]
         warm = [c for (t, _, a), c in cells.items() if t == task.name and a == "warmstart"]
         if warm and not task.calibration_steps:
             ok = all(c["spread_check"]["fraction"] >= design.SPREAD_MIN for c in warm)
         out[task.name] = ok
     return out
+
+
+def _ladder_decision(task, calibration: dict):
+    """The calibration's choice for `task` from its recorded rungs, or `None` while the ladder is open."""
+    measured = {
+        n: design.Rung(n, _mean(cell["sampled"]), cell["spread_check"]["fraction"])
+        for (t, n), cell in calibration.items()
+        if t == task.name
+    }
+    return design.ladder_decision(measured, task.calibration_steps) if task.calibration_steps else None
 
 
 def verdict_rows(cells: dict, calibration: dict) -> list[dict]:
@@ -218,27 +221,27 @@ def _calibration_lines(cells: dict, calibration: dict) -> list[str]:
     for task in design.TASKS.values():
         if task.calibration_steps:
             lines += [
-                f"{task.name}: the calibration ladder (seed 0; the longest rung is the one-off oracle-SFT ceiling).",
+                f"{task.name}: the calibration ladder (seed 0; the longest rung run is the one-off oracle-SFT ceiling).",
                 "",
                 "| warm-start steps | sampled success | greedy success | groups with a reward spread | trace tokens "
                 "(max / budget) | train (s) |",
                 "|---:|---:|---:|---:|---|---:|",
             ]
-            rungs = []
+            decision = _ladder_decision(task, calibration)
             for n in task.calibration_steps:
                 cell = calibration.get((task.name, n))
                 if cell is None:
-                    lines.append(f"| {n} | – | – | – | – | – |")
+                    skipped = "not run: decided" if decision is not None else "–"
+                    lines.append(f"| {n} | {skipped} | – | – | – | – |")
                     continue
-                rungs.append(design.Rung(n, _mean(cell["sampled"]), cell["spread_check"]["fraction"]))
                 tokens = cell["trace_tokens"]
                 lines.append(
                     f"| {n} | {_fmt(_mean(cell['sampled']))} | {_fmt(_mean(cell['greedy']))} | "
                     f"{cell['spread_check']['groups_with_spread']} of {cell['spread_check']['prompts']} | "
                     f"{tokens['max']} / {tokens['budget']} | {cell['train_seconds']:.0f} |"
                 )
-            if len(rungs) == len(task.calibration_steps):
-                steps, ok, reason = design.choose_warmstart(rungs)
+            if decision is not None:
+                steps, ok, reason = decision
                 lines += ["", f"Chosen: {reason}. Check {'passed' if ok else '**failed**'}."]
             lines.append("")
         warm = sorted((s, c) for (t, s, a), c in cells.items() if t == task.name and a == "warmstart")
