@@ -81,10 +81,8 @@ def worker_module():
 
 
 def stop_rollout_worker(worker) -> None:
-    """`AsyncRolloutWorker.stop` that returns when the child has already exited (module docstring).
-
-    Install it on a worker with `worker.stop = types.MethodType(stop_rollout_worker, worker)`.
-    """
+    """`AsyncRolloutWorker.stop` that returns when the child has already exited (module docstring); [`install_stop`]
+    puts it on a worker."""
     process = worker._process
     if process is None:
         return
