@@ -260,3 +260,46 @@ def test_evaluation_offers_delete_context_as_training_does(tiny_tokenizer, snaps
         else:
             assert "delete_context" in tool["content"] and record["tool_failures"] == 1
     assert model.seen_tools == (["delete_context", "calculate"] if snapshots else ["calculate"])
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_generation_in_chunks_equals_one_call_per_turn(tiny_model_dir, tiny_tokenizer, chunk):
+    """Rows still generating after `chunk_tokens` continue in a smaller call: greedy, the tokens are those of one call
+    per turn, with rows ending (at their first end-of-turn token) at different lengths and the budget cut kept."""
+    import copy
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    rows = make_arithmetic_tasks(6, 3, "medium")
+    tools = [list(tool_methods(CalculatorEnv()).values())] * len(rows)
+
+    def run(tokenizer, chunk_tokens):
+        backend = HFGenerationBackend(
+            model, tokenizer, tools, max_completion_length=20, max_iterations=1, chunk_tokens=chunk_tokens
+        )
+        contexts = [backend.render_prompt(r["prompt"], k) for k, r in enumerate(rows)]
+        contexts[2] = contexts[2] + tiny_tokenizer.encode("12 * 3", add_special_tokens=False)  # uneven lengths
+        ids, _ = backend.generate(contexts)
+        return ids, backend.generated_tokens
+
+    plain, _ = run(tiny_tokenizer, None)
+    # The random tiny model never ends a turn by itself: make a token it emits at different positions the end of
+    # turn, so that rows stop at different lengths (some in the first chunk, some later, some never).
+    positions = {}
+    for row in plain:
+        for at, token in enumerate(row):
+            positions.setdefault(token, set()).add(at)
+    eos = max(positions, key=lambda t: (len(positions[t]), -min(positions[t])))
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+    assert tokenizer.eos_token_id == eos and tokenizer.pad_token_id != eos
+    one_call, tokens_one = run(tokenizer, None)
+    chunked, tokens_chunked = run(tokenizer, chunk)
+    assert chunked == one_call and tokens_chunked == tokens_one == sum(len(r) for r in one_call)
+    lengths = {len(r) for r in one_call}
+    assert len(lengths) > 1 and max(lengths) <= 20
+    assert all(r[-1] == eos or len(r) == 20 for r in one_call) and all(eos not in r[:-1] for r in one_call)
+
+
+def test_chunk_tokens_must_be_positive(tiny_tokenizer):
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        HFGenerationBackend(None, tiny_tokenizer, [[]], max_completion_length=8, max_iterations=1, chunk_tokens=0)

@@ -79,6 +79,10 @@ class HFGenerationBackend:
         top_p: Nucleus sampling threshold when sampling.
         prefix_caching: Encode the prefix shared by all contexts of a call once (see `generate`).
         max_turn_tokens: Tokens generated per assistant turn at most (default: `max_completion_length`).
+        chunk_tokens: Rows still generating after this many tokens continue in a `generate` call of their own with
+            the other unfinished rows, so that a batch does not run at full width until its longest turn ends (a
+            sampled batch of 16 usually holds one rambling row). Each row samples from the same distribution as in one
+            call: a continuation is conditioned on the same tokens. `None`: one call per turn.
     """
 
     multi_process = False
@@ -95,7 +99,11 @@ class HFGenerationBackend:
         top_p: float = 1.0,
         prefix_caching: bool = True,
         max_turn_tokens: int | None = None,
+        chunk_tokens: int | None = 64,
     ):
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise ValueError(f"`chunk_tokens` must be positive or None, got {chunk_tokens}.")
+        self.chunk_tokens = chunk_tokens
         self.model = model
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer)
@@ -125,6 +133,24 @@ class HFGenerationBackend:
 
     @torch.no_grad()
     def generate(self, contexts: list[list[int]]) -> tuple[list[list[int]], None]:
+        eos = self.tokenizer.eos_token_id
+        outputs: list[list[int]] = [[] for _ in contexts]
+        active = list(range(len(contexts)))
+        while active:
+            left = self.max_turn_tokens - len(outputs[active[0]])  # every active row has generated as many
+            step = left if self.chunk_tokens is None else min(self.chunk_tokens, left)
+            new = self._generate_once([contexts[k] + outputs[k] for k in active], step)
+            still = []
+            for k, ids in zip(active, new):
+                outputs[k] += ids
+                if (not ids or ids[-1] != eos) and len(ids) == step and len(outputs[k]) < self.max_turn_tokens:
+                    still.append(k)  # neither ended nor out of tokens: continue with the other unfinished rows
+            active = still
+        self.generated_tokens += sum(len(ids) for ids in outputs)
+        return outputs, None
+
+    def _generate_once(self, contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """One batched `generate` call of at most `max_new_tokens`, each row cut after its first end-of-turn token."""
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         device = next(self.model.parameters()).device
         # Every prompt starts with the same system prompt and tool schemas (most of its tokens): encode that prefix
@@ -155,7 +181,7 @@ class HFGenerationBackend:
         output = self.model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
-            max_new_tokens=self.max_turn_tokens,
+            max_new_tokens=max_new_tokens,
             pad_token_id=pad,
             eos_token_id=eos,
             use_cache=True,
@@ -167,8 +193,7 @@ class HFGenerationBackend:
             # Keep everything up to and including the first end-of-turn token, like TRL's generation path.
             cut = row.index(eos) + 1 if eos in row else len(row)
             new_ids.append(row[:cut])
-        self.generated_tokens += sum(len(ids) for ids in new_ids)
-        return new_ids, None
+        return new_ids
 
     def parse(self, ids: list[int], prefix: list[int], row: int, tools: list | None = None) -> dict:
         from trl.chat_template_utils import parse_response
@@ -237,6 +262,7 @@ def evaluate_policy(
     prefix_caching: bool = True,
     seed: int = 0,
     max_turn_tokens: int | None = None,
+    chunk_tokens: int | None = 64,
     batch_by: str | None = None,
     context_snapshots: bool = False,
     context_stub_text: str = "[deleted]",
@@ -281,6 +307,10 @@ def evaluate_policy(
         max_turn_tokens (`int`, *optional*):
             Tokens generated per assistant turn at most (default: `max_completion_length`); bounds the cost of a
             turn that never ends in long multi-turn conversations.
+        chunk_tokens (`int`, *optional*, defaults to `64`):
+            Rows of a batch still generating after this many tokens of a turn continue together in a smaller
+            `generate` call, so a batch does not run at full width to its longest turn (sampled batches usually hold
+            one rambling row). The same distribution as one call per turn; `None` makes one call per turn.
         batch_by (`str`, *optional*):
             A column: consecutive rows with the same value are batched together and a batch never mixes values
             (e.g. `"environment"`: rows with the same tools share their prompt prefix, which `prefix_caching` then
@@ -343,6 +373,7 @@ def evaluate_policy(
                 top_p=top_p,
                 prefix_caching=prefix_caching,
                 max_turn_tokens=max_turn_tokens,
+                chunk_tokens=chunk_tokens,
             )
             # A fresh environment after a timed-out call (multi-environment mode: the class of the old one).
             backend.environment_factory = None if isinstance(environment_factory, dict) else environment_factory
