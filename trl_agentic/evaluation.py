@@ -82,7 +82,7 @@ class HFGenerationBackend:
         chunk_tokens: Rows still generating after this many tokens continue in a `generate` call of their own with
             the other unfinished rows, so that a batch does not run at full width until its longest turn ends (a
             sampled batch of 16 usually holds one rambling row). Each row samples from the same distribution as in one
-            call: a continuation is conditioned on the same tokens. `None`: one call per turn.
+            call: a continuation is conditioned on the same tokens. `None` (default): one call per turn.
     """
 
     multi_process = False
@@ -99,7 +99,7 @@ class HFGenerationBackend:
         top_p: float = 1.0,
         prefix_caching: bool = True,
         max_turn_tokens: int | None = None,
-        chunk_tokens: int | None = 64,
+        chunk_tokens: int | None = None,
     ):
         if chunk_tokens is not None and chunk_tokens < 1:
             raise ValueError(f"`chunk_tokens` must be positive or None, got {chunk_tokens}.")
@@ -262,7 +262,7 @@ def evaluate_policy(
     prefix_caching: bool = True,
     seed: int = 0,
     max_turn_tokens: int | None = None,
-    chunk_tokens: int | None = 64,
+    chunk_tokens: int | None = None,
     batch_by: str | None = None,
     context_snapshots: bool = False,
     context_stub_text: str = "[deleted]",
@@ -307,10 +307,12 @@ def evaluate_policy(
         max_turn_tokens (`int`, *optional*):
             Tokens generated per assistant turn at most (default: `max_completion_length`); bounds the cost of a
             turn that never ends in long multi-turn conversations.
-        chunk_tokens (`int`, *optional*, defaults to `64`):
+        chunk_tokens (`int`, *optional*):
             Rows of a batch still generating after this many tokens of a turn continue together in a smaller
-            `generate` call, so a batch does not run at full width to its longest turn (sampled batches usually hold
-            one rambling row). The same distribution as one call per turn; `None` makes one call per turn.
+            `generate` call, so a batch does not run at full width to its longest turn (sampled batches often hold
+            one rambling row). The same distribution as one call per turn, at the cost of re-encoding each
+            continuing row's own tokens once per chunk (worth it for short contexts). `None` (default): one call per
+            turn.
         batch_by (`str`, *optional*):
             A column: consecutive rows with the same value are batched together and a batch never mixes values
             (e.g. `"environment"`: rows with the same tools share their prompt prefix, which `prefix_caching` then
