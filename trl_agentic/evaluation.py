@@ -81,7 +81,7 @@ class HFGenerationBackend:
         max_turn_tokens: Tokens generated per assistant turn at most (default: `max_completion_length`).
         chunk_tokens: Rows still generating after this many tokens continue in a `generate` call of their own with
             the other unfinished rows, so that a batch does not run at full width until its longest turn ends (a
-            sampled batch of 16 usually holds one rambling row). Each row samples from the same distribution as in one
+            sampled batch of 16 often holds one rambling row). Each row samples from the same distribution as in one
             call: a continuation is conditioned on the same tokens. `None` (default): one call per turn.
     """
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from .. import stats
 
-DESIGN = "v2.1"  # v2 amended (hard calculator problems, see the pre-registration); in every cell's settings hash: a cell of another design is never mixed in
+# v2 with amendment 1 (hard calculator problems); in every cell's settings hash: cells of another design never mix.
+DESIGN = "v2.1"
 
 # ------------------------------------------------------------------------------------------------ decision rule
 
