@@ -279,15 +279,11 @@ def warmstart_steps(task: Task, ctx: Context) -> tuple[int, bool, str]:
     measured = {}
     for steps in sorted(ladder):  # in increasing steps, stopping once the rule has decided (amendment 1)
         cell = calibration_cell(task, steps, ctx)
-        measured[steps] = design.Rung(steps, _mean(cell["sampled"]), cell["spread_check"]["fraction"])
+        measured[steps] = design.Rung.of_cell(steps, cell)
         decision = design.ladder_decision(measured, ladder)
         if decision is not None:
             return decision
     raise AssertionError("a whole ladder always decides")  # ladder_decision returns a choice for a whole ladder
-
-
-def _mean(values) -> float:
-    return sum(values) / len(values) if values else float("nan")
 
 
 def calibration_cell(task: Task, steps: int, ctx: Context) -> dict:

@@ -327,6 +327,12 @@ class Rung:
     sampled_success: float
     spread_fraction: float
 
+    @classmethod
+    def of_cell(cls, steps: int, cell: dict) -> Rung:
+        """The rung a recorded calibration cell measured."""
+        sampled = cell["sampled"]
+        return cls(steps, sum(sampled) / len(sampled), cell["spread_check"]["fraction"])
+
 
 def choose_warmstart(rungs: Sequence[Rung]) -> tuple[int, bool, str]:
     """The pre-registered choice of the calculator's warm-start length from the calibration ladder.

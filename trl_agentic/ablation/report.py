@@ -113,11 +113,7 @@ def _checks(cells: dict, calibration: dict) -> dict:
 
 def _ladder_decision(task, calibration: dict):
     """The calibration's choice for `task` from its recorded rungs, or `None` while the ladder is open."""
-    measured = {
-        n: design.Rung(n, _mean(cell["sampled"]), cell["spread_check"]["fraction"])
-        for (t, n), cell in calibration.items()
-        if t == task.name
-    }
+    measured = {n: design.Rung.of_cell(n, cell) for (t, n), cell in calibration.items() if t == task.name}
     return design.ladder_decision(measured, task.calibration_steps) if task.calibration_steps else None
 
 
