@@ -5,10 +5,10 @@ Model errors (the model's code is at fault; shown to the model, may trigger a ro
 - `CodeError`: the code raised an exception. Its `error_type` is the exception's class name (e.g. `"NameError"`).
 - `SandboxError` and its subclasses `SandboxTimeout`, `SandboxCrashed`, `SandboxMemoryError`: the code ran past the
   time limit, killed its interpreter, or went over the cell's memory limit. The sandbox cleaned up after it.
-- `SandboxRestoreError` (a `SandboxError`): the interpreter had to restart (after a rollback, a timeout or a crash)
-  and replaying the earlier successful cells did not give the same result (a cell timed out, crashed or raised this
-  time): the model's earlier code is not replayable. The call's own code did not run; the state from that cell on is
-  lost.
+- `SandboxRestoreError` (a `SandboxError`): the interpreter had to restart (after a rollback, a timeout or a crash) and
+  replaying the earlier successful cells did not give the same result (a cell ran past `replay_timeout_factor` times
+  the limit, crashed or raised this time): the model's earlier code is not replayable. The call's own code did not run;
+  the state from that cell on is lost.
 
 Infrastructure errors (not the model's fault; retried in place, never trained on):
 

@@ -37,7 +37,9 @@ class PythonSandboxEnv:
     The state for rollback (`_checkpoint`/`_restore`) is the list of cells that ran to completion, each with its
     outcome: the cells that succeeded *and* the cells that raised (their statements before the exception did run).
     Restoring restarts the interpreter (and its directory) and, at the next call, replays them in order, each under
-    the call's time limit, expecting each to end as it did the first time (success, or the same exception type). So a
+    `replay_timeout_factor` times the call's time limit (each ran within the limit before; the slack keeps a machine
+    that is busier now than then from cutting a deterministic cell), expecting each to end as it did the first time
+    (success, or the same exception type). So a
     cell `x = 1; 1/0` is replayed (it sets `x`, then raises as before) and a later `while 'x' not in globals(): pass`
     ends as it did. Cells that killed the interpreter (time limit, crash, memory) are not replayed: their interpreter
     was lost when they ran. What a restore brings back is what re-running those cells produces: variables, imports,
@@ -67,6 +69,10 @@ class PythonSandboxEnv:
         max_cpus (`float`, *optional*, defaults to `1.0`):
             Cores the sandbox's processes may use together (cpu cgroup): a call uses at most `max_cpus x timeout` of
             CPU time.
+        replay_timeout_factor (`float`, *optional*, defaults to `3.0`):
+            A replayed cell's limit is this times `timeout`: it ran to completion within `timeout` before, so only a
+            slower machine (load) or code that now runs forever can stop it. A replay slower than that is a
+            `SandboxRestoreError` (a model error). 1.0 replays under the call's own limit.
         isolation (`str`, *optional*, defaults to `"required"`):
             `"required"`: refuse to run without every isolation mechanism. `"best_effort"`: use what the machine has
             and log what is missing.
@@ -85,6 +91,7 @@ class PythonSandboxEnv:
         max_file_mb: int = 64,
         max_disk_mb: int = 128,
         max_cpus: float = 1.0,
+        replay_timeout_factor: float = 3.0,
         isolation: str = "required",
         without: tuple[str, ...] = (),
     ):
@@ -102,7 +109,10 @@ class PythonSandboxEnv:
             raise ValueError(f"need 1 <= `max_file_mb` <= `max_disk_mb`, got {max_file_mb} and {max_disk_mb}.")
         if max_cpus <= 0:
             raise ValueError(f"`max_cpus` must be positive, got {max_cpus}.")
+        if replay_timeout_factor < 1:
+            raise ValueError(f"`replay_timeout_factor` must be at least 1, got {replay_timeout_factor}.")
         self.timeout = float(timeout)
+        self.replay_timeout_factor = float(replay_timeout_factor)
         self.isolation_policy = isolation
         self.mechanisms = resolve_isolation(isolation, without)  # refuses here, at start-up, when "required"
         self._process_kwargs = {
@@ -178,7 +188,7 @@ class PythonSandboxEnv:
             # (times out, crashes, raises where it had not, or the reverse) diverged because of what the model's code
             # does (it is not deterministic): a model error. Retrying it as infrastructure would only diverge again.
             try:
-                result = process.run(cell, self.timeout)
+                result = process.run(cell, self.timeout * self.replay_timeout_factor)
                 failure = None
                 if result["error_type"] != outcome:
                     lines = (result["text"] or "").splitlines()
