@@ -39,16 +39,15 @@ class PythonSandboxEnv:
     Restoring restarts the interpreter (and its directory) and, at the next call, replays them in order, each under
     `replay_timeout_factor` times the call's time limit (each ran within the limit before; the slack keeps a machine
     that is busier now than then from cutting a deterministic cell), expecting each to end as it did the first time
-    (success, or the same exception type). So a
-    cell `x = 1; 1/0` is replayed (it sets `x`, then raises as before) and a later `while 'x' not in globals(): pass`
-    ends as it did. Cells that killed the interpreter (time limit, crash, memory) are not replayed: their interpreter
-    was lost when they ran. What a restore brings back is what re-running those cells produces: variables, imports,
-    function definitions and files, if the cells are deterministic. It does not bring back anything that depends on
-    time, randomness without a fixed seed, the process id or other outside state. When a replayed cell ends
-    differently from its first run (it times out, crashes, raises where it had succeeded, or the reverse), the restore
-    stops there: the call raises `SandboxRestoreError` without running its code, the state keeps the cells before
-    the divergent one and drops the rest. This is a model error, never an infrastructure error: retrying cannot help,
-    and the rollout keeps its reward.
+    (success, or the same exception type). So a cell `x = 1; 1/0` is replayed (it sets `x`, then raises as before) and
+    a later `while 'x' not in globals(): pass` ends as it did. Cells that killed the interpreter (time limit, crash,
+    memory) are not replayed: their interpreter was lost when they ran. What a restore brings back is what re-running
+    those cells produces: variables, imports, function definitions and files, if the cells are deterministic. It does
+    not bring back anything that depends on time, randomness without a fixed seed, the process id or other outside
+    state. When a replayed cell ends differently from its first run (it times out, crashes, raises where it had
+    succeeded, or the reverse), the restore stops there: the call raises `SandboxRestoreError` without running its
+    code, the state keeps the cells before the divergent one and drops the rest. This is a model error, never an
+    infrastructure error: retrying cannot help, and the rollout keeps its reward.
 
     Args:
         timeout (`float`, *optional*, defaults to `5.0`):
