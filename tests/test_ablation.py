@@ -169,9 +169,125 @@ def test_budget_sums_the_cells():
     b = design.budget()
     calculator = sum(b["cells"]["calculator"].values()) * len(design.CALCULATOR.seeds)
     logsearch = sum(b["cells"]["logsearch"].values()) * len(design.LOGSEARCH.seeds)
-    assert b["total"] == pytest.approx(calculator + logsearch + b["calibration"])
+    assert b["total"] == pytest.approx(calculator + logsearch + b["calibration"] + b["lr_ladder"])
     # The equal-compute arms are charged the control's time.
     assert b["cells"]["calculator"]["tracin"] == b["cells"]["calculator"]["trl"]
+    # Amendment 2: two more `trl` cells (the third rung is seed 0's cell) and three validation evaluations of 64
+    # problems (greedy + 4 samples each), at the calculator's rates.
+    rates = design.RATES["calculator"]
+    validation = 64 * rates["greedy"] + 64 * 4 * rates["sampled"]
+    assert b["lr_ladder"] == pytest.approx(2 * b["cells"]["calculator"]["trl"] + 3 * validation)
+
+
+# ------------------------------------------------------------------------------------------------ learning rate
+
+
+def _lr_cell(lr, successes, samples=4, problems=64, greedy=0.9):
+    """A ladder cell whose validation evaluation has `successes` successful sampled episodes."""
+    per_problem = [0.0] * problems
+    for k in range(successes):  # spread over problems, `samples` episodes each
+        per_problem[k % problems] += 1 / samples
+    return {
+        "arm_settings": {"learning_rate": lr},
+        "validation": {"sampled": per_problem, "greedy": [greedy] * problems, "eval_samples": samples},
+        "rewards": [0.5, 0.75],
+        "spread_per_step": [0.5, 0.25],
+        "train_seconds": 1600.0,
+        "seconds": 2500.0,
+        "sampled": [0.0],
+        "greedy": [0.0],
+        "date": "2026-11-27 22:00",
+        "commit": "abc1234",
+        "preregistration": "x",
+        "trainer": "trl",
+    }
+
+
+@pytest.mark.parametrize(
+    ("successes", "expected"),
+    [
+        ({3e-5: 214, 1e-4: 200, 3e-4: 160}, 3e-5),
+        ({3e-5: 190, 1e-4: 205, 3e-4: 204}, 1e-4),
+        ({3e-5: 150, 1e-4: 150, 3e-4: 150}, 3e-5),  # a three-way tie: the smallest rate
+        ({3e-5: 150, 1e-4: 170, 3e-4: 170}, 1e-4),  # a tie at the top: the smaller of the two
+        ({3e-4: 1}, 3e-4),  # a ladder of one rung
+    ],
+)
+def test_the_learning_rate_rule(successes, expected):
+    rungs = [design.LrRung.of_cell(_lr_cell(lr, n)) for lr, n in successes.items()]
+    assert [r.successes for r in rungs] == list(successes.values())  # counted back exactly from per-problem means
+    lr, reason = design.choose_learning_rate(rungs)
+    assert lr == expected and f"{expected:g}" in reason
+    with pytest.raises(ValueError, match="at least one rung"):
+        design.choose_learning_rate([])
+
+
+@given(st.lists(st.tuples(st.sampled_from([1e-5, 3e-5, 1e-4, 3e-4, 1e-3]), st.integers(0, 256)), min_size=1,
+                max_size=5, unique_by=lambda t: t[0]))  # fmt: skip
+def test_the_learning_rate_rule_is_a_plain_loop(measured):
+    """The most successful validation episodes, a tie to the smaller rate, whatever the order of the rungs."""
+    rungs = [design.LrRung.of_cell(_lr_cell(lr, n)) for lr, n in measured]
+    best_lr, best_n = None, -1
+    for lr, n in sorted(measured):  # increasing rates: a later rung must be strictly better to win
+        if n > best_n:
+            best_lr, best_n = lr, n
+    assert design.choose_learning_rate(rungs)[0] == best_lr
+    assert design.choose_learning_rate(rungs[::-1])[0] == best_lr
+
+
+def test_the_lr_ladder_renders_open_then_chosen():
+    rungs = {("calculator", 3e-5): _lr_cell(3e-5, 214, greedy=0.984), ("calculator", 1e-4): _lr_cell(1e-4, 200)}
+    text = report.render_results({}, {}, "x", rungs)
+    assert "| 3e-05 | 0.836 (214 of 256) | 0.984 | 0.625 | 38% | 1600 |" in text
+    assert "| 0.0003 | – | – | – | – | – |" in text and "Open: 2 of 3 rungs" in text
+    expected = sum(len(t.seeds) * len(design.ARMS[t.name]) for t in design.TASKS.values()) + 4 + 3
+    assert f"**Partial:** 2 of {expected} pre-registered cells" in text
+    rungs["calculator", 3e-4] = _lr_cell(3e-4, 160)
+    text = report.render_results({}, {}, "x", rungs)
+    assert "Chosen: learning rate 3e-05: validation sampled success 0.836 (214 of 256)" in text
+
+
+def test_carried_registrations_are_valid_only_for_the_trainers_an_amendment_left_alone():
+    """Amendment 2 changed only the RL arms: warm-start cells of amendment 1's registration stay; RL cells of it
+    (seed 0's superseded `trl` and `feedback`) would be flagged."""
+    (carried,) = design.CARRIED_REGISTRATIONS
+    warm = {"trainer": "warmstart", "preregistration": carried}
+    rl = {"trainer": "trl", "preregistration": carried}
+    now = {"trainer": "trl", "preregistration": "now"}
+    assert report.stale_registrations([warm, now], "now") == []
+    assert report.stale_registrations([warm, rl, now], "now") == [carried]
+    assert report.stale_registrations([{"trainer": "warmstart", "preregistration": "older"}], "now") == ["older"]
+    # The committed warm-start and calibration cells are the carried ones, and the render flags nothing.
+    committed = [json.loads(p.read_text()) for p in (ROOT / "docs" / "ablation-cells").rglob("*.json")]
+    assert {c["trainer"] for c in committed if c["preregistration"] == carried} <= {"warmstart"}
+    registration = cells_mod.registration_sha(ROOT / "docs" / "ablation.md")
+    assert report.stale_registrations(committed, registration) == []
+
+
+def test_an_rl_cell_without_its_learning_rate_is_refused(tmp_path):
+    """Seed 0's superseded `trl` cell (no `learning_rate` in its arm settings) is never read as an amendment-2 cell."""
+    old = ROOT / "docs" / "ablation-superseded" / "v2.1-lr3e-4" / "seed0" / "trl.json"
+    cell = json.loads(old.read_text())
+    assert cell["arm_settings"] == {} and cell["settings"]["learning_rate"] == 3e-4
+    path = tmp_path / "trl.json"
+    shutil.copy(old, path)
+    with pytest.raises(RuntimeError, match="ran with arm settings"):
+        cells_mod._read(path, cell["settings_hash"], {"learning_rate": 3e-4})
+    assert cells_mod._read(path, cell["settings_hash"], {}) == cell  # as amendment 1 read it
+
+
+def test_the_superseded_lr_cells_are_what_this_page_says():
+    """docs/ablation-superseded/v2.1-lr3e-4/README.md's table, recomputed from its cells."""
+    folder = ROOT / "docs" / "ablation-superseded" / "v2.1-lr3e-4"
+    page = (folder / "README.md").read_text()
+    for arm in ("trl", "feedback"):
+        c = json.loads((folder / "seed0" / f"{arm}.json").read_text())
+        assert c["preregistration"] in design.CARRIED_REGISTRATIONS and "learning_rate" not in c["arm_settings"]
+        row = (
+            f"| `{arm}` | {sum(c['sampled']) / len(c['sampled']):.3f} | {sum(c['greedy']) / len(c['greedy']):.3f} | "
+            f"{sum(c['rewards']) / len(c['rewards']):.3f} | {c['train_seconds']:.0f} | {c['seconds']:.0f} |"
+        )
+        assert row in page, row
 
 
 # ------------------------------------------------------------------------------------------------ render
@@ -244,7 +360,7 @@ def test_render_gives_the_hand_computed_verdicts():
         f"| logsearch | `snapshots` − `trl_fit` (primary) | 0 | – | – | {planned:.3f} (planned) | – | pending (0 of 3 "
         "seeds) |" in text
     )
-    expected = sum(len(t.seeds) * len(design.ARMS[t.name]) for t in design.TASKS.values()) + 4
+    expected = sum(len(t.seeds) * len(design.ARMS[t.name]) for t in design.TASKS.values()) + 4 + 3
     assert f"**Partial:** 25 of {expected} pre-registered cells" in text
     assert "recorded 2026-12-01 10:00 to 2026-12-05 10:00 at commits abc1234" in text
     # Per arm: the mean over seeds of rollback's per-seed success, with its t interval.
@@ -308,12 +424,13 @@ def test_render_keeps_the_registration_and_refuses_a_changed_design():
 def test_readme_and_docs_match_the_committed_cells():
     """The README's table and docs/ablation.md are what `make ablation` renders from docs/ablation-cells."""
     found, calibration = report.load(ROOT / "docs" / "ablation-cells")
+    lr_rungs = report.load_lr_ladder(ROOT / "docs" / "ablation-cells")
     readme = (ROOT / "README.md").read_text()
     start, end = readme.index(report.README_START), readme.index(report.README_END) + len(report.README_END)
     assert readme[start:end] + "\n" == report.readme_block(found, calibration)
     doc = (ROOT / "docs" / "ablation.md").read_text()
     findings = (ROOT / "docs" / "ablation-findings.md").read_text()
-    assert report.render_doc(doc, found, calibration, findings) == doc
+    assert report.render_doc(doc, found, calibration, findings, lr_rungs) == doc
 
 
 # ------------------------------------------------------------------------------------------------ a run
@@ -335,6 +452,7 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
         "warmstart_batch_size=2", "per_device_train_batch_size=4", "gradient_accumulation_steps=1",
         "num_generations=4", "max_completion_length=400", "max_tool_calling_iterations=1", "num_train_tasks=16",
         "ablation_eval_samples=2", "ablation_spread_prompts=2", "ablation_calibration_steps=[1, 2]",
+        "ablation_lr_ladder=[0.001, 0.0001]", "ablation_validation_problems=2",
     ]  # fmt: skip
     # PODS needs a pool larger than its kept rows: 8 rolled out per prompt of the 4 kept (on this small batch).
     monkeypatch.setitem(
@@ -352,7 +470,9 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     start, end = text.index(report.DESIGN_START) + len(report.DESIGN_START), text.index(report.DESIGN_END)
     doc.write_text(text[:start] + "\n" + design.design_markdown() + text[end:])
     report.check_registration(doc.read_text())
-    monkeypatch.setattr(report, "render_doc", lambda text, found, calibration, findings: text + "rendered\n")
+    monkeypatch.setattr(
+        report, "render_doc", lambda text, found, calibration, findings, lr_rungs=None: text + "rendered\n"
+    )
     from trl_agentic.ablation import main
 
     assert main(argv) == 0
@@ -383,6 +503,22 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     assert seed0["max_variance"]["rollouts"] == 8 and seed0["trl"]["rollouts"] == 4
     assert seed0["max_variance"]["fired"]["selection/num_kept"] == 4
     assert seed0["trl"]["steps_done"] == 1 and len(seed0["trl"]["spread_per_step"]) == 1
+    # Amendment 2: the learning-rate ladder ran `trl` at each rate, judged on the validation problems; the chosen
+    # rung is seed 0's `trl` cell, and every RL arm trained at its rate.
+    rungs = {p.name: json.loads(p.read_text()) for p in (cells / "calculator" / "lr-ladder").iterdir()}
+    assert set(rungs) == {"trl-0.001.json", "trl-0.0001.json"}
+    for name, rung in rungs.items():
+        assert rung["arm_settings"]["learning_rate"] == float(name[4:-5]) and rung["trainer_class"] == "GRPOTrainer"
+        v = rung["validation"]
+        assert len(v["sampled"]) == len(v["greedy"]) == 2 and v["eval_samples"] == 2 and len(set(v["problems"])) == 2
+        assert rung["preregistration"] == registration
+    lr, _ = design.choose_learning_rate([design.LrRung.of_cell(r) for r in rungs.values()])
+    assert seed0["trl"] == rungs[f"trl-{lr:g}.json"]
+    for name, cell in seed0.items():
+        assert cell["arm_settings"].get("learning_rate") == (None if name == "warmstart" else lr), name
+    # Trained adapters are kept, named by cell and settings.
+    kept = {p.name.split("-adapter-")[0] for p in (work / "calculator" / "seed0").glob("*-adapter-*") if p.is_dir()}
+    assert {"trl-0.001", "trl-0.0001", "feedback", "tracin"} <= kept
     assert (doc.read_text()).endswith("rendered\n") and doc.with_suffix(".png").exists()
     assert "| calculator | **`rollback` − `feedback`**" in readme.read_text()
 

@@ -6,8 +6,8 @@
   table of verdicts;
 - `first`: the first ablation (issue 18), superseded, kept to re-render docs/ablation-superseded/first/.
 
-`python -m trl_agentic.ablation run` computes the missing cells (calibration first, then every arm of every seed in
-order) and renders; `render` only renders.
+`python -m trl_agentic.ablation run` computes the missing cells (the calibration ladder first, then the learning-rate
+ladder, then every arm of every seed in order) and renders; `render` only renders.
 """
 
 from __future__ import annotations
@@ -56,9 +56,12 @@ def main(argv: list[str] | None = None) -> int:
                     sampled = sum(cell["sampled"]) / len(cell["sampled"])
                     print(f"{name} seed {seed} {arm.name}: sampled success {sampled:.3f}", flush=True)
     found, calibration = report.load(ctx.cells)
+    lr_rungs = report.load_lr_ladder(ctx.cells)
     doc = Path(a.doc)
     findings = doc.with_name(doc.stem + "-findings.md")
-    text = report.render_doc(doc.read_text(), found, calibration, findings.read_text() if findings.exists() else None)
+    text = report.render_doc(
+        doc.read_text(), found, calibration, findings.read_text() if findings.exists() else None, lr_rungs
+    )
     doc.write_text(text)
     report.plot(found, doc.with_suffix(".png"))
     if a.readme:

@@ -25,7 +25,13 @@ ROOT = Path(__file__).resolve().parents[2]
 REGISTERED_START = "<!-- preregistration:start -->"
 REGISTERED_END = "<!-- preregistration:end -->"
 # Settings of the harness itself (not of a trainer), overridable with `--set` for tests and smoke runs.
-PLAN_KEYS = ("ablation_eval_samples", "ablation_spread_prompts", "ablation_calibration_steps")
+PLAN_KEYS = (
+    "ablation_eval_samples",
+    "ablation_spread_prompts",
+    "ablation_calibration_steps",
+    "ablation_lr_ladder",
+    "ablation_validation_problems",
+)
 
 
 # ------------------------------------------------------------------------------------------------ settings
@@ -54,6 +60,14 @@ def plan(task: Task, overrides: dict) -> dict:
         "ablation_spread_prompts": overrides.get("ablation_spread_prompts", task.evaluation.spread_prompts),
         "ablation_calibration_steps": list(overrides.get("ablation_calibration_steps", task.calibration_steps)),
     }
+
+
+def lr_plan(task: Task, overrides: dict) -> tuple[list[float], int]:
+    """The learning-rate ladder of a task and its validation problems (amendment 2; not in `plan`, so not in the
+    shared settings' hash: the learning rate is an arm setting of every RL cell)."""
+    ladder = overrides.get("ablation_lr_ladder", task.lr_ladder)
+    problems = overrides.get("ablation_validation_problems", task.evaluation.validation_problems)
+    return [float(lr) for lr in ladder], int(problems)
 
 
 def shared_settings(task: Task, seed: int, overrides: dict, warmstart_steps: int | None) -> dict:
@@ -88,6 +102,10 @@ def cell_path(cells: Path, task: str, seed: int, name: str) -> Path:
 
 def calibration_path(cells: Path, task: str, steps: int) -> Path:
     return cells / task / "calibration" / f"warmstart-{steps}.json"
+
+
+def lr_path(cells: Path, task: str, learning_rate: float) -> Path:
+    return cells / task / "lr-ladder" / f"{design.LR_LADDER_ARM}-{learning_rate:g}.json"
 
 
 # ------------------------------------------------------------------------------------------------ machine
@@ -144,6 +162,15 @@ def problem_key(row: dict) -> str:
         if row.get(column) is not None:
             return f"{column}={row[column]}"
     return json.dumps(row["prompt"][-1]["content"], default=str)
+
+
+def validation_rows(task_args, eval_keys: set[str]):
+    """Validation problems: the task built from `task_seed + 10`, its held-out split, the held-out problems of the
+    arms (`eval_keys`) removed. TracIn's validation gradient and the learning-rate ladder read them; no verdict does."""
+    from ..tasks import build_task
+
+    validation = build_task(dataclasses.replace(task_args, task_seed=task_args.task_seed + 10)).eval_dataset
+    return validation.filter(lambda row: problem_key(row) not in eval_keys)
 
 
 def without_problems(task, keys: set[str]):
@@ -294,7 +321,32 @@ def calibration_cell(task: Task, steps: int, ctx: Context) -> dict:
     p = plan(task, ctx.overrides)
     cell = _read(path, fingerprint(settings, p), {})
     if cell is None:
-        cell = _compute(task, 0, design.arm(task.name, "warmstart"), settings, p, ctx, path)
+        cell = _compute(task, 0, design.arm(task.name, "warmstart"), settings, p, ctx, path, {})
+    return cell
+
+
+def learning_rate(task: Task, ctx: Context) -> tuple[float, str] | None:
+    """The RL learning rate chosen by the task's learning-rate ladder (its rungs run first when missing); `None`
+    without a ladder (the task's `learning_rate` applies)."""
+    ladder, _ = lr_plan(task, ctx.overrides)
+    if not ladder:
+        return None
+    rungs = [design.LrRung.of_cell(lr_cell(task, lr, ctx)) for lr in ladder]
+    return design.choose_learning_rate(rungs)
+
+
+def lr_cell(task: Task, lr: float, ctx: Context) -> dict:
+    """One rung of the learning-rate ladder: seed 0's `LR_LADDER_ARM` trained at `lr`, evaluated on the held-out
+    problems as that arm's cell is (the chosen rung *is* that cell) and on the validation problems (the rule's)."""
+    steps, _, _ = warmstart_steps(task, ctx)
+    settings = shared_settings(task, 0, ctx.overrides, steps)
+    p = plan(task, ctx.overrides)
+    arm_ = design.arm(task.name, design.LR_LADDER_ARM)
+    arm_settings = {**arm_.overrides, "learning_rate": lr}
+    path = lr_path(ctx.cells, task.name, lr)
+    cell = _read(path, fingerprint(settings, p), arm_settings)
+    if cell is None:
+        cell = _compute(task, 0, arm_, settings, p, ctx, path, arm_settings, lr_plan(task, ctx.overrides)[1])
     return cell
 
 
@@ -304,6 +356,9 @@ def run_cell(task: Task, seed: int, arm_: Arm, ctx: Context) -> dict:
     settings = shared_settings(task, seed, ctx.overrides, steps)
     p = plan(task, ctx.overrides)
     arm_settings = dict(arm_.overrides)
+    chosen = learning_rate(task, ctx) if arm_.trainer != "warmstart" else None
+    if chosen is not None:
+        arm_settings["learning_rate"] = chosen[0]
     path = cell_path(ctx.cells, task.name, seed, arm_.name)
     cell = _read(path, fingerprint(settings, p), arm_settings)
     if cell is not None:
@@ -312,10 +367,25 @@ def run_cell(task: Task, seed: int, arm_: Arm, ctx: Context) -> dict:
         cell = calibration_cell(task, steps, ctx)  # the chosen rung is seed 0's warm start
         _write(path, cell)
         return cell
-    return _compute(task, seed, arm_, settings, p, ctx, path)
+    if chosen is not None and seed == 0 and arm_.name == design.LR_LADDER_ARM:
+        cell = lr_cell(task, chosen[0], ctx)  # the chosen rung is seed 0's cell of the ladder's arm
+        _write(path, cell)
+        return cell
+    return _compute(task, seed, arm_, settings, p, ctx, path, arm_settings)
 
 
-def _compute(task: Task, seed: int, arm_: Arm, settings: dict, p: dict, ctx: Context, path: Path) -> dict:
+def _compute(
+    task: Task,
+    seed: int,
+    arm_: Arm,
+    settings: dict,
+    p: dict,
+    ctx: Context,
+    path: Path,
+    arm_settings: dict,
+    validation: int = 0,
+) -> dict:
+    """Train and evaluate one cell and write it; `validation`: also evaluate on that many validation problems."""
     import torch
 
     from ..models import resolve_model_path
@@ -324,7 +394,7 @@ def _compute(task: Task, seed: int, arm_: Arm, settings: dict, p: dict, ctx: Con
     if settings.get("bf16") and not has_avx512_bf16():
         raise RuntimeError("The registered design runs in bfloat16 autocast, which needs a CPU with AVX512-BF16.")
     settings_hash = fingerprint(settings, p)
-    arm_settings = dict(arm_.overrides)
+    arm_settings = dict(arm_settings)
     deps = {}
     if arm_.time_budget_from:
         deps["budget"] = run_cell(task, seed, design.arm(task.name, arm_.time_budget_from), ctx)
@@ -398,9 +468,17 @@ def _compute(task: Task, seed: int, arm_: Arm, settings: dict, p: dict, ctx: Con
         trained = _train(arm_, model, tokenizer, built, task_args, args, eval_keys, arm_settings)
         model = trained.pop("model")
         record.update(trained)
+        # Kept (not committed) so that a later question about a trained policy needs no training again.
+        model.save_pretrained(ctx.out / task.name / f"seed{seed}" / f"{path.stem}-adapter-{settings_hash}")
         if "budget" in deps:
             record["time_budget"] = {k: deps["budget"].get(k) for k in ("train_seconds", "host", "cpu", "date")}
     record.update(evaluate(model, tokenizer, built, eval_args, rows, p["ablation_eval_samples"], seed))
+    if validation:
+        validation_set = list(validation_rows(task_args, eval_keys))[:validation]
+        record["validation"] = evaluate(
+            model, tokenizer, built, eval_args, validation_set, p["ablation_eval_samples"], seed
+        )
+        record["validation"]["problems"] = [problem_key(r) for r in validation_set]
     record["seconds"] = time.perf_counter() - started
     record["load_average_after"] = os.getloadavg()[0]
     _write(path, record)
@@ -447,7 +525,6 @@ def _train(arm_: Arm, model, tokenizer, task, task_args, args, eval_keys: set[st
     equal-compute arms. Returns the trained model and what the run recorded."""
     from trl import GRPOTrainer
 
-    from ..tasks import build_task
     from ..trainer import AgenticGRPOTrainer
 
     kwargs = dict(
@@ -466,9 +543,7 @@ def _train(arm_: Arm, model, tokenizer, task, task_args, args, eval_keys: set[st
     else:
         if getattr(args, "tracin_enabled", False):
             # Validation prompts from a seed of their own: never the problems the arms are evaluated on.
-            validation = build_task(dataclasses.replace(task_args, task_seed=task_args.task_seed + 10)).eval_dataset
-            validation = validation.filter(lambda row: problem_key(row) not in eval_keys)
-            kwargs["tracin_eval_dataset"] = validation
+            kwargs["tracin_eval_dataset"] = validation_rows(task_args, eval_keys)
         trainer = AgenticGRPOTrainer(**kwargs, callbacks=callbacks)
     started = time.perf_counter()
     trainer.train()

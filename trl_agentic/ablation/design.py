@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from .. import stats
 
 # v2 with amendment 1 (hard calculator problems); in every cell's settings hash: cells of another design never mix.
+# Amendment 2 (the RL learning rate from a ladder) changes no shared setting: the rate is an arm setting of every RL
+# cell (`arm_settings.learning_rate`), so the warm-start cells keep their hash and RL cells without it are refused.
 DESIGN = "v2.1"
+AMENDMENT = 2
+# Cells recorded under an earlier registration that the amendments since left valid, by trainer: amendment 2 changed
+# only the RL arms, so the calibration and warm-start cells of amendment 1's registration stay (their settings hash
+# is unchanged too).
+CARRIED_REGISTRATIONS = {"ecf7de194cad": ("warmstart",)}
 
 # ------------------------------------------------------------------------------------------------ decision rule
 
@@ -63,11 +70,14 @@ class EvalPlan:
         problems: Held-out problems (`num_eval_tasks`), removed from every training set.
         samples: Samples per problem at the training temperature (the primary metric is their mean success).
         spread_prompts: Training prompts of the warm start's spread check, each sampled `num_generations` times.
+        validation_problems: Validation problems of the learning-rate ladder (`task_seed + 10`, the TracIn
+            validation source, held-out problems removed), each sampled `samples` times and greedily.
     """
 
     problems: int
     samples: int
     spread_prompts: int
+    validation_problems: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,8 @@ class Task:
         extra_seeds: Seeds the pre-registered extension may add (see the pre-registration).
         evaluation: [`EvalPlan`].
         calibration_steps: Warm-start lengths of the calibration ladder (seed 0); empty: `warmstart_steps` is fixed.
+        lr_ladder: RL learning rates of the learning-rate ladder (seed 0, arm `LR_LADDER_ARM`, amendment 2); empty:
+            the task's `learning_rate` is fixed.
     """
 
     name: str
@@ -89,6 +101,7 @@ class Task:
     extra_seeds: tuple[int, ...]
     evaluation: EvalPlan
     calibration_steps: tuple[int, ...] = ()
+    lr_ladder: tuple[float, ...] = ()
 
 
 CALCULATOR = Task(
@@ -104,7 +117,7 @@ CALCULATOR = Task(
         "warmstart_learning_rate": 3e-4,
         "warmstart_error_fraction": 0.25,
         "max_steps": 16,
-        "learning_rate": 3e-4,
+        "learning_rate": 3e-4,  # as first registered; each RL cell's own rate is in its `arm_settings`
         "lr_scheduler_type": "constant",
         "per_device_train_batch_size": 8,
         "gradient_accumulation_steps": 4,  # 4 micro-batches of 8: one generation batch of 32 = 4 prompts x 8
@@ -116,8 +129,9 @@ CALCULATOR = Task(
     },
     seeds=(0, 1, 2, 3, 4),
     extra_seeds=(5, 6, 7),
-    evaluation=EvalPlan(problems=128, samples=4, spread_prompts=32),
+    evaluation=EvalPlan(problems=128, samples=4, spread_prompts=32, validation_problems=64),
     calibration_steps=(32, 64, 128, 256),
+    lr_ladder=(3e-5, 1e-4, 3e-4),
 )
 
 LOGSEARCH = Task(
@@ -390,6 +404,56 @@ def ladder_decision(measured: dict[int, Rung], ladder: Sequence[int]) -> tuple[i
     return None
 
 
+# ------------------------------------------------------------------------------------------------ learning rate
+
+LR_LADDER_ARM = "trl"  # the arm the learning-rate ladder trains (seed 0); its chosen rung is that arm's seed-0 cell
+
+
+@dataclass(frozen=True)
+class LrRung:
+    """One RL learning rate of the ladder and its success on the validation problems (seed 0)."""
+
+    learning_rate: float
+    successes: int  # sampled validation episodes that succeeded
+    episodes: int
+    greedy: float
+
+    @property
+    def sampled(self) -> float:
+        return self.successes / self.episodes
+
+    @classmethod
+    def of_cell(cls, cell: dict) -> LrRung:
+        """The rung a recorded ladder cell measured (its `validation` evaluation, never the held-out one)."""
+        v = cell["validation"]
+        samples = v["eval_samples"]
+        # Per-problem means of `samples` 0/1 rewards: counted back to episodes, so that ties are exact.
+        successes = round(sum(v["sampled"]) * samples)
+        return cls(cell["arm_settings"]["learning_rate"], successes, len(v["sampled"]) * samples, _avg(v["greedy"]))
+
+
+def _avg(values) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def choose_learning_rate(rungs: Sequence[LrRung]) -> tuple[float, str]:
+    """The pre-registered choice of the RL learning rate (amendment 2): the rung with the most successful sampled
+    validation episodes; a tie goes to the smaller learning rate (the smaller step from the warm start).
+
+    Returns:
+        `(learning_rate, reason)`.
+    """
+    if not rungs:
+        raise ValueError("The learning-rate ladder needs at least one rung.")
+    best = max(rungs, key=lambda r: (r.successes, -r.learning_rate))
+    others = ", ".join(f"{r.learning_rate:g}: {r.sampled:.3f}" for r in rungs if r is not best)
+    return (
+        best.learning_rate,
+        f"learning rate {best.learning_rate:g}: validation sampled success {best.sampled:.3f} "
+        f"({best.successes} of {best.episodes})" + (f"; the others {others}" if others else ""),
+    )
+
+
 # ------------------------------------------------------------------------------------------------ budget
 
 # Wall-time rates in seconds, bfloat16 autocast on this 2-core CPU (AVX512-BF16). Training rollouts: the first
@@ -403,12 +467,14 @@ def ladder_decision(measured: dict[int, Rung], ladder: Sequence[int]) -> tuple[i
 # traces (140 s for 32), 0.68 s per greedy problem (87 s for 128), 1.2 s per sampled episode (620 s for 512; the
 # spread check alike), 1.7x greedy assumed for the log search. Hard calculator traces are ~20 % longer than easy
 # ones and ~10 % longer than medium ones (clean traces 64-66, 67-76, 76-82 completion tokens with the model's
-# tokenizer).
+# tokenizer). Amendment 2: calculator GRPO rollouts at the rate of seed 0's `trl` cell on hard problems (1601 s for
+# 512 rollouts, 2026-11-27: 3.13 s, where the float32-derived estimate had 1.72 s), rollback's at the first
+# ablation's ratio to it (3.5 / 2.6).
 _BF16 = 0.55
 RATES = {
     "calculator": {
-        "rollout": 2.6 * _BF16 * 1.2,
-        "rollback_rollout": 3.5 * _BF16 * 1.2,
+        "rollout": 1601 / 512,
+        "rollback_rollout": 1601 / 512 * 3.5 / 2.6,
         "sft_step": 4.4 * 1.1,
         "greedy": 0.68 * 1.1,
         "sampled": 1.2 * 1.1,
@@ -423,9 +489,20 @@ RATES = {
 }
 
 
-def _evaluation_seconds(task: Task) -> float:
+def _evaluation_seconds(task: Task, problems: int | None = None) -> float:
     e, rates = task.evaluation, RATES[task.name]
-    return rates["greedy"] * e.problems + rates["sampled"] * e.problems * e.samples
+    problems = e.problems if problems is None else problems
+    return rates["greedy"] * problems + rates["sampled"] * problems * e.samples
+
+
+def lr_ladder_seconds(task: Task, warmstart_steps: int) -> float:
+    """The ladder's cost beyond the seed-0 cell of its arm (its chosen rung is that cell): the other rungs, and the
+    validation evaluation of every rung."""
+    if not task.lr_ladder:
+        return 0.0
+    cell = estimate_seconds(task, arm(task.name, LR_LADDER_ARM), warmstart_steps)
+    validation = _evaluation_seconds(task, task.evaluation.validation_problems)
+    return cell * (len(task.lr_ladder) - 1) + validation * len(task.lr_ladder)
 
 
 def estimate_seconds(task: Task, arm_: Arm, warmstart_steps: int) -> float:
@@ -445,7 +522,7 @@ def estimate_seconds(task: Task, arm_: Arm, warmstart_steps: int) -> float:
 def budget(warmstart_steps: int = 64) -> dict:
     """`{task: {arm: seconds per seed}}`, the calibration's seconds and the total over the pre-registered seeds (the
     calculator's warm-start length is that of the calibration; `warmstart_steps` stands for it)."""
-    out: dict = {"cells": {}, "calibration": 0.0}
+    out: dict = {"cells": {}, "calibration": 0.0, "lr_ladder": 0.0}
     total = 0.0
     for task in TASKS.values():
         steps = task.settings.get("warmstart_steps", warmstart_steps)
@@ -455,7 +532,8 @@ def budget(warmstart_steps: int = 64) -> dict:
         if task.calibration_steps:
             ladder = Arm("warmstart", "", "warmstart")
             out["calibration"] += sum(estimate_seconds(task, ladder, n) for n in task.calibration_steps)
-    out["total"] = total + out["calibration"]
+        out["lr_ladder"] += lr_ladder_seconds(task, steps)
+    out["total"] = total + out["calibration"] + out["lr_ladder"]
     extension = CALCULATOR
     out["extension"] = sum(out["cells"][extension.name].values()) * len(extension.extra_seeds)
     return out
@@ -464,14 +542,14 @@ def budget(warmstart_steps: int = 64) -> dict:
 # ------------------------------------------------------------------------------------------------ as registered
 
 
-def _settings_text(settings: dict) -> str:
-    return ", ".join(f"`{k}: {v}`" for k, v in settings.items() if k not in _MODEL)
+def _settings_text(settings: dict, skip: tuple[str, ...] = ()) -> str:
+    return ", ".join(f"`{k}: {v}`" for k, v in settings.items() if k not in _MODEL and k not in skip)
 
 
 def design_markdown() -> str:
     """The design as the pre-registration states it (generated; docs/ablation.md must contain it verbatim)."""
     lines = [
-        f"Design `{DESIGN}`. Model for every task: SmolLM2-135M-Instruct (embedded) + LoRA r=16, alpha 32, all linear "
+        f"Design `{DESIGN}`, amendment {AMENDMENT}. Model for every task: SmolLM2-135M-Instruct (embedded) + LoRA r=16, alpha 32, all linear "
         "layers, dropout 0; float32 weights, bfloat16 autocast (`bf16: true`), CPU.",
         "",
     ]
@@ -480,11 +558,19 @@ def design_markdown() -> str:
         lines += [
             f"**{task.name}** (seeds {', '.join(map(str, task.seeds))}"
             + (f"; extension seeds {', '.join(map(str, task.extra_seeds))}" if task.extra_seeds else "")
-            + f"): {_settings_text(task.settings)}"
+            + f"): {_settings_text(task.settings, ('learning_rate',) if task.lr_ladder else ())}"
             + (
                 f"; `warmstart_steps` from the calibration ladder {', '.join(map(str, task.calibration_steps))} "
-                "(seed 0)."
+                "(seed 0)"
                 if task.calibration_steps
+                else ""
+            )
+            + (
+                f"; `learning_rate` of every RL arm from the learning-rate ladder "
+                f"{', '.join(f'{lr:g}' for lr in task.lr_ladder)} (seed 0, `{LR_LADDER_ARM}`, judged on "
+                f"{e.validation_problems} validation problems: the most successful sampled episodes, a tie to the "
+                "smaller rate)."
+                if task.lr_ladder
                 else "."
             ),
             f"Evaluation of every arm: {e.problems} held-out problems, greedy, and {e.samples} samples each at the "
@@ -524,6 +610,10 @@ def design_markdown() -> str:
         for name, seconds in per_arm.items():
             lines.append(f"| {task_name} | `{name}` | {seconds:.0f} |")
     lines.append(f"| calculator | calibration ladder (seed 0, once) | {estimate['calibration']:.0f} |")
+    lines.append(
+        f"| calculator | learning-rate ladder (seed 0, once; beyond its chosen rung, seed 0's `{LR_LADDER_ARM}`) | "
+        f"{estimate['lr_ladder']:.0f} |"
+    )
     lines += [
         "",
         f"Estimated total: **{estimate['total'] / 3600:.1f} h** (the extension, if run: "

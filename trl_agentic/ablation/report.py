@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .. import stats
 from . import design
-from .cells import REGISTERED_END, REGISTERED_START, calibration_path, cell_path
+from .cells import REGISTERED_END, REGISTERED_START, calibration_path, cell_path, lr_path
 
 DESIGN_START = "<!-- design:start -->"
 DESIGN_END = "<!-- design:end -->"
@@ -36,6 +36,28 @@ def load(cells_dir: Path) -> tuple[dict, dict]:
             if path.exists():
                 calibration[task.name, steps] = json.loads(path.read_text())
     return cells, calibration
+
+
+def load_lr_ladder(cells_dir: Path) -> dict:
+    """`{(task, learning_rate): cell}` of the learning-rate ladders' recorded rungs (amendment 2)."""
+    rungs = {}
+    for task in design.TASKS.values():
+        for lr in task.lr_ladder:
+            path = lr_path(cells_dir, task.name, lr)
+            if path.exists():
+                rungs[task.name, lr] = json.loads(path.read_text())
+    return rungs
+
+
+def stale_registrations(cells: list[dict], registration: str | None) -> list[str]:
+    """The registrations other than `registration` that cells ran under, but those an amendment carried over for the
+    cell's trainer (`design.CARRIED_REGISTRATIONS`)."""
+    stale = set()
+    for c in cells:
+        recorded = c.get("preregistration")
+        if recorded != registration and c.get("trainer") not in design.CARRIED_REGISTRATIONS.get(recorded, ()):
+            stale.add(str(recorded))
+    return sorted(stale)
 
 
 def _mean(values) -> float:
@@ -155,27 +177,35 @@ def readme_block(cells: dict, calibration: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_results(cells: dict, calibration: dict, registration: str | None) -> str:
+def render_results(cells: dict, calibration: dict, registration: str | None, lr_rungs: dict | None = None) -> str:
     """The generated part of docs/ablation.md (after the pre-registration)."""
-    expected = [key for task in design.TASKS.values() for key in _expected(task)]
-    expected += [(t.name, n) for t in design.TASKS.values() for n in t.calibration_steps]
-    found = [k for k in expected if (k in cells if len(k) == 3 else k in calibration)]
+    lr_rungs = lr_rungs or {}
+    arms = [key for task in design.TASKS.values() for key in _expected(task)]
+    rungs = [(t.name, n) for t in design.TASKS.values() for n in t.calibration_steps]
+    lrs = [(t.name, lr) for t in design.TASKS.values() for lr in t.lr_ladder]
+    expected = arms + rungs + lrs
+    found = (
+        [k for k in arms if k in cells] + [k for k in rungs if k in calibration] + [k for k in lrs if k in lr_rungs]
+    )
     lines = ["## Results", "", RESULTS_NOTE, ""]
-    every = list(cells.values()) + list(calibration.values())
+    every = list(cells.values()) + list(calibration.values()) + list(lr_rungs.values())
+    # A chosen rung is also its seed's cell (the same record): its time counts once.
+    unique = list({json.dumps(c, sort_keys=True, default=str): c for c in every}.values())
     if not every:
         lines += [f"**No cells yet** (0 of {len(expected)} pre-registered cells): every verdict is pending.", ""]
     else:
         dates = sorted(c["date"] for c in every if c.get("date"))
         commits = sorted({c["commit"] for c in every if c.get("commit")})
-        hours = sum(c.get("seconds", 0.0) for c in every) / 3600
+        hours = sum(c.get("seconds", 0.0) for c in unique) / 3600
         status = "All" if len(found) == len(expected) else "**Partial:**"
         lines += [
             f"{status} {len(found)} of {len(expected)} pre-registered cells (seeds of the pre-registered extension "
             f"are added when present), recorded {dates[0]} to {dates[-1]} at commits {', '.join(commits)}: "
-            f"{hours:.1f} h of training and evaluation, the sum of the cells' times.",
+            f"{hours:.1f} h of training and evaluation, the sum of the cells' times (a chosen rung, which is also "
+            "its seed's cell, counted once).",
             "",
         ]
-        stale = sorted({c.get("preregistration") for c in every} - {registration})
+        stale = stale_registrations(every, registration)
         if stale:
             lines += [
                 f"**Warning:** cells ran under another pre-registration ({', '.join(map(str, stale))}) than the one "
@@ -208,8 +238,48 @@ def render_results(cells: dict, calibration: dict, registration: str | None) -> 
             f"{_fmt(iv.mean, True) if iv else '–'} | {_interval(iv, True) if iv else '–'} | {mde} | "
             f"{needed if needed is not None else '> 100' if iv else '–'} | {row['verdict']} | {greedy} | {peak} |"
         )
-    lines += ["", *_calibration_lines(cells, calibration), *_arm_lines(cells)]
+    lines += ["", *_calibration_lines(cells, calibration), *_lr_lines(lr_rungs), *_arm_lines(cells)]
     return "\n".join(lines) + "\n"
+
+
+def _lr_lines(lr_rungs: dict) -> list[str]:
+    lines = []
+    for task in design.TASKS.values():
+        if not task.lr_ladder:
+            continue
+        lines += [
+            "### Learning-rate ladder (amendment 2)",
+            "",
+            f"{task.name}: seed 0's `{design.LR_LADDER_ARM}` arm at each RL learning rate, judged on "
+            f"{task.evaluation.validation_problems} validation problems (never the held-out ones; the chosen rung is "
+            f"seed 0's `{design.LR_LADDER_ARM}` cell, whose held-out success the arms table shows).",
+            "",
+            "| learning rate | validation sampled success | validation greedy success | mean training reward | "
+            "groups with a spread | train (s) |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        measured = []
+        for lr in task.lr_ladder:
+            cell = lr_rungs.get((task.name, lr))
+            if cell is None:
+                lines.append(f"| {lr:g} | – | – | – | – | – |")
+                continue
+            rung = design.LrRung.of_cell(cell)
+            measured.append(rung)
+            lines.append(
+                f"| {lr:g} | {_fmt(rung.sampled)} ({rung.successes} of {rung.episodes}) | {_fmt(rung.greedy)} | "
+                f"{_fmt(_mean(cell['rewards']))} | {_mean(cell['spread_per_step']):.0%} | "
+                f"{cell['train_seconds']:.0f} |"
+            )
+        lines.append("")
+        if len(measured) == len(task.lr_ladder):
+            lines += [f"Chosen: {design.choose_learning_rate(measured)[1]}.", ""]
+        else:
+            lines += [
+                f"Open: {len(measured)} of {len(task.lr_ladder)} rungs; no RL arm cell runs before it decides.",
+                "",
+            ]
+    return lines
 
 
 def _calibration_lines(cells: dict, calibration: dict) -> list[str]:
@@ -359,7 +429,9 @@ def check_registration(doc_text: str) -> str:
     return block
 
 
-def render_doc(doc_text: str, cells: dict, calibration: dict, findings: str | None) -> str:
+def render_doc(
+    doc_text: str, cells: dict, calibration: dict, findings: str | None, lr_rungs: dict | None = None
+) -> str:
     """docs/ablation.md: its pre-registration (kept verbatim; its design block must be the code's), the results and
     the hand-written findings."""
     block = check_registration(doc_text)
@@ -367,7 +439,7 @@ def render_doc(doc_text: str, cells: dict, calibration: dict, findings: str | No
     import hashlib
 
     registration = hashlib.sha256(block.encode()).hexdigest()[:12]
-    text = doc_text[: end + len(REGISTERED_END)] + "\n\n" + render_results(cells, calibration, registration)
+    text = doc_text[: end + len(REGISTERED_END)] + "\n\n" + render_results(cells, calibration, registration, lr_rungs)
     text += "\n![sampled held-out success per arm](ablation.png)\n"
     if findings:
         text += "\n" + findings
