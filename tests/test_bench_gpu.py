@@ -30,6 +30,7 @@ def test_bench_gpu_runs_every_section_with_only_the_carried_files(tmp_path):
             "10",
             "--total-budget",
             "6000",
+            "--profile",
         ],
         cwd=ROOT,
         env=env,
@@ -45,7 +46,56 @@ def test_bench_gpu_runs_every_section_with_only_the_carried_files(tmp_path):
     assert set(results) == {"features_off", "tracin_memory", "prefix_reuse", "tracin_step"}
     assert not [name for name, r in results.items() if "error" in r], results
     assert results["features_off"]["ratio"] > 0 and results["tracin_step"]["ratio"] > 0
+    _check_features_off_breakdown(results["features_off"])
     assert results["tracin_memory"]["step_ratio"] > 0
     reuse = results["prefix_reuse"]
     assert reuse["reused_tokens"] > 0 and reuse["same_turns"] == reuse["compared_turns"]  # float32: exact tokens
     assert "### Prefix reuse across turns" in (tmp_path / "bench_gpu.md").read_text()
+
+
+def _check_features_off_breakdown(r):
+    """Phases of every measured step, tokens and `--profile` output, for both trainers: present and consistent."""
+    for name in ("trl", "ours"):
+        assert len(r["phases"][name]) == len(r["steps"][name]) == len(r["tokens"][name])
+        for step_s, phases, tokens in zip(r["steps"][name], r["phases"][name], r["tokens"][name], strict=True):
+            parts = ("prepare_inputs", "loss_forward", "backward", "optimizer")
+            timed = (*parts, "generate_and_score", "generate", "model_generate", "rewards")
+            assert all(phases[k] >= 0 for k in timed), phases
+            assert phases["step"] == step_s
+            # Sequential, non-overlapping parts: their sum is the step less what no wrapper times.
+            assert sum(phases[k] for k in parts) <= step_s + 1e-3, phases
+            assert phases["generate"] <= phases["generate_and_score"] + 1e-3 <= phases["prepare_inputs"] + 2e-3
+            assert phases["step_rest"] >= -1e-3 and phases["score_rest"] >= -1e-3
+            assert tokens["completion_tokens"] > 0 and tokens["generate_calls"] >= 1
+        assert set(r["phase_median_s"][name]) >= {"step", "prepare_inputs", "generate", "loss_forward", "optimizer"}
+        profile = r["profile"][name]
+        assert profile["top"] and profile["self_cpu_total_ms"] > 0
+        assert set(profile["syncs"]) == {
+            "aten::_local_scalar_dense",
+            "aten::item",
+            "cudaStreamSynchronize",
+            "cudaDeviceSynchronize",
+            "cudaMemcpyAsync",
+        }
+    assert len(r["profile_diff"]) == 15
+
+
+def test_aggregate_events_matches_key_averages():
+    """The raw-event aggregation `--profile` uses (not `key_averages`: too slow at full size) agrees with torch's."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from trl_agentic.bench.gpu import aggregate_events
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+        for _ in range(5):
+            loss = model(torch.randn(4, 8)).sum()
+            loss.backward()
+            loss.item()
+    ops = aggregate_events(prof.profiler.kineto_results.events())
+    expected = {e.key: (e.count, e.self_cpu_time_total / 1000) for e in prof.key_averages()}
+    assert set(ops) == set(expected)
+    for name, (calls, self_cpu_ms) in expected.items():
+        assert ops[name][0] == calls, name
+        assert ops[name][1] == pytest.approx(self_cpu_ms, rel=1e-6, abs=1e-6), name

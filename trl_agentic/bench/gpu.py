@@ -11,7 +11,10 @@ after every step inside a section, to `DIR/bench_gpu.json` and `DIR/bench_gpu.md
 everything measured before it):
 
 - `features_off`: `AgenticGRPOTrainer` with every feature off vs TRL's `GRPOTrainer`, whole optimizer steps
-  (generation, rewards, loss, backward, AdamW), stepped alternately;
+  (generation, rewards, loss, backward, AdamW), stepped alternately; every step split into phases (batch:
+  generate-and-score, of which `_generate_single_turn`/`model.generate`, rewards, no-grad log-probabilities; loss
+  forward; backward; optimizer) by timing wrappers that synchronise the GPU, with the tokens generated; with
+  `--profile`, one more step of each under `torch.profiler` (top ops, host-device syncs, the ops that differ most);
 - `tracin_memory`: peak GPU memory (`torch.cuda.max_memory_allocated`) of one TracIn step at its defaults (the fused
   step, V refreshed in the window) vs a plain GRPO step, gradient checkpointing on, one synthetic batch;
 - `prefix_reuse`: a multi-turn rollout (8 conversations, tool results appended after every turn) generated with
@@ -138,6 +141,7 @@ class Settings:
     reuse_tool_tokens: int
     budgets: dict = field(default_factory=dict)  # seconds per section
     lora_r: int = 16
+    profile: bool = False  # `--profile`: one more step of each trainer in `features_off`, under `torch.profiler`
 
     @classmethod
     def full(cls) -> Settings:
@@ -345,40 +349,335 @@ def make_trainer(kind: str, settings: Settings, output_dir: str, tok, **extra):
 
 
 def one_step(trainer) -> float:
-    """One optimizer step as `Trainer.train` runs it (generation included); wall seconds."""
+    """One optimizer step as `Trainer.train` runs it (generation included); wall seconds.
+
+    With a `PhaseTimer` installed (`trainer._bench_timer`, enabled) its phases are this step's only, the optimizer
+    step among them.
+    """
     batch = next(trainer._bench_batches)
+    timer = getattr(trainer, "_bench_timer", None)
+    timer = timer if timer is not None and timer.enabled else None
+    if timer is not None:
+        timer.reset()
     _sync()
     start = time.perf_counter()
     trainer.training_step(trainer.model, batch, None)
+    if timer is not None:
+        _sync()
+        optimizer_start = time.perf_counter()
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.state.global_step += 1
     _sync()
-    return time.perf_counter() - start
+    end = time.perf_counter()
+    if timer is not None:
+        timer.seconds["optimizer"] = end - optimizer_start
+        timer.calls["optimizer"] = 1
+    return end - start
+
+
+# Methods timed in `features_off` (attribute, phase): wrapped on the instance, so the outermost override of each (ours
+# or TRL's) is timed once per call, whatever `super()` chain it runs. TRL 1.16's step: `training_step` ->
+# `_prepare_inputs` -> `_generate_and_score_completions` -> `_generate` -> `_generate_single_turn` (-> `model.generate`),
+# then `_calculate_rewards` and, when needed, no-grad log-probabilities; then `compute_loss`, `accelerator.backward`.
+TIMED_METHODS = (
+    ("_prepare_inputs", "prepare_inputs"),
+    ("_generate_and_score_completions", "generate_and_score"),
+    ("_generate_single_turn", "generate"),
+    ("_calculate_rewards", "rewards"),
+    ("_get_per_token_logps_and_entropies", "logps"),  # named after the phase it runs in (see `PhaseTimer.wrap`)
+    ("compute_loss", "loss_forward"),
+)
+# The rows of the phase table: (key, label); the keys of `derive_phases`, parts indented under their whole.
+PHASE_ROWS = (
+    ("step", "whole step"),
+    ("prepare_inputs", "batch (`_prepare_inputs`)"),
+    ("generate_and_score", "&nbsp;&nbsp;`_generate_and_score_completions`"),
+    ("generate", "&nbsp;&nbsp;&nbsp;&nbsp;`_generate_single_turn` (all calls)"),
+    ("model_generate", "&nbsp;&nbsp;&nbsp;&nbsp;&nbsp;&nbsp;of which `model.generate`"),
+    ("logps_in_generate_and_score", "&nbsp;&nbsp;&nbsp;&nbsp;no-grad log-probabilities"),
+    ("rewards", "&nbsp;&nbsp;&nbsp;&nbsp;`_calculate_rewards`"),
+    ("score_rest", "&nbsp;&nbsp;&nbsp;&nbsp;rest (tokenizing, decoding, advantages, augment/select)"),
+    ("prepare_rest", "&nbsp;&nbsp;rest of `_prepare_inputs` (shuffle, split)"),
+    ("loss_forward", "loss: `compute_loss` (forward + loss)"),
+    ("logps_in_loss_forward", "&nbsp;&nbsp;of which the log-probability forward"),
+    ("backward", "backward (`accelerator.backward`)"),
+    ("optimizer", "optimizer step + `zero_grad`"),
+    ("step_rest", "rest of the step"),
+)
+# Host-device synchronisations (and copies) counted in `--profile`.
+SYNC_OPS = (
+    "aten::_local_scalar_dense",
+    "aten::item",
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaMemcpyAsync",
+)
+
+
+class PhaseTimer:
+    """Wall seconds and calls of named trainer methods within one step, `_sync()`-ed before every clock read.
+
+    The synchronisations make the split honest (a phase's GPU work is charged to it, not to whoever waits next);
+    both trainers pay them alike. A method called within a timed call of itself is not timed again.
+    """
+
+    def __init__(self):
+        self.enabled = True
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.active: list[str] = []
+        self.batch = None  # the last batch `_generate_and_score_completions` returned (its token counts)
+
+    def reset(self) -> None:
+        self.seconds, self.calls, self.active, self.batch = {}, {}, [], None
+
+    def wrap(self, owner, attribute: str, phase: str) -> None:
+        """Replace `owner.attribute` (a bound method) by a timed one; `logps` is named after the enclosing phase."""
+        original = getattr(owner, attribute)
+
+        def timed(*args, **kwargs):
+            name = f"{phase}_in_{self.active[-1] if self.active else 'step'}" if phase == "logps" else phase
+            if not self.enabled or name in self.active:
+                return original(*args, **kwargs)
+            self.active.append(name)
+            _sync()
+            start = time.perf_counter()
+            try:
+                result = original(*args, **kwargs)
+                _sync()
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                self.calls[name] = self.calls.get(name, 0) + 1
+                self.active.pop()
+            if phase == "generate_and_score":
+                self.batch = result
+            return result
+
+        setattr(owner, attribute, timed)
+
+
+def install_phase_timer(trainer) -> PhaseTimer:
+    """Time `TIMED_METHODS`, the model's `generate` and the accelerator's `backward` on this trainer's instances."""
+    timer = PhaseTimer()
+    for attribute, phase in TIMED_METHODS:
+        timer.wrap(trainer, attribute, phase)
+    # `unwrap_model_for_generation` yields the PEFT model itself here (one process, no DeepSpeed/FSDP).
+    timer.wrap(trainer.accelerator.unwrap_model(trainer.model), "generate", "model_generate")
+    timer.wrap(trainer.accelerator, "backward", "backward")
+    trainer._bench_timer = timer
+    return timer
+
+
+def derive_phases(step_s: float, seconds: dict[str, float]) -> dict[str, float]:
+    """The rows of `PHASE_ROWS` from one step's timed methods: the measured ones plus the rests (whole − parts)."""
+    get = seconds.get
+    phases = {"step": step_s, **seconds}
+    phases["score_rest"] = get("generate_and_score", 0.0) - sum(
+        get(k, 0.0) for k in ("generate", "logps_in_generate_and_score", "rewards")
+    )
+    phases["prepare_rest"] = get("prepare_inputs", 0.0) - get("generate_and_score", 0.0)
+    phases["step_rest"] = step_s - sum(
+        get(k, 0.0) for k in ("prepare_inputs", "loss_forward", "backward", "optimizer")
+    )
+    return phases
+
+
+def batch_tokens(trainer, timer: PhaseTimer) -> dict:
+    """Token counts of the step's generated batch, and TRL's own `completions/mean_length` metric."""
+    batch, counts = timer.batch, {}
+    if isinstance(batch, dict) and "completion_mask" in batch:
+        mask = batch["completion_mask"]
+        counts = {
+            "rows": int(mask.shape[0]),
+            "completion_tokens": int(mask.sum()),
+            "completion_width": int(mask.shape[1]),  # padded: what the loss forward and backward process
+        }
+        if "prompt_mask" in batch:
+            counts["prompt_tokens"] = int(batch["prompt_mask"].sum())
+            counts["prompt_width"] = int(batch["prompt_mask"].shape[1])
+    lengths = trainer._metrics["train"].get("completions/mean_length")
+    if lengths:
+        counts["metric_mean_length"] = float(lengths[-1])
+    counts["generate_calls"] = timer.calls.get("generate", 0)
+    return counts
+
+
+def profile_step(trainer) -> dict:
+    """One more step under `torch.profiler` (phase timers off: their syncs would count): the top ops and the syncs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    timer = getattr(trainer, "_bench_timer", None)
+    if timer is not None:
+        timer.enabled = False
+    try:
+        with profile(activities=activities, record_shapes=False) as prof:
+            seconds = one_step(trainer)
+    finally:
+        if timer is not None:
+            timer.enabled = True
+    start = time.perf_counter()
+    try:
+        events = prof.profiler.kineto_results.events()
+        ops = aggregate_events(events)
+    except AttributeError:  # another torch's raw events: its own (slow) averages
+        events = prof.events()
+        ops = {
+            e.key: [e.count, e.self_cpu_time_total / 1000, getattr(e, "self_device_time_total", 0.0) / 1000]
+            for e in prof.key_averages()
+        }
+    by = 2 if on_gpu else 1  # self CUDA time on a GPU, self CPU time otherwise
+
+    def top(index: int) -> list[dict]:
+        names = sorted(ops, key=lambda name: -ops[name][index])[:25]
+        return [{"name": n, "calls": ops[n][0], "self_cpu_ms": ops[n][1], "self_cuda_ms": ops[n][2]} for n in names]
+
+    return {
+        "step_s": seconds,  # with the profiler's overhead
+        "events": len(events),
+        "analysis_s": time.perf_counter() - start,
+        "sorted_by": "self_cuda_ms" if on_gpu else "self_cpu_ms",
+        "top": top(by),
+        "top_cpu": top(1),  # a GPU step can be bound by the CPU launching kernels
+        "syncs": {name: ops.get(name, [0])[0] for name in SYNC_OPS},
+        "self_cpu_total_ms": sum(v[1] for v in ops.values()),
+        "self_cuda_total_ms": sum(v[2] for v in ops.values()),
+        "ops": ops,  # every op: [calls, self CPU ms, self CUDA ms]
+    }
+
+
+# Not ops: the profiler's own bookkeeping (as `torch.autograd.profiler_util._filter_name` drops them).
+_PROFILER_NAMES = frozenset(
+    (
+        "[memory]",
+        "[OutOfMemory]",
+        "profiler::_record_function_enter",
+        "profiler::_record_function_enter_new",
+        "profiler::_record_function_exit",
+        "aten::is_leaf",
+        "aten::output_nr",
+        "aten::_version",
+    )
+)
+
+
+def aggregate_events(events) -> dict[str, list]:
+    """`{name: [calls, self CPU ms, self CUDA ms]}` from the profiler's raw events.
+
+    `prof.key_averages()` builds a Python object per event (~40 µs each: minutes for the millions of a full-size step);
+    this reads the raw events once. Self CPU time: an op's span minus its direct children's on the same thread (CUDA
+    runtime calls such as `cudaLaunchKernel` are CPU events, children of the op that made them); self CUDA time: the
+    span of each kernel, copy or memset, under its own name (so the CUDA total is the GPU's busy time, counted once).
+    """
+    from torch.autograd import DeviceType
+
+    ops: dict[str, list] = {}
+    spans: dict[int, list] = {}  # thread -> [(start, -end, name)] of its synchronous CPU events
+    for event in events:
+        name = event.name()
+        if name in _PROFILER_NAMES or getattr(event, "is_hidden_event", lambda: False)():
+            continue
+        begin, end = event.start_ns(), event.end_ns()
+        if event.device_type() == DeviceType.CPU:
+            row = ops.setdefault(name, [0, 0.0, 0.0])
+            if event.is_async() or event.start_thread_id() != event.end_thread_id():
+                row[0] += 1
+                row[1] += (end - begin) / 1e6  # not nested in the thread's stack
+            else:  # counted below
+                spans.setdefault(event.start_thread_id(), []).append((begin, -end, name))
+        elif not event.is_user_annotation():  # GPU mirrors of `record_function` ranges would count kernels twice
+            row = ops.setdefault(name, [0, 0.0, 0.0])
+            row[0] += 1
+            row[2] += (end - begin) / 1e6
+    for thread_spans in spans.values():
+        thread_spans.sort()  # by start, the longer (outer) first
+        stack: list[list] = []  # [end, name, span, children's span]
+        for begin, negative_end, name in thread_spans:
+            while stack and stack[-1][0] <= begin:
+                done = stack.pop()
+                ops[done[1]][1] += max(done[2] - done[3], 0) / 1e6
+            if stack and stack[-1][1] == name:
+                continue  # an op calling its namesake (`aten::sum` -> `aten::sum`): one call, as `key_averages` says
+            ops[name][0] += 1
+            if stack:
+                stack[-1][3] += -negative_end - begin
+            stack.append([-negative_end, name, -negative_end - begin, 0])
+        for done in stack:
+            ops[done[1]][1] += max(done[2] - done[3], 0) / 1e6
+    return ops
+
+
+def profile_diff(trl: dict, ours: dict, n: int = 15) -> list[dict]:
+    """The `n` ops whose self time (CPU or CUDA, whichever differs more) differs most between the two profiles."""
+    rows = []
+    for name in set(trl["ops"]) | set(ours["ops"]):
+        a, b = trl["ops"].get(name, [0, 0.0, 0.0]), ours["ops"].get(name, [0, 0.0, 0.0])
+        rows.append(
+            {
+                "name": name,
+                "calls": [a[0], b[0]],
+                "self_cpu_ms": [a[1], b[1]],
+                "self_cuda_ms": [a[2], b[2]],
+                "diff_ms": max(b[1] - a[1], b[2] - a[2], key=abs),
+            }
+        )
+    return sorted(rows, key=lambda r: -abs(r["diff_ms"]))[:n]
 
 
 # ----------------------------------------------------------------------------------------------------- sections
 
 
 def features_off(settings: Settings, out: dict, output_dir: str, tok) -> None:
-    """AgenticGRPOTrainer (features off) vs GRPOTrainer, whole steps, alternately; after one warm-up step each."""
+    """AgenticGRPOTrainer (features off) vs GRPOTrainer, whole steps, alternately; after one warm-up step each.
+
+    Every step is split into phases (`PhaseTimer`, `PHASE_ROWS`) and its batch's tokens counted; with
+    `settings.profile`, one more step of each trainer then runs under `torch.profiler` (`profile_step`).
+    """
     trainers = {
         "trl": make_trainer("trl", settings, output_dir, tok),
         "ours": make_trainer("ours", settings, output_dir, tok),
     }
+    timers = {name: install_phase_timer(trainer) for name, trainer in trainers.items()}
     out["steps"] = {name: [] for name in trainers}
+    out["phases"] = {name: [] for name in trainers}
+    out["calls"] = {name: [] for name in trainers}
+    out["tokens"] = {name: [] for name in trainers}
     for step in range(settings.step_rounds + 1):
         order = list(trainers) if step % 2 == 0 else list(reversed(trainers))
         for name in order:
             seconds = one_step(trainers[name])
-            _log(f"features_off step {step} {name}: {seconds:.2f} s")
+            tokens = batch_tokens(trainers[name], timers[name])
+            _log(f"features_off step {step} {name}: {seconds:.2f} s, {json.dumps(tokens)}")
             if step > 0:
                 out["steps"][name].append(seconds)
+                out["phases"][name].append(derive_phases(seconds, timers[name].seconds))
+                out["calls"][name].append(dict(timers[name].calls))
+                out["tokens"][name].append(tokens)
         if step > 0:
             trl, ours = statistics.median(out["steps"]["trl"]), statistics.median(out["steps"]["ours"])
             out["median_s"] = {"trl": trl, "ours": ours}
             out["ratio"] = ours / trl
+            out["phase_median_s"] = {
+                name: {
+                    key: statistics.median(p.get(key, 0.0) for p in out["phases"][name])
+                    for key in dict.fromkeys(k for p in out["phases"][name] for k in p)
+                }
+                for name in trainers
+            }
+            out["completion_tokens_median"] = {
+                name: statistics.median(t.get("completion_tokens", 0) for t in out["tokens"][name])
+                for name in trainers
+            }
             yield_point()
+    if settings.profile:
+        out["profile"] = {}
+        for name in trainers:
+            out["profile"][name] = profile_step(trainers[name])
+            _log(f"features_off profiled step {name}: {out['profile'][name]['step_s']:.2f} s")
+            yield_point()
+        out["profile_diff"] = profile_diff(out["profile"]["trl"], out["profile"]["ours"])
 
 
 def tracin_memory(settings: Settings, out: dict, output_dir: str, tok) -> None:
@@ -587,6 +886,10 @@ def render(report: dict) -> str:
             f"Ratio (ours / TRL): **{r['ratio']:.3f}** (goal ≤ 1.02).",
             "",
         ]
+    if "phase_median_s" in r:
+        lines += _phase_lines(r)
+    if r.get("profile"):
+        lines += _profile_lines(r)
     lines += _status(r)
     r = results.get("tracin_memory", {})
     lines += ["### TracIn peak memory with gradient checkpointing", ""]
@@ -658,6 +961,65 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _phase_lines(r: dict) -> list[str]:
+    """The features-off phase table (medians over the measured steps) and the generated tokens."""
+    trl, ours = r["phase_median_s"]["trl"], r["phase_median_s"]["ours"]
+    lines = [
+        "Phases of the same steps (every timed method `torch.cuda.synchronize`-d before each clock read; *rest* rows "
+        "are the whole minus its timed parts); medians per phase, so they need not add up exactly:",
+        "",
+        "| phase | TRL median (s) | ours median (s) | ratio |",
+        "|---|---|---|---|",
+    ]
+    for key, label in PHASE_ROWS:
+        if key in trl or key in ours:
+            a, b = trl.get(key, 0.0), ours.get(key, 0.0)
+            ratio = f"{b / a:.3f}" if abs(a) > 1e-6 else "–"
+            lines.append(f"| {label} | {a:.3f} | {b:.3f} | {ratio} |")
+    lines.append("")
+    tokens = {name: r["tokens"][name] for name in ("trl", "ours")}
+    for name, label in (("trl", "`GRPOTrainer`"), ("ours", "ours")):
+        t = tokens[name]
+        generate_s = ", ".join(f"{p.get('generate', 0.0):.2f}" for p in r["phases"][name])
+        lines.append(
+            f"- {label}: completion tokens per step {', '.join(str(x.get('completion_tokens', '?')) for x in t)} "
+            f"(padded width {', '.join(str(x.get('completion_width', '?')) for x in t)}); `_generate_single_turn` "
+            f"calls per step {', '.join(str(x.get('generate_calls', '?')) for x in t)}, seconds per step "
+            f"{generate_s}."
+        )
+    return [*lines, ""]
+
+
+def _profile_lines(r: dict) -> list[str]:
+    """The `--profile` tables: host-device syncs, totals, and the ops whose self time differs most."""
+    p = r["profile"]
+    if not {"trl", "ours"} <= set(p):
+        return ["Profiled step: incomplete (see bench_gpu.json).", ""]
+    trl, ours = p["trl"], p["ours"]
+    lines = [
+        "One more step of each trainer under `torch.profiler` (phase timers off; the profiler's overhead "
+        f"included: {trl['step_s']:.2f} s TRL, {ours['step_s']:.2f} s ours).",
+        "",
+        "| | TRL | ours |",
+        "|---|---|---|",
+        f"| self CPU total (ms) | {trl['self_cpu_total_ms']:.1f} | {ours['self_cpu_total_ms']:.1f} |",
+        f"| self CUDA total (ms) | {trl['self_cuda_total_ms']:.1f} | {ours['self_cuda_total_ms']:.1f} |",
+    ]
+    lines += [f"| `{name}` calls | {trl['syncs'][name]} | {ours['syncs'][name]} |" for name in SYNC_OPS]
+    lines += [
+        "",
+        "Ops whose self time differs most (ours − TRL, CPU or CUDA, whichever differs more):",
+        "",
+        "| op | calls TRL / ours | self CPU ms TRL / ours | self CUDA ms TRL / ours | Δ ms |",
+        "|---|---|---|---|---|",
+    ]
+    for row in r.get("profile_diff", []):
+        (ca, cb), (pa, pb), (ga, gb) = row["calls"], row["self_cpu_ms"], row["self_cuda_ms"]
+        name = row["name"].replace("|", "\\|")[:80]
+        lines.append(f"| `{name}` | {ca} / {cb} | {pa:.1f} / {pb:.1f} | {ga:.1f} / {gb:.1f} | {row['diff_ms']:+.1f} |")
+    return [*lines, ""]
+
+
 def _status(result: dict) -> list[str]:
     if not result:
         return ["Not run.", ""]
@@ -693,6 +1055,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--total-budget", type=float, default=450.0, help="Seconds for all sections together.")
     parser.add_argument("--budget-scale", type=float, default=1.0, help="Multiply every section's budget.")
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="features_off: one more step of each trainer under torch.profiler (top ops, host-device syncs).",
+    )
+    parser.add_argument(
         "--set",
         nargs="+",
         default=[],
@@ -708,6 +1075,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(getattr(settings, name, None), int):
             parser.error(f"--set {item}: {name!r} is not an integer field of Settings")
         setattr(settings, name, int(value))
+    settings.profile = args.profile
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     report = {"environment": environment(_NOTES), "settings": asdict(settings), "results": {}}
