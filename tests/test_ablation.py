@@ -172,11 +172,11 @@ def test_budget_sums_the_cells():
     assert b["total"] == pytest.approx(calculator + logsearch + b["calibration"] + b["lr_ladder"])
     # The equal-compute arms are charged the control's time.
     assert b["cells"]["calculator"]["tracin"] == b["cells"]["calculator"]["trl"]
-    # Amendment 2: two more `trl` cells (the third rung is seed 0's cell) and three validation evaluations of 64
-    # problems (greedy + 4 samples each), at the calculator's rates.
+    # Amendment 2: three `trl` trainings (16 steps x 32 rollouts) each evaluated on 64 validation problems (greedy +
+    # 4 samples each), never on the held-out ones, at the calculator's rates.
     rates = design.RATES["calculator"]
     validation = 64 * rates["greedy"] + 64 * 4 * rates["sampled"]
-    assert b["lr_ladder"] == pytest.approx(2 * b["cells"]["calculator"]["trl"] + 3 * validation)
+    assert b["lr_ladder"] == pytest.approx(3 * (16 * 32 * rates["rollout"] + validation))
 
 
 # ------------------------------------------------------------------------------------------------ learning rate
@@ -245,6 +245,19 @@ def test_the_lr_ladder_renders_open_then_chosen():
     rungs["calculator", 3e-4] = _lr_cell(3e-4, 160)
     text = report.render_results({}, {}, "x", rungs)
     assert "Chosen: learning rate 3e-05: validation sampled success 0.836 (214 of 256)" in text
+    assert "Warning" not in text
+    # An RL cell at another rate than the chosen one is flagged; warm starts have none.
+    found = {k: v for k, v in _synthetic().items() if k[2] in ("warmstart", "trl", "rollback")}
+    for (_, _seed, arm), c in found.items():
+        if arm != "warmstart":
+            c.update(trainer="trl" if arm == "trl" else "agentic", arm_settings={"learning_rate": 3e-5})
+        else:
+            c["trainer"] = "warmstart"
+    found["calculator", 2, "rollback"]["arm_settings"]["learning_rate"] = 3e-4
+    text = report.render_results(found, {}, "x", rungs)
+    assert (
+        "**Warning:** cells trained at another learning rate than the chosen one: seed 2 `rollback` (0.0003)." in text
+    )
 
 
 def test_carried_registrations_are_valid_only_for_the_trainers_an_amendment_left_alone():
@@ -274,6 +287,34 @@ def test_an_rl_cell_without_its_learning_rate_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="ran with arm settings"):
         cells_mod._read(path, cell["settings_hash"], {"learning_rate": 3e-4})
     assert cells_mod._read(path, cell["settings_hash"], {}) == cell  # as amendment 1 read it
+
+
+def test_the_ladder_refuses_rungs_judged_on_other_problems(tmp_path):
+    """Every rung must be judged on the planned validation problems, the same for all; else the rule compares
+    different exams."""
+    import dataclasses
+
+    task = dataclasses.replace(design.CALCULATOR, calibration_steps=(), lr_ladder=(1e-4, 3e-4))
+    ctx = cells_mod.Context(out=tmp_path, cells=tmp_path, doc=tmp_path / "a.md", overrides={"warmstart_steps": 4})
+    settings = cells_mod.shared_settings(task, 0, ctx.overrides, 4)
+    settings_hash = cells_mod.fingerprint(settings, cells_mod.plan(task, ctx.overrides))
+
+    def write(lr, problems, offset=64):
+        cell = _lr_cell(lr, 100)
+        cell["validation"].update(offset=offset, problems=problems)
+        cell.update(settings_hash=settings_hash, arm_settings={"learning_rate": lr, "seed": 1000})
+        cells_mod._write(cells_mod.lr_path(tmp_path, task.name, lr), cell)
+
+    same = [f"expression={k}" for k in range(64)]
+    write(1e-4, same)
+    write(3e-4, same)
+    assert cells_mod.learning_rate(task, ctx)[0] == 1e-4  # a tie (100 each): the smaller rate
+    write(3e-4, same[:-1] + ["expression=other"])
+    with pytest.raises(RuntimeError, match="not all judged on the planned 64 validation problems from offset 64"):
+        cells_mod.learning_rate(task, ctx)
+    write(3e-4, same, offset=0)
+    with pytest.raises(RuntimeError, match="not all judged"):
+        cells_mod.learning_rate(task, ctx)
 
 
 def test_the_superseded_lr_cells_are_what_this_page_says():
@@ -452,7 +493,7 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
         "warmstart_batch_size=2", "per_device_train_batch_size=4", "gradient_accumulation_steps=1",
         "num_generations=4", "max_completion_length=400", "max_tool_calling_iterations=1", "num_train_tasks=16",
         "ablation_eval_samples=2", "ablation_spread_prompts=2", "ablation_calibration_steps=[1, 2]",
-        "ablation_lr_ladder=[0.001, 0.0001]", "ablation_validation_problems=2",
+        "ablation_lr_ladder=[0.001, 0.0001]", "ablation_validation_problems=2", "ablation_validation_offset=0",
     ]  # fmt: skip
     # PODS needs a pool larger than its kept rows: 8 rolled out per prompt of the 4 kept (on this small batch).
     monkeypatch.setitem(
@@ -503,17 +544,21 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     assert seed0["max_variance"]["rollouts"] == 8 and seed0["trl"]["rollouts"] == 4
     assert seed0["max_variance"]["fired"]["selection/num_kept"] == 4
     assert seed0["trl"]["steps_done"] == 1 and len(seed0["trl"]["spread_per_step"]) == 1
-    # Amendment 2: the learning-rate ladder ran `trl` at each rate, judged on the validation problems; the chosen
-    # rung is seed 0's `trl` cell, and every RL arm trained at its rate.
+    # Amendment 2: the learning-rate ladder ran `trl` at each rate from seed 0's warm start with its own RL seed,
+    # judged on the validation problems only; every RL arm trained at the chosen rate, seed 0's `trl` in a run of its
+    # own.
     rungs = {p.name: json.loads(p.read_text()) for p in (cells / "calculator" / "lr-ladder").iterdir()}
     assert set(rungs) == {"trl-0.001.json", "trl-0.0001.json"}
     for name, rung in rungs.items():
-        assert rung["arm_settings"]["learning_rate"] == float(name[4:-5]) and rung["trainer_class"] == "GRPOTrainer"
+        assert rung["arm_settings"] == {"learning_rate": float(name[4:-5]), "seed": design.LR_LADDER_RL_SEED}
+        assert rung["trainer_class"] == "GRPOTrainer" and rung["settings_hash"] == warm["settings_hash"]
         v = rung["validation"]
         assert len(v["sampled"]) == len(v["greedy"]) == 2 and v["eval_samples"] == 2 and len(set(v["problems"])) == 2
+        assert v["offset"] == 0 and "sampled" not in rung and "greedy" not in rung  # never the held-out problems
         assert rung["preregistration"] == registration
+    assert rungs["trl-0.001.json"]["validation"]["problems"] == rungs["trl-0.0001.json"]["validation"]["problems"]
     lr, _ = design.choose_learning_rate([design.LrRung.of_cell(r) for r in rungs.values()])
-    assert seed0["trl"] == rungs[f"trl-{lr:g}.json"]
+    assert "validation" not in seed0["trl"] and seed0["trl"]["arm_settings"] == {"learning_rate": lr}
     for name, cell in seed0.items():
         assert cell["arm_settings"].get("learning_rate") == (None if name == "warmstart" else lr), name
     # Trained adapters are kept, named by cell and settings.

@@ -31,6 +31,7 @@ PLAN_KEYS = (
     "ablation_calibration_steps",
     "ablation_lr_ladder",
     "ablation_validation_problems",
+    "ablation_validation_offset",
 )
 
 
@@ -62,12 +63,14 @@ def plan(task: Task, overrides: dict) -> dict:
     }
 
 
-def lr_plan(task: Task, overrides: dict) -> tuple[list[float], int]:
-    """The learning-rate ladder of a task and its validation problems (amendment 2; not in `plan`, so not in the
-    shared settings' hash: the learning rate is an arm setting of every RL cell)."""
+def lr_plan(task: Task, overrides: dict) -> tuple[list[float], int, int]:
+    """The learning-rate ladder of a task, its number of validation problems and their offset (amendment 2; not in
+    `plan`, so not in the shared settings' hash: the learning rate is an arm setting of every RL cell)."""
+    e = task.evaluation
     ladder = overrides.get("ablation_lr_ladder", task.lr_ladder)
-    problems = overrides.get("ablation_validation_problems", task.evaluation.validation_problems)
-    return [float(lr) for lr in ladder], int(problems)
+    problems = overrides.get("ablation_validation_problems", e.validation_problems)
+    offset = overrides.get("ablation_validation_offset", e.validation_offset)
+    return [float(lr) for lr in ladder], int(problems), int(offset)
 
 
 def shared_settings(task: Task, seed: int, overrides: dict, warmstart_steps: int | None) -> dict:
@@ -327,26 +330,34 @@ def calibration_cell(task: Task, steps: int, ctx: Context) -> dict:
 
 def learning_rate(task: Task, ctx: Context) -> tuple[float, str] | None:
     """The RL learning rate chosen by the task's learning-rate ladder (its rungs run first when missing); `None`
-    without a ladder (the task's `learning_rate` applies)."""
-    ladder, _ = lr_plan(task, ctx.overrides)
+    without a ladder (the task's `learning_rate` applies). Raises when the rungs were not judged on the same
+    validation problems, the planned ones."""
+    ladder, problems, offset = lr_plan(task, ctx.overrides)
     if not ladder:
         return None
-    rungs = [design.LrRung.of_cell(lr_cell(task, lr, ctx)) for lr in ladder]
-    return design.choose_learning_rate(rungs)
+    cells = [lr_cell(task, lr, ctx) for lr in ladder]
+    judged = {(c["validation"]["offset"], tuple(c["validation"]["problems"])) for c in cells}
+    if len(judged) != 1 or any(o != offset or len(keys) != problems for o, keys in judged):
+        raise RuntimeError(
+            f"The learning-rate ladder's rungs ({', '.join(str(lr_path(ctx.cells, task.name, lr)) for lr in ladder)}) "
+            f"were not all judged on the planned {problems} validation problems from offset {offset}."
+        )
+    return design.choose_learning_rate([design.LrRung.of_cell(c) for c in cells])
 
 
 def lr_cell(task: Task, lr: float, ctx: Context) -> dict:
-    """One rung of the learning-rate ladder: seed 0's `LR_LADDER_ARM` trained at `lr`, evaluated on the held-out
-    problems as that arm's cell is (the chosen rung *is* that cell) and on the validation problems (the rule's)."""
+    """One rung of the learning-rate ladder: `LR_LADDER_ARM` trained at `lr` from seed 0's warm start with the
+    ladder's own RL seed, evaluated on the validation problems only (the rule's; never on the held-out ones)."""
     steps, _, _ = warmstart_steps(task, ctx)
     settings = shared_settings(task, 0, ctx.overrides, steps)
     p = plan(task, ctx.overrides)
     arm_ = design.arm(task.name, design.LR_LADDER_ARM)
-    arm_settings = {**arm_.overrides, "learning_rate": lr}
+    arm_settings = {**arm_.overrides, "learning_rate": lr, "seed": design.LR_LADDER_RL_SEED}
     path = lr_path(ctx.cells, task.name, lr)
     cell = _read(path, fingerprint(settings, p), arm_settings)
     if cell is None:
-        cell = _compute(task, 0, arm_, settings, p, ctx, path, arm_settings, lr_plan(task, ctx.overrides)[1])
+        _, problems, offset = lr_plan(task, ctx.overrides)
+        cell = _compute(task, 0, arm_, settings, p, ctx, path, arm_settings, (offset, problems), held_out=False)
     return cell
 
 
@@ -367,10 +378,6 @@ def run_cell(task: Task, seed: int, arm_: Arm, ctx: Context) -> dict:
         cell = calibration_cell(task, steps, ctx)  # the chosen rung is seed 0's warm start
         _write(path, cell)
         return cell
-    if chosen is not None and seed == 0 and arm_.name == design.LR_LADDER_ARM:
-        cell = lr_cell(task, chosen[0], ctx)  # the chosen rung is seed 0's cell of the ladder's arm
-        _write(path, cell)
-        return cell
     return _compute(task, seed, arm_, settings, p, ctx, path, arm_settings)
 
 
@@ -383,9 +390,11 @@ def _compute(
     ctx: Context,
     path: Path,
     arm_settings: dict,
-    validation: int = 0,
+    validation: tuple[int, int] | None = None,
+    held_out: bool = True,
 ) -> dict:
-    """Train and evaluate one cell and write it; `validation`: also evaluate on that many validation problems."""
+    """Train and evaluate one cell and write it. `validation`: `(offset, count)` of validation problems to evaluate
+    on too; `held_out=False`: not on the held-out problems (a ladder rung)."""
     import torch
 
     from ..models import resolve_model_path
@@ -406,7 +415,7 @@ def _compute(
     if arm_.trainer != "warmstart":
         warm = run_cell(task, seed, design.arm(task.name, "warmstart"), ctx)
     full = {**settings, **{k: v for k, v in arm_settings.items() if k != "time_budget_seconds"}}
-    full["output_dir"] = str(ctx.out / task.name / f"seed{seed}" / f"{arm_.name}-run")
+    full["output_dir"] = str(ctx.out / task.name / f"seed{seed}" / f"{path.stem}-run")
     task_args, args, model_args = _parse(full, trl=arm_.trainer == "trl")
     built = build_task(task_args)
     eval_keys = {problem_key(r) for r in built.eval_dataset}
@@ -472,13 +481,17 @@ def _compute(
         model.save_pretrained(ctx.out / task.name / f"seed{seed}" / f"{path.stem}-adapter-{settings_hash}")
         if "budget" in deps:
             record["time_budget"] = {k: deps["budget"].get(k) for k in ("train_seconds", "host", "cpu", "date")}
-    record.update(evaluate(model, tokenizer, built, eval_args, rows, p["ablation_eval_samples"], seed))
-    if validation:
-        validation_set = list(validation_rows(task_args, eval_keys))[:validation]
+    if held_out:
+        record.update(evaluate(model, tokenizer, built, eval_args, rows, p["ablation_eval_samples"], seed))
+    if validation is not None:
+        offset, count = validation
+        validation_set = list(validation_rows(task_args, eval_keys))[offset : offset + count]
+        if len(validation_set) < count:
+            raise RuntimeError(f"Only {len(validation_set)} validation problems from offset {offset}, not {count}.")
         record["validation"] = evaluate(
             model, tokenizer, built, eval_args, validation_set, p["ablation_eval_samples"], seed
         )
-        record["validation"]["problems"] = [problem_key(r) for r in validation_set]
+        record["validation"].update(offset=offset, problems=[problem_key(r) for r in validation_set])
     record["seconds"] = time.perf_counter() - started
     record["load_average_after"] = os.getloadavg()[0]
     _write(path, record)

@@ -238,11 +238,34 @@ def render_results(cells: dict, calibration: dict, registration: str | None, lr_
             f"{_fmt(iv.mean, True) if iv else '–'} | {_interval(iv, True) if iv else '–'} | {mde} | "
             f"{needed if needed is not None else '> 100' if iv else '–'} | {row['verdict']} | {greedy} | {peak} |"
         )
-    lines += ["", *_calibration_lines(cells, calibration), *_lr_lines(lr_rungs), *_arm_lines(cells)]
+    lines += ["", *_calibration_lines(cells, calibration), *_lr_lines(lr_rungs, cells), *_arm_lines(cells)]
     return "\n".join(lines) + "\n"
 
 
-def _lr_lines(lr_rungs: dict) -> list[str]:
+def lr_choice(task: design.Task, lr_rungs: dict) -> float | None:
+    """The learning rate `task`'s ladder chose from its recorded rungs; `None` while it is open (or without one)."""
+    rungs = [lr_rungs.get((task.name, lr)) for lr in task.lr_ladder]
+    if not rungs or None in rungs:
+        return None
+    return design.choose_learning_rate([design.LrRung.of_cell(c) for c in rungs])[0]
+
+
+def lr_mismatches(task: design.Task, cells: dict, lr_rungs: dict) -> str:
+    """The RL cells of `task` whose learning rate is not the ladder's choice (`""`: none, or the ladder is open)."""
+    chosen = lr_choice(task, lr_rungs)
+    if chosen is None:
+        return ""
+    off = [
+        f"seed {seed} `{arm}` ({c.get('arm_settings', {}).get('learning_rate')})"
+        for (t, seed, arm), c in sorted(cells.items())
+        if t == task.name
+        and c.get("trainer") != "warmstart"
+        and c.get("arm_settings", {}).get("learning_rate") != chosen
+    ]
+    return ", ".join(off)
+
+
+def _lr_lines(lr_rungs: dict, cells: dict | None = None) -> list[str]:
     lines = []
     for task in design.TASKS.values():
         if not task.lr_ladder:
@@ -250,9 +273,9 @@ def _lr_lines(lr_rungs: dict) -> list[str]:
         lines += [
             "### Learning-rate ladder (amendment 2)",
             "",
-            f"{task.name}: seed 0's `{design.LR_LADDER_ARM}` arm at each RL learning rate, judged on "
-            f"{task.evaluation.validation_problems} validation problems (never the held-out ones; the chosen rung is "
-            f"seed 0's `{design.LR_LADDER_ARM}` cell, whose held-out success the arms table shows).",
+            f"{task.name}: `{design.LR_LADDER_ARM}` from seed 0's warm start at each RL learning rate (RL seed "
+            f"{design.LR_LADDER_RL_SEED}, not a verdict's), judged on {task.evaluation.validation_problems} validation "
+            "problems; the rungs are never evaluated on the held-out problems.",
             "",
             "| learning rate | validation sampled success | validation greedy success | mean training reward | "
             "groups with a spread | train (s) |",
@@ -274,6 +297,9 @@ def _lr_lines(lr_rungs: dict) -> list[str]:
         lines.append("")
         if len(measured) == len(task.lr_ladder):
             lines += [f"Chosen: {design.choose_learning_rate(measured)[1]}.", ""]
+            off = lr_mismatches(task, cells or {}, lr_rungs)
+            if off:
+                lines += [f"**Warning:** cells trained at another learning rate than the chosen one: {off}.", ""]
         else:
             lines += [
                 f"Open: {len(measured)} of {len(task.lr_ladder)} rungs; no RL arm cell runs before it decides.",
