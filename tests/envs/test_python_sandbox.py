@@ -188,25 +188,33 @@ def test_a_replay_that_now_runs_forever_is_a_model_error(make_env):
     assert env.python("print(len(secret))") == "16"  # the first cell was replayed and kept
 
 
-@pytest.mark.parametrize("factor", [4.0, 1.0])
-def test_a_replay_slower_than_the_call_limit_gets_the_replay_slack(make_env, factor):
-    """A cell that ran within its limit is replayed under `replay_timeout_factor` times the limit, so a machine that is
-    busier at the replay than at the first run does not turn a deterministic cell into a divergence. Simulated without
-    wall-clock luck: the cell sleeps 1 s, and the limit is cut to 0.5 s before the replay (the ratio a 2x slower
-    machine gives). With the slack (4 x 0.5 s) the state comes back; without it (1.0) the replay is cut and reported
-    as the model's `SandboxRestoreError`, as a replay that truly diverged is."""
-    env = make_env(timeout=60.0, replay_timeout_factor=factor)
+def _slow_cell_replayed_under_half_a_second(env):
+    """A cell that sleeps 1 s runs under a 60 s limit, then the limit is cut to 0.5 s before its replay (the ratio a
+    2x slower machine gives): simulated without wall-clock luck."""
     env.python("import time\ntime.sleep(1.0)\nx = 1")
     env._restore(env._checkpoint())
-    with time_limit(env, 0.5):
-        if factor > 2:
-            assert env.python("print(x)") == "1"
-        else:
-            with pytest.raises(
-                SandboxRestoreError, match=r"replaying earlier cell 1 of 1 failed this time \(SandboxTimeout"
-            ):
-                env.python("print(x)")
-            assert code_error(env, "print(x)").error_type == "NameError"
+    return time_limit(env, 0.5)
+
+
+def test_a_replay_slower_than_the_call_limit_gets_the_replay_slack(make_env):
+    """A cell that ran within its limit is replayed under `replay_timeout_factor` times the limit, so a machine that is
+    busier at the replay than at the first run does not turn a deterministic cell into a divergence: with 4 x 0.5 s
+    the 1 s cell replays and the state comes back."""
+    env = make_env(timeout=60.0, replay_timeout_factor=4.0)
+    with _slow_cell_replayed_under_half_a_second(env):
+        assert env.python("print(x)") == "1"
+
+
+def test_a_replay_past_its_slack_is_the_models_restore_error(make_env):
+    """Without the slack (factor 1: 0.5 s for the 1 s cell) the replay is cut and reported as the model's
+    `SandboxRestoreError`, as a replay that truly diverged is; the state is gone."""
+    env = make_env(timeout=60.0, replay_timeout_factor=1.0)
+    with _slow_cell_replayed_under_half_a_second(env):
+        with pytest.raises(
+            SandboxRestoreError, match=r"replaying earlier cell 1 of 1 failed this time \(SandboxTimeout"
+        ):
+            env.python("print(x)")
+        assert code_error(env, "print(x)").error_type == "NameError"
 
 
 def test_a_divergent_replay_keeps_the_rollout_and_its_reward(tiny_tokenizer):
