@@ -305,7 +305,8 @@ def test_the_ladder_refuses_rungs_judged_on_other_problems(tmp_path):
         cell.update(settings_hash=settings_hash, arm_settings={"learning_rate": lr, "seed": 1000})
         cells_mod._write(cells_mod.lr_path(tmp_path, task.name, lr), cell)
 
-    same = [f"expression={k}" for k in range(64)]
+    same = cells_mod.planned_validation(task, ctx, 64, 64)  # validation problems 65-128 of `task_seed + 10`
+    assert len(set(same)) == 64
     write(1e-4, same)
     write(3e-4, same)
     assert cells_mod.learning_rate(task, ctx)[0] == 1e-4  # a tie (100 each): the smaller rate
@@ -315,6 +316,32 @@ def test_the_ladder_refuses_rungs_judged_on_other_problems(tmp_path):
     write(3e-4, same, offset=0)
     with pytest.raises(RuntimeError, match="not all judged"):
         cells_mod.learning_rate(task, ctx)
+    # The same problems for every rung, but not the planned ones (problems 1-64, which the exploratory check saw).
+    first = cells_mod.planned_validation(task, ctx, 0, 64)
+    write(1e-4, first)
+    write(3e-4, first)
+    with pytest.raises(RuntimeError, match="not all judged"):
+        cells_mod.learning_rate(task, ctx)
+    # A rung without its validation evaluation is the harness's error too, not a KeyError.
+    cell = _lr_cell(1e-4, 100)
+    del cell["validation"]
+    cell.update(settings_hash=settings_hash, arm_settings={"learning_rate": 1e-4, "seed": 1000})
+    cells_mod._write(cells_mod.lr_path(tmp_path, task.name, 1e-4), cell)
+    with pytest.raises(RuntimeError, match="not all judged"):
+        cells_mod.learning_rate(task, ctx)
+
+
+def test_a_ladder_rung_is_never_read_as_a_verdict_cell(tmp_path):
+    """A rung (RL seed 1000) at seed 0's `trl` path is refused: a cell may record beyond the asked-for arm settings
+    only what is derived from another cell (the time budget, the keep rate)."""
+    rung = {"settings_hash": "h", "arm_settings": {"learning_rate": 1e-4, "seed": 1000}}
+    path = tmp_path / "trl.json"
+    path.write_text(json.dumps(rung))
+    with pytest.raises(RuntimeError, match="ran with arm settings"):
+        cells_mod._read(path, "h", {"learning_rate": 1e-4})
+    derived = {"learning_rate": 1e-4, "tracin_enabled": True, "time_budget_seconds": 1601.0}
+    path.write_text(json.dumps({"settings_hash": "h", "arm_settings": derived}))
+    assert cells_mod._read(path, "h", {"learning_rate": 1e-4, "tracin_enabled": True})["arm_settings"] == derived
 
 
 def test_the_superseded_lr_cells_are_what_this_page_says():

@@ -24,6 +24,8 @@ from .design import Arm, Task
 ROOT = Path(__file__).resolve().parents[2]
 REGISTERED_START = "<!-- preregistration:start -->"
 REGISTERED_END = "<!-- preregistration:end -->"
+# Arm settings a cell derives from another cell (`_compute`): the equal-compute budget, the keep rate.
+DERIVED_ARM_SETTINGS = {"time_budget_seconds", "row_selection_fraction"}
 # Settings of the harness itself (not of a trainer), overridable with `--set` for tests and smoke runs.
 PLAN_KEYS = (
     "ablation_eval_samples",
@@ -281,7 +283,13 @@ def _read(path: Path, settings_hash: str, arm_settings: dict) -> dict | None:
             "compare different experiments. Delete it, or write this run's cells elsewhere (`--cells`)."
         )
     recorded = {k: v for k, v in cell.get("arm_settings", {}).items() if k in arm_settings}
-    if recorded != {k: v for k, v in arm_settings.items() if k in recorded} or set(arm_settings) - set(recorded):
+    # Beyond the asked-for settings a cell may record only what `_compute` derives (a ladder rung's RL seed is not).
+    extra = set(cell.get("arm_settings", {})) - set(arm_settings) - DERIVED_ARM_SETTINGS
+    if (
+        recorded != {k: v for k, v in arm_settings.items() if k in recorded}
+        or set(arm_settings) - set(recorded)
+        or extra
+    ):
         raise RuntimeError(f"{path} ran with arm settings {cell.get('arm_settings')}, not {arm_settings}.")
     return cell
 
@@ -336,13 +344,25 @@ def learning_rate(task: Task, ctx: Context) -> tuple[float, str] | None:
     if not ladder:
         return None
     cells = [lr_cell(task, lr, ctx) for lr in ladder]
-    judged = {(c["validation"]["offset"], tuple(c["validation"]["problems"])) for c in cells}
-    if len(judged) != 1 or any(o != offset or len(keys) != problems for o, keys in judged):
+    judged = {
+        (c.get("validation", {}).get("offset"), tuple(c.get("validation", {}).get("problems", ()))) for c in cells
+    }
+    if judged != {(offset, tuple(planned_validation(task, ctx, offset, problems)))}:
         raise RuntimeError(
             f"The learning-rate ladder's rungs ({', '.join(str(lr_path(ctx.cells, task.name, lr)) for lr in ladder)}) "
             f"were not all judged on the planned {problems} validation problems from offset {offset}."
         )
     return design.choose_learning_rate([design.LrRung.of_cell(c) for c in cells])
+
+
+def planned_validation(task: Task, ctx: Context, offset: int, count: int) -> list[str]:
+    """The keys of the validation problems the ladder's rungs must have been judged on."""
+    from ..tasks import build_task
+
+    steps, _, _ = warmstart_steps(task, ctx)
+    task_args = _parse({**shared_settings(task, 0, ctx.overrides, steps), "output_dir": str(ctx.out)})[0]
+    eval_keys = {problem_key(r) for r in build_task(task_args).eval_dataset}
+    return [problem_key(r) for r in list(validation_rows(task_args, eval_keys))[offset : offset + count]]
 
 
 def lr_cell(task: Task, lr: float, ctx: Context) -> dict:

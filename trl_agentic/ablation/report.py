@@ -189,7 +189,7 @@ def render_results(cells: dict, calibration: dict, registration: str | None, lr_
     )
     lines = ["## Results", "", RESULTS_NOTE, ""]
     every = list(cells.values()) + list(calibration.values()) + list(lr_rungs.values())
-    # A chosen rung is also its seed's cell (the same record): its time counts once.
+    # The chosen calibration rung is also seed 0's warm-start cell (the same record): its time counts once.
     unique = list({json.dumps(c, sort_keys=True, default=str): c for c in every}.values())
     if not every:
         lines += [f"**No cells yet** (0 of {len(expected)} pre-registered cells): every verdict is pending.", ""]
@@ -259,7 +259,7 @@ def lr_mismatches(task: design.Task, cells: dict, lr_rungs: dict) -> str:
         f"seed {seed} `{arm}` ({c.get('arm_settings', {}).get('learning_rate')})"
         for (t, seed, arm), c in sorted(cells.items())
         if t == task.name
-        and c.get("trainer") != "warmstart"
+        and design.arm(t, arm).trainer != "warmstart"
         and c.get("arm_settings", {}).get("learning_rate") != chosen
     ]
     return ", ".join(off)
