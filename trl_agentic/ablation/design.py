@@ -435,11 +435,12 @@ class LrRung:
         samples = v["eval_samples"]
         # Per-problem means of `samples` 0/1 rewards: counted back to episodes, so that ties are exact.
         successes = round(sum(v["sampled"]) * samples)
-        return cls(cell["arm_settings"]["learning_rate"], successes, len(v["sampled"]) * samples, _avg(v["greedy"]))
-
-
-def _avg(values) -> float:
-    return sum(values) / len(values) if values else 0.0
+        return cls(
+            cell["arm_settings"]["learning_rate"],
+            successes,
+            len(v["sampled"]) * samples,
+            sum(v["greedy"]) / len(v["greedy"]),
+        )
 
 
 def choose_learning_rate(rungs: Sequence[LrRung]) -> tuple[float, str]:
