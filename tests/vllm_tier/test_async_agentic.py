@@ -207,6 +207,25 @@ def test_tracin_filtered_step_in_an_async_run(server, calculator_policy_dir, tmp
     assert int(last["selected"].sum()) == 4 and last["scores"].shape == (8,)
 
 
+def _matched_snapshots(rows):
+    """Snapshot rows whose episode's regular (last-segment) row was also consumed."""
+    from trl_agentic.rollout.types import RowKind
+
+    episodes = {(r["group_id"], r["episode"]) for r in rows if r["kind"] == RowKind.REGULAR}
+    return [r for r in rows if r["kind"] == RowKind.SNAPSHOT and (r["group_id"], r["episode"]) in episodes]
+
+
+def _stop_once_snapshot_matched(trainer):
+    from transformers import TrainerCallback
+
+    class StopOnceSnapshotMatched(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if _matched_snapshots(trainer._observed_rows):
+                control.should_training_stop = True
+
+    return StopOnceSnapshotMatched()
+
+
 def test_context_snapshots_in_an_async_run(tmp_path_factory):
     """A policy that calls `delete_context`: each deletion closes a segment, which reaches the trainer as a snapshot
     row of its group carrying its episode's reward and advantage (TRL's fork: one advantage per conversation)."""
@@ -222,10 +241,15 @@ def test_context_snapshots_in_an_async_run(tmp_path_factory):
     log = str(folder / "server.log")
     with VLLMServer(policy, max_lora_rank=8, max_loras=6, max_model_len=4096, max_num_seqs=8, log_path=log) as server:
         args = async_config(
-            folder / "out", server.url, max_steps=3, enable_context_snapshots=True, max_snapshots_per_episode=4
+            folder / "out", server.url, max_steps=12, enable_context_snapshots=True, max_snapshots_per_episode=4
         )
         trainer = build(policy, args)
+        # Which rows the first steps consume depends on the order in which rollouts finish (about 1 produced row in 14
+        # is a snapshot; a fixed 3 steps once consumed none): train until a snapshot row and a row of its episode
+        # reached the trainer, at most 12 steps.
+        trainer.add_callback(_stop_once_snapshot_matched(trainer))
         trainer.train()
+    assert _matched_snapshots(trainer._observed_rows), "no snapshot row with its episode reached the trainer"
     assert total(trainer, "snapshots/closed_total") > 0
     rows = trainer._observed_rows
     snapshots = [r for r in rows if r["kind"] == RowKind.SNAPSHOT]
