@@ -178,6 +178,11 @@ def validation_rows(task_args, eval_keys: set[str]):
     return validation.filter(lambda row: problem_key(row) not in eval_keys)
 
 
+def validation_slice(task_args, eval_keys: set[str], offset: int, count: int) -> list:
+    """Validation problems `offset + 1` to `offset + count` (`validation_rows`): a ladder rung's, checked by the rule."""
+    return list(validation_rows(task_args, eval_keys))[offset : offset + count]
+
+
 def without_problems(task, keys: set[str]):
     """The task with the problems of `keys` (the held-out ones) removed from its training and warm-start sets."""
 
@@ -362,7 +367,7 @@ def planned_validation(task: Task, ctx: Context, offset: int, count: int) -> lis
     steps, _, _ = warmstart_steps(task, ctx)
     task_args = _parse({**shared_settings(task, 0, ctx.overrides, steps), "output_dir": str(ctx.out)})[0]
     eval_keys = {problem_key(r) for r in build_task(task_args).eval_dataset}
-    return [problem_key(r) for r in list(validation_rows(task_args, eval_keys))[offset : offset + count]]
+    return [problem_key(r) for r in validation_slice(task_args, eval_keys, offset, count)]
 
 
 def lr_cell(task: Task, lr: float, ctx: Context) -> dict:
@@ -505,7 +510,7 @@ def _compute(
         record.update(evaluate(model, tokenizer, built, eval_args, rows, p["ablation_eval_samples"], seed))
     if validation is not None:
         offset, count = validation
-        validation_set = list(validation_rows(task_args, eval_keys))[offset : offset + count]
+        validation_set = validation_slice(task_args, eval_keys, offset, count)
         if len(validation_set) < count:
             raise RuntimeError(f"Only {len(validation_set)} validation problems from offset {offset}, not {count}.")
         record["validation"] = evaluate(
