@@ -117,6 +117,36 @@ def test_prefix_cached_generation_equals_plain_generation(tiny_model_dir, tiny_t
     assert all(len(o) > 0 for o in outputs[True])
 
 
+def test_the_shared_prefix_of_a_trained_lora_policy_is_computed_as_generate_computes_it(tiny_model_dir, tiny_tokenizer):
+    """A policy trained with `bf16=True` keeps accelerate's autocast `forward` (set by `prepare`); PEFT's `generate`
+    does not go through it (float32 here). The evaluation's shared-prefix cache must hold the keys `generate` would
+    compute, not bfloat16 ones (which move them by ~1e-2)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+    AcceleratorState._reset_state(True)  # another test's trainer may have set up the process without bf16
+    try:
+        policy = Accelerator(cpu=True, mixed_precision="bf16").prepare(get_peft_model(base, lora)).eval()
+    finally:
+        AcceleratorState._reset_state(True)
+    assert "forward" in policy.__dict__  # the autocast wrapper the trained policy carries
+    rows = make_arithmetic_tasks(2, 0, "medium")
+    tools = [list(tool_methods(CalculatorEnv()).values())] * len(rows)
+    backend = HFGenerationBackend(policy, tiny_tokenizer, tools, max_completion_length=4, max_iterations=1)
+    prefix = backend.render_prompt(rows[0]["prompt"], 0)[:40]
+    with torch.no_grad():
+        cached = backend._prefix_cache(prefix).layers[0].keys[0]
+        out = policy.generate(
+            input_ids=torch.tensor([prefix + [0]]), max_new_tokens=1, do_sample=False, return_dict_in_generate=True
+        )
+    reference = out.past_key_values.layers[0].keys[0, :, : len(prefix)]
+    assert cached.dtype == reference.dtype
+    torch.testing.assert_close(cached, reference, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_real_model_loop_runs_greedy_and_sampled(tiny_model_dir, tiny_tokenizer, temperature):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

@@ -231,6 +231,55 @@ def test_copies_of_a_prompt_share_one_prefill(tiny_model_dir, tmp_path):
     assert stats.reused_tokens == 2 * (len(p) - 1) + 2 * (len(q) - 1)
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_under_bf16_the_shared_prefill_runs_in_the_precision_generation_runs_in(tiny_model_dir, tmp_path, lora):
+    """With `bf16=True` accelerate wraps the prepared model's own `forward` in bfloat16 autocast; PEFT's `generate`
+    calls its base model, which that wrapper does not reach, so TRL generates a LoRA policy in float32 (a full model
+    in bfloat16 autocast). The shared prefill must run where generation runs: its kept keys are then those of the
+    forward `generate` makes (equal to float tolerance), and the copies' logits equal TRL's to float tolerance (a
+    bfloat16 prefill under float32 generation moves them by ~1e-2)."""
+    from peft import LoraConfig
+
+    peft_config = (
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+        if lora
+        else None
+    )
+    trainer = _trainer(tmp_path, tiny_model_dir, peft_config=peft_config, bf16=True)
+    # As `train()` does (TRL generates after it): `prepare` is where accelerate wraps `forward` in autocast.
+    trainer.model_wrapped = trainer.model = trainer.accelerator.prepare(trainer.model)
+    tok = trainer._tokenizer
+    p, q = _prompt(tok, "the same question"), _prompt(tok, "another, longer question: " + "q" * 40)
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    kept = []
+    original = trainer._prefix_cache.share_prefixes
+
+    def share_prefixes(model, contexts):
+        original(model, contexts)
+        kept.extend(trainer._prefix_cache.conversations)
+
+    trainer._prefix_cache.share_prefixes = share_prefixes
+    cached, plain, cached_logits, plain_logits = _both(trainer, [p, q, p, q])
+    assert cached == plain
+    for a, b in zip(cached_logits, plain_logits, strict=True):
+        torch.testing.assert_close(a.log_softmax(-1), b.log_softmax(-1), rtol=0, atol=1e-4)
+
+    # The reference: the keys a plain `generate` computes for the prompt (its cache after one new token).
+    assert [c.ids for c in kept] == sorted([p[:-1], q[:-1]])
+    for conversation in kept:
+        ids = torch.tensor([conversation.ids + [tok.eos_token_id]])
+        with torch.no_grad():
+            out = policy.generate(
+                input_ids=ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True, use_cache=True
+            )
+        reference = out.past_key_values.layers[0].keys[0, :, : len(conversation.ids)]
+        assert conversation.keys[0].dtype == reference.dtype
+        torch.testing.assert_close(conversation.keys[0], reference, rtol=0, atol=1e-5)
+    from trl_agentic.rollout.prefix_cache import generation_module
+
+    assert (generation_module(policy) is not policy) == lora
+
+
 def _count_forwards(model) -> list[int]:
     counter = [0]
     model.register_forward_pre_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))

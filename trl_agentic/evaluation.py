@@ -39,6 +39,7 @@ from .envs.protocol import tool_methods, with_observation
 from .errors import tool_call_failed
 from .rollout.context import DELETE_CONTEXT_TOOL, delete_context
 from .rollout.loop import AgenticRolloutLoop, LoopConfig
+from .rollout.prefix_cache import generation_module
 from .rollout.rendering import ChatRenderer, grpo_chat_template  # noqa: F401 - grpo_chat_template re-exported
 
 
@@ -127,7 +128,9 @@ class HFGenerationBackend:
         key = tuple(prefix)
         if self._prefix_key != key:
             device = next(self.model.parameters()).device
-            output = self.model(input_ids=torch.tensor([prefix], device=device), use_cache=True)
+            # In the module `generate` runs: a trained PEFT policy's own `forward` is still accelerate's autocast one.
+            forward = generation_module(self.model)
+            output = forward(input_ids=torch.tensor([prefix], device=device), use_cache=True)
             self._prefix_key, self._prefix_kv = key, output.past_key_values
         return copy.deepcopy(self._prefix_kv)
 

@@ -23,7 +23,9 @@ row whose new part is shorter than the longest row's re-feeds a few of its cache
 wrong). Cached keys are stored with the positions they were computed at (RoPE is applied before caching) and every
 token keeps its position (`cumsum(attention_mask) - 1`) whatever column it lands in, so moving a row's cache between
 batch layouts is exact up to floating-point summation order: greedy tokens equal and log-probabilities equal to float
-tolerance (tests/test_prefix_cache.py).
+tolerance (tests/test_prefix_cache.py). Every kept key and value is computed by the module `generate` runs
+(`generation_module`: with PEFT and `bf16=True`, not accelerate's autocast wrapper of the PEFT model's `forward`), so
+in the precision of the decoding that reads it.
 
 Scope: decoder-only text models whose transformers cache is all `DynamicLayer`s (full attention; sliding-window and
 linear-attention layers are not reused) with a RoPE that does not depend on the sequence length (no dynamic NTK nor
@@ -208,9 +210,10 @@ class PrefixCache:
         if not prefixes or len(contexts) * after + sum(map(len, prefixes)) >= len(contexts) * before:
             return
         device = next(model.parameters()).device
+        forward = generation_module(model)
         for ids in sorted(prefixes):
             cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-            model(
+            forward(
                 input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1
             )
             self.conversations.append(
@@ -268,6 +271,18 @@ class PrefixCache:
                 )
             )
         self.conversations = kept
+
+
+def generation_module(model):
+    """The module whose forward `model.generate` runs, for a prefill whose keys and values generation then reads.
+
+    PEFT's `generate` calls its base model's `generate`, which calls the base model's forward; accelerate's mixed
+    precision wraps only the prepared (PEFT) model's own `forward` in autocast. So with `bf16=True` TRL generates a
+    PEFT policy in the weights' dtype (float32 here) while calling the PEFT model itself would prefill in bfloat16.
+    A model without PEFT generates through its own (wrapped) forward.
+    """
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
 
 
 def cut_after_eos(rows: list[list[int]], eos_token_ids) -> list[list[int]]:
