@@ -501,6 +501,49 @@ def test_readme_and_docs_match_the_committed_cells():
     assert report.render_doc(doc, found, calibration, findings, lr_rungs) == doc
 
 
+def test_a_time_budget_is_spent_only_at_the_speed_it_was_measured_at():
+    source = {"arm": "trl", "seed": 3, "speed_probe_s": 2.0, "train_seconds": 1000.0}
+    cells_mod.check_budget_speed(source, 2.2)  # 10 % slower: within the tolerance
+    cells_mod.check_budget_speed(source, 1.75)  # 14 % faster
+    with pytest.raises(RuntimeError, match=r"1\.70 s against 2\.00 s"):  # 18 % faster
+        cells_mod.check_budget_speed(source, 1.7)
+    with pytest.raises(RuntimeError, match=r"`trl` \(seed 3\).*1\.20x"):
+        cells_mod.check_budget_speed(source, 2.4)
+    with pytest.raises(RuntimeError, match=r"0\.50x"):
+        cells_mod.check_budget_speed(source, 1.0)
+    with pytest.raises(RuntimeError, match="without a speed probe"):
+        cells_mod.check_budget_speed({"arm": "trl", "seed": 0, "train_seconds": 1461.0}, 2.0)
+    with pytest.raises(RuntimeError, match="without a speed probe"):
+        cells_mod.check_budget_speed({**source, "speed_probe_s": 0.0}, 2.0)
+
+
+def test_a_recorded_cell_must_match_the_cells_it_was_derived_from():
+    tracin = {"arm": "tracin", "seed": 0, "arm_settings": {"time_budget_seconds": 1461.0}, "keep_rate": 0.40625}
+    trl = {"arm": "trl", "seed": 0, "train_seconds": 1461.0}
+    cells_mod.check_derived(tracin, budget=trl)
+    cells_mod.check_derived(tracin, budget={**trl, "train_seconds": 1500.0})  # recomputed alike: within 5 %
+    with pytest.raises(RuntimeError, match=r"`tracin` \(seed 0\).*1461.0 s.*2900.0 s.*Delete this cell"):
+        cells_mod.check_derived(tracin, budget={**trl, "train_seconds": 2900.0})
+    with pytest.raises(RuntimeError, match="time budget of None"):
+        cells_mod.check_derived({"arm": "tracin", "seed": 0, "arm_settings": {}}, budget=trl)
+    random = {"arm": "random", "seed": 0, "arm_settings": {"row_selection_fraction": 0.4062}}
+    cells_mod.check_derived(random, keep_rate=tracin)
+    with pytest.raises(RuntimeError, match="keep rate of 0.5"):
+        cells_mod.check_derived(random, keep_rate={**tracin, "keep_rate": 0.5})
+    cells_mod.check_derived(random)  # no source recorded yet: nothing to compare
+
+
+def test_the_speed_probe_times_a_bf16_and_a_float32_forward(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    autocast = []
+    model.register_forward_pre_hook(lambda *_: autocast.append(torch.is_autocast_enabled("cpu")))
+    seconds = cells_mod.speed_probe(model, repeats=3, min_seconds=0.0)
+    assert seconds > 0 and autocast == [True, False] * 3
+
+
 # ------------------------------------------------------------------------------------------------ a run
 
 
@@ -533,6 +576,8 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
             for a in design.ARMS["calculator"]
         ),
     )  # fmt: skip
+    # The machine's speed probe is wall time: fixed here (tested on its own below), so that the budget check passes.
+    monkeypatch.setattr(cells_mod, "speed_probe", lambda model: 1.0)
     # The test's design (the PODS arm above) is registered in its own copy of the doc, as a real change would be.
     text = doc.read_text()
     start, end = text.index(report.DESIGN_START) + len(report.DESIGN_START), text.index(report.DESIGN_END)
@@ -565,6 +610,8 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     assert seed0["rollback_episodes"]["arm_settings"]["group_baseline"] == "episodes"
     assert seed0["random"]["arm_settings"]["row_selection_fraction"] == round(seed0["tracin"]["keep_rate"], 4)
     assert seed0["tracin"]["arm_settings"]["time_budget_seconds"] == seed0["trl"]["train_seconds"]
+    assert seed0["tracin"]["time_budget"]["speed_probe_s"] == 1.0
+    assert {c["speed_probe_s"] for c in seed0.values()} == {1.0}
     assert seed0["tracin"]["validation_rollouts"] == 2 * 8  # one validation rollout: 2 prompts x 8
     # At most `max_steps` (1), also for the arms stopped by a time budget.
     assert {c.get("steps_done", 1) for c in seed0.values()} == {1}

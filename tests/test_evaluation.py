@@ -117,13 +117,13 @@ def test_prefix_cached_generation_equals_plain_generation(tiny_model_dir, tiny_t
     assert all(len(o) > 0 for o in outputs[True])
 
 
-def test_the_shared_prefix_of_a_trained_lora_policy_is_computed_as_generate_computes_it(tiny_model_dir, tiny_tokenizer):
+def test_a_trained_lora_policys_shared_prefix_is_computed_as_generate_computes_it(tiny_model_dir, tiny_tokenizer):
     """A policy trained with `bf16=True` keeps accelerate's autocast `forward` (set by `prepare`); PEFT's `generate`
     does not go through it (float32 here). The evaluation's shared-prefix cache must hold the keys `generate` would
     compute, not bfloat16 ones (which move them by ~1e-2)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, PromptTuningConfig, get_peft_model
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
@@ -145,6 +145,11 @@ def test_the_shared_prefix_of_a_trained_lora_policy_is_computed_as_generate_comp
     reference = out.past_key_values.layers[0].keys[0, :, : len(prefix)]
     assert cached.dtype == reference.dtype
     torch.testing.assert_close(cached, reference, rtol=0, atol=1e-5)
+    # Prompt tuning's `generate` adds virtual tokens the base model's forward lacks: its prefix is not cached.
+    virtual = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    prompt = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), virtual)
+    kwargs = dict(max_completion_length=4, max_iterations=1)
+    assert backend.prefix_caching and not HFGenerationBackend(prompt, tiny_tokenizer, tools, **kwargs).prefix_caching
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -251,6 +251,7 @@ def test_under_bf16_the_shared_prefill_runs_in_the_precision_generation_runs_in(
     tok = trainer._tokenizer
     p, q = _prompt(tok, "the same question"), _prompt(tok, "another, longer question: " + "q" * 40)
     policy = trainer.accelerator.unwrap_model(trainer.model)
+    assert "forward" in policy.__dict__  # accelerate's autocast wrapper, which the test is about
     kept = []
     original = trainer._prefix_cache.share_prefixes
 
@@ -278,6 +279,28 @@ def test_under_bf16_the_shared_prefill_runs_in_the_precision_generation_runs_in(
     from trl_agentic.rollout.prefix_cache import generation_module
 
     assert (generation_module(policy) is not policy) == lora
+
+
+def test_peft_methods_whose_generate_adds_to_the_forward_are_not_cached(tiny_model_dir):
+    """The prefill runs in the base model; prompt learning (virtual tokens) and activated LoRA (offsets found in
+    `generate`) add to that forward in `generate`, so they are generated as TRL does, with the reason logged."""
+    from peft import LoraConfig, PromptTuningConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from trl_agentic.rollout.prefix_cache import generation_module, peft_reason, unsupported_reason
+
+    def wrap(config):
+        return get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), config)
+
+    lora = wrap(LoraConfig(r=4, target_modules="all-linear"))
+    assert peft_reason(lora) is None and unsupported_reason(lora, GenerationConfig()) is None
+    assert generation_module(torch.compile(lora)) is lora.get_base_model()  # compiled: the eager module generates
+    prompt = wrap(PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    assert "virtual tokens" in peft_reason(prompt) and unsupported_reason(prompt, GenerationConfig()) == peft_reason(
+        prompt
+    )
+    alora = wrap(LoraConfig(r=4, target_modules=["q_proj", "v_proj"], alora_invocation_tokens=[5]))
+    assert "alora_invocation_tokens" in peft_reason(alora)
 
 
 def _count_forwards(model) -> list[int]:

@@ -39,7 +39,7 @@ from .envs.protocol import tool_methods, with_observation
 from .errors import tool_call_failed
 from .rollout.context import DELETE_CONTEXT_TOOL, delete_context
 from .rollout.loop import AgenticRolloutLoop, LoopConfig
-from .rollout.prefix_cache import generation_module
+from .rollout.prefix_cache import generation_module, peft_reason
 from .rollout.rendering import ChatRenderer, grpo_chat_template  # noqa: F401 - grpo_chat_template re-exported
 
 
@@ -116,7 +116,8 @@ class HFGenerationBackend:
         self.max_model_len = getattr(model.config, "max_position_embeddings", None) or 2048
         self.temperature = temperature
         self.top_p = top_p
-        self.prefix_caching = prefix_caching
+        # A PEFT method whose `generate` adds to the base model's forward would not read the keys the prefix got.
+        self.prefix_caching = prefix_caching and peft_reason(model) is None
         self.max_turn_tokens = min(max_turn_tokens or max_completion_length, max_completion_length)
         self.generated_tokens = 0
         self.peak_context: dict[int, int] = {}  # row -> the longest context (prompt and turn) it was generated in

@@ -127,6 +127,82 @@ def _commit() -> str | None:
         return None
 
 
+# A time budget is spent only on a machine within this fraction of the speed it was measured at: 2-core CPU hosts of
+# the same name and model ran the same warm start 1.9x apart (docs/ablation-findings.md).
+SPEED_TOLERANCE = 0.15
+
+
+def speed_probe(model, repeats: int = 3, min_seconds: float = 0.5) -> float:
+    """Seconds of a fixed workload on `model` (median of `repeats`): one forward of 4 x 256 fixed token ids in
+    bfloat16 autocast (the training forward) and one in the weights' dtype (generation), repeated for at least
+    `min_seconds` and averaged. Recorded in every cell as `speed_probe_s`, so that a time budget is not spent on a
+    machine of another speed (`check_budget_speed`)."""
+    import statistics
+
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    ids = torch.randint(0, vocab, (4, 256), generator=generator).to(next(model.parameters()).device)
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            start, pairs = time.perf_counter(), 0
+            while pairs == 0 or time.perf_counter() - start < min_seconds:  # a small model: enough pairs to time
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    model(input_ids=ids, logits_to_keep=1)
+                model(input_ids=ids, logits_to_keep=1)
+                pairs += 1
+            times.append((time.perf_counter() - start) / pairs)
+    return statistics.median(times)
+
+
+def check_budget_speed(source: dict, probe: float, tolerance: float = SPEED_TOLERANCE) -> None:
+    """Refuse an equal-compute budget (`source`'s training seconds) measured at another machine speed than `probe`
+    (this machine's `speed_probe`): on a slower machine the budget buys fewer steps, and the comparison would not be
+    at equal compute."""
+    where = f"`{source.get('arm')}` (seed {source.get('seed')})"
+    recorded = source.get("speed_probe_s")
+    if not isinstance(recorded, (int, float)) or recorded <= 0:
+        raise RuntimeError(
+            f"The time budget comes from {where}, recorded without a speed probe (`speed_probe_s`: {recorded!r}): "
+            "whether this machine runs at that one's speed is unknown. Delete that cell so that it is computed again "
+            "here, before this arm."
+        )
+    ratio = probe / recorded
+    if max(ratio, 1 / ratio) > 1 + tolerance:  # as far apart either way
+        raise RuntimeError(
+            f"This machine's speed probe takes {probe:.2f} s against {recorded:.2f} s where {where} measured the time "
+            f"budget ({ratio:.2f}x, more than {tolerance:.0%} apart): the budget would not be equal compute here. Run "
+            "this arm on a machine like that one, or delete that cell so that both run here."
+        )
+
+
+# A recomputed budget source (the same arm, seed and machine speed) still stands for the budget it gave within this.
+BUDGET_MATCH = 0.05
+
+
+def check_derived(cell: dict, budget: dict | None = None, keep_rate: dict | None = None) -> None:
+    """A recorded cell whose time budget (`budget`: the cell it came from) or keep rate (`keep_rate`) was derived from
+    another cell must still match that cell: a source computed again would otherwise leave this arm compared with a
+    run it was not derived from."""
+    name = f"`{cell.get('arm')}` (seed {cell.get('seed')})"
+    settings = cell.get("arm_settings", {})
+    if budget is not None:
+        spent, source = settings.get("time_budget_seconds"), budget.get("train_seconds")
+        if spent is None or source is None or abs(spent - source) > BUDGET_MATCH * source:
+            raise RuntimeError(
+                f"{name} was stopped at a time budget of {spent} s, but `{budget.get('arm')}` now records {source} s of "
+                "training: its cell was computed again. Delete this cell too, so that it gets the new budget."
+            )
+    if keep_rate is not None and settings.get("row_selection_fraction") != round(keep_rate.get("keep_rate", -1), 4):
+        raise RuntimeError(
+            f"{name} kept a fraction {settings.get('row_selection_fraction')} of rows, but `{keep_rate.get('arm')}` "
+            f"now records a keep rate of {keep_rate.get('keep_rate')}: its cell was computed again. Delete this cell "
+            "too, so that it gets the new rate."
+        )
+
+
 def has_avx512_bf16() -> bool:
     try:
         return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
@@ -398,6 +474,9 @@ def run_cell(task: Task, seed: int, arm_: Arm, ctx: Context) -> dict:
     path = cell_path(ctx.cells, task.name, seed, arm_.name)
     cell = _read(path, fingerprint(settings, p), arm_settings)
     if cell is not None:
+        sources = {"budget": arm_.time_budget_from, "keep_rate": arm_.keep_rate_from}
+        paths = {k: cell_path(ctx.cells, task.name, seed, n) for k, n in sources.items() if n is not None}
+        check_derived(cell, **{k: json.loads(q.read_text()) for k, q in paths.items() if q.exists()})
         return cell
     if arm_.trainer == "warmstart" and seed == 0 and p["ablation_calibration_steps"]:
         cell = calibration_cell(task, steps, ctx)  # the chosen rung is seed 0's warm start
@@ -463,6 +542,11 @@ def _compute(
         "preregistration": registration_sha(ctx.doc),
         **machine(),
     }
+    from transformers import AutoModelForCausalLM
+
+    record["speed_probe_s"] = speed_probe(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype))
+    if "budget" in deps:
+        check_budget_speed(deps["budget"], record["speed_probe_s"])
     if warm is not None and not (adapter / "adapter_config.json").exists():
         _warm_start(model_path, dtype, built, task_args, model_args, args, seed, adapter, warm)
     started = time.perf_counter()
@@ -505,7 +589,9 @@ def _compute(
         # Kept (not committed) so that a later question about a trained policy needs no training again.
         model.save_pretrained(ctx.out / task.name / f"seed{seed}" / f"{path.stem}-adapter-{settings_hash}")
         if "budget" in deps:
-            record["time_budget"] = {k: deps["budget"].get(k) for k in ("train_seconds", "host", "cpu", "date")}
+            record["time_budget"] = {
+                k: deps["budget"].get(k) for k in ("train_seconds", "host", "cpu", "date", "speed_probe_s")
+            }
     if held_out:
         record.update(evaluate(model, tokenizer, built, eval_args, rows, p["ablation_eval_samples"], seed))
     if validation is not None:

@@ -105,6 +105,9 @@ def unsupported_reason(model, generation_config) -> str | None:
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
+    reason = peft_reason(model)
+    if reason is not None:
+        return reason
     if getattr(generation_config, "cache_implementation", None) is not None:
         return f"`cache_implementation={generation_config.cache_implementation!r}` builds its own cache"
     if generation_config.use_cache is False:
@@ -130,6 +133,25 @@ def unsupported_reason(model, generation_config) -> str | None:
     kinds = {type(layer).__name__ for layer in cache.layers}
     if not cache.layers or kinds != {DynamicLayer.__name__}:
         return f"cache layers {sorted(kinds)} (only full-attention `DynamicLayer`s are reused)"
+    return None
+
+
+def peft_reason(model) -> str | None:
+    """Why a PEFT model's kept keys and values would not be those its `generate` computes, or None.
+
+    The prefill runs in the base model (`generation_module`); PEFT methods whose `generate` adds to that forward
+    (virtual tokens, per-call scaling hooks, activation offsets, task ids) are generated as TRL does.
+    """
+    config = getattr(model, "active_peft_config", None)
+    if config is None:
+        return None
+    peft_type = str(getattr(config.peft_type, "value", config.peft_type))
+    if getattr(config, "is_prompt_learning", False):
+        return f"PEFT {peft_type} adds virtual tokens in `generate`"
+    if peft_type in ("XLORA", "POLY"):
+        return f"PEFT {peft_type} sets per-call state in `generate`"
+    if getattr(config, "alora_invocation_tokens", None):
+        return "activated LoRA (`alora_invocation_tokens`) finds its offsets in `generate`"
     return None
 
 
@@ -279,8 +301,10 @@ def generation_module(model):
     PEFT's `generate` calls its base model's `generate`, which calls the base model's forward; accelerate's mixed
     precision wraps only the prepared (PEFT) model's own `forward` in autocast. So with `bf16=True` TRL generates a
     PEFT policy in the weights' dtype (float32 here) while calling the PEFT model itself would prefill in bfloat16.
-    A model without PEFT generates through its own (wrapped) forward.
+    A model without PEFT generates through its own (wrapped) forward. PEFT methods that add to the base model's
+    forward in `generate` are not cached (`peft_reason`).
     """
+    model = getattr(model, "_orig_mod", model)  # `torch.compile`'s wrapper: `generate` runs the eager module
     get_base_model = getattr(model, "get_base_model", None)
     return get_base_model() if callable(get_base_model) else model
 
