@@ -299,7 +299,9 @@ def test_peft_methods_whose_generate_adds_to_the_forward_are_not_cached(tiny_mod
     assert "virtual tokens" in peft_reason(prompt) and unsupported_reason(prompt, GenerationConfig()) == peft_reason(
         prompt
     )
-    alora = wrap(LoraConfig(r=4, target_modules=["q_proj", "v_proj"], alora_invocation_tokens=[5]))
+    alora = wrap(
+        LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj"], alora_invocation_tokens=[5])
+    )
     assert "alora_invocation_tokens" in peft_reason(alora)
 
 
