@@ -299,6 +299,9 @@ def test_every_feature_on_the_embedded_model(tmp_path_factory):
             tracin_enabled=True,
             tracin_val_batch_size=1,
             tracin_val_num_generations=2,
+            # One step needs 4 rows: generating no further keeps the server off the two cores the step trains on.
+            max_inflight_tasks=2,
+            queue_maxsize=4,
         )
         trainer = build(
             model, args, environment_factory=TwoQuestionCalculatorEnv, tracin_eval_dataset=calculator_dataset(2)
