@@ -70,6 +70,8 @@ class AgenticRolloutSample(RolloutSample):
         reward: The row's reward (a negative row's penalty, a snapshot's episode reward plus its term).
         episode: Index of the row's conversation in its group.
         group_rows: Number of rows of its group pushed to the trainer (they are pushed one after the other).
+        baseline_rows: Number of rows of its group its advantage was computed over; more than `group_rows` when a
+            row lost to infrastructure or without a trained token was scored but not pushed.
         policy_versions: `(first, last)` policy version that generated a turn of the trajectory; `model_version` is,
             as in TRL, the version when the group started (the `max_staleness` bound reads it, for every row kind).
         token_advantages: Per-token advantages set by a token-level estimator on the trainer side (else None).
@@ -79,6 +81,7 @@ class AgenticRolloutSample(RolloutSample):
     reward: float = math.nan
     episode: int = 0
     group_rows: int = 0
+    baseline_rows: int = 0
     policy_versions: tuple = (0, 0)
     token_advantages: object = None
 
@@ -359,7 +362,7 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
                 )
             )
         for sample in out:
-            sample.group_rows = len(out)
+            sample.group_rows, sample.baseline_rows = len(out), int(sum(scored.keep))
         kinds = [s.row_kind for s in out]
         self._counters["groups/rows_total"] += len(out)
         self._counters["negatives/rows_total"] += kinds.count(int(RowKind.NEGATIVE))
