@@ -65,10 +65,11 @@ def test_rollback_and_negative_rows_fire_in_an_async_run(server, calculator_poli
     by_group: dict[int, list] = {}
     for r in rows:
         by_group.setdefault(r["group_id"], []).append(r)
-    complete = [g for g in by_group.values() if len(g) == g[0].get("group_rows", len(g))]
+    # Complete: every row the worker pushed for the group reached the trainer (not left in the queue at the end).
+    complete = [g for g in by_group.values() if len(g) == g[0]["group_rows"]]
     assert any(len([r for r in g if r["kind"] == RowKind.NEGATIVE]) for g in by_group.values())
     # The advantages are the synchronous trainer's: group_advantages over (episodes + negatives) of each full group.
-    # A group whose baseline held a row that was not pushed (lost, or no trained token) cannot be recomputed here.
+    # A group whose baseline held a row that was not pushed (a lost rollout's regular row) cannot be recomputed here.
     complete = [g for g in complete if g[0]["baseline_rows"] == len(g)]
     for g in complete:
         regular = [r for r in g if r["kind"] == RowKind.REGULAR]

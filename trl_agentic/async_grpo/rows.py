@@ -33,6 +33,7 @@ __all__ = [
     "group_row_advantages",
     "row_from_tokens",
     "sequences_from_loop",
+    "trained_rows",
 ]
 
 TrainingSequence = worker_module().TrainingSequence
@@ -274,3 +275,23 @@ def group_row_advantages(
     )
     advantages = clamp_negatives(grpo_estimator(batch), kinds_t)
     return GroupRows(keep, rewards_t, kinds_t, torch.tensor(episodes, dtype=torch.long), baseline, advantages)
+
+
+def trained_rows(
+    keep: list[bool], row_kinds: list[int], row_lost: list[bool], row_has_tokens: list[bool]
+) -> list[tuple[int, int]]:
+    """`(row, kept position)` of the rows that are trained, as the synchronous trainer decides (`_untrained_rows`).
+
+    A kept row is trained unless its conversation was lost to an infrastructure failure (its regular row and its
+    snapshot rows: their reward is the lost episode's) or it has no trained token. A negative row is its own complete
+    turn with its own reward: it is trained even when its conversation was lost later, as in the synchronous trainer.
+    Every kept row, trained or not, stays in the group's baseline (its advantage was computed with it).
+    """
+    out, j = [], 0
+    for k, (kept, kind) in enumerate(zip(keep, row_kinds)):
+        if not kept:
+            continue
+        if row_has_tokens[k] and not (row_lost[k] and kind != RowKind.NEGATIVE):
+            out.append((k, j))
+        j += 1
+    return out

@@ -183,6 +183,7 @@ class AgenticRolloutQueue:
                 "policy_versions": tuple(getattr(sample, "policy_versions", ())),
                 "group_id": int(sample.group_id),
                 "episode": int(getattr(sample, "episode", -1)),
+                "group_rows": int(getattr(sample, "group_rows", 0)),
                 "baseline_rows": int(getattr(sample, "baseline_rows", 0)),
                 "reward": float(getattr(sample, "reward", math.nan)),
                 "advantage": advantage if isinstance(advantage, float) else np.asarray(advantage).copy(),

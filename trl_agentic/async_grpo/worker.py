@@ -13,7 +13,9 @@ off (`agentic=None`) both call TRL's, unchanged:
 - `_score_group`: TRL's scoring (reward functions, environment rewards), then `rows.group_row_advantages` gives every
   row of the group (negatives and snapshots included: variable-size groups) its reward and advantage by the
   synchronous trainer's rules, and the samples become `AgenticRolloutSample`s carrying their row kind, reward,
-  conversation index, the group's row count and the policy versions that generated the trajectory.
+  conversation index, the group's row count and the policy versions that generated the trajectory. The rows pushed
+  are those the synchronous trainer trains on (`rows.trained_rows`): not a lost rollout's regular and snapshot rows,
+  but its negative rows.
 
 Differences from TRL's own conversation handling, when a feature is on: turns are appended as tokens (tool results,
 hints and user turns rendered as the synchronous trainer renders them) instead of re-tokenizing the whole
@@ -51,7 +53,7 @@ from ..rollout.loop import AgenticRolloutLoop, LoopConfig
 from ..rollout.rendering import ChatRenderer
 from ..rollout.types import RowKind
 from .compat import worker_module
-from .rows import group_row_advantages, sequences_from_loop
+from .rows import group_row_advantages, sequences_from_loop, trained_rows
 
 __all__ = ["AgenticAsyncRolloutLoop", "AgenticRolloutSample", "WorkerBackend"]
 
@@ -71,7 +73,7 @@ class AgenticRolloutSample(RolloutSample):
         episode: Index of the row's conversation in its group.
         group_rows: Number of rows of its group pushed to the trainer (they are pushed one after the other).
         baseline_rows: Number of rows of its group its advantage was computed over; more than `group_rows` when a
-            row lost to infrastructure or without a trained token was scored but not pushed.
+            row was scored but not pushed (`rows.trained_rows`: a lost rollout's regular or snapshot row).
         policy_versions: `(first, last)` policy version that generated a turn of the trajectory; `model_version` is,
             as in TRL, the version when the group started (the `max_staleness` bound reads it, for every row kind).
         token_advantages: Per-token advantages set by a token-level estimator on the trainer side (else None).
@@ -333,15 +335,12 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
         scored = group_row_advantages(
             rewards, conversation, [row.kind for row in rows], [row.error_types for row in rows], self._adv_args, terms
         )
-        out, j = [], 0
-        for k, (sample, row) in enumerate(zip(samples, rows)):
-            if not scored.keep[k]:
-                continue
+        out = []
+        lost = [math.isnan(rewards[c]) for c in conversation]
+        has_tokens = [any(row.completion_mask) for row in rows]
+        for k, j in trained_rows(scored.keep, [row.kind for row in rows], lost, has_tokens):
+            sample, row = samples[k], rows[k]
             advantage, reward = float(scored.advantages[j]), float(scored.rewards[j])
-            j += 1
-            lost = math.isnan(rewards[conversation[k]])
-            if lost or not any(row.completion_mask):
-                continue  # a lost rollout, or a row without a trained token, is not trained on
             metrics = dict(sample.metrics)
             metrics.update({f"rows/{name}_frac": float(row.kind == kind) for kind, name in _KIND_NAMES.items()})
             out.append(
