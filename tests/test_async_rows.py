@@ -13,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_agentic.advantages import group_advantages
-from trl_agentic.async_grpo.rows import group_row_advantages, row_from_tokens, sequences_from_loop, trained_rows
+from trl_agentic.async_grpo.rows import (
+    AgenticSequence,
+    group_row_advantages,
+    row_from_tokens,
+    score_group_rows,
+    sequences_from_loop,
+)
 from trl_agentic.rollout.types import ExtraRow, RowKind
 
 ERRORS = ["ValueError", "ZeroDivisionError", "TypeError"]
@@ -130,65 +136,80 @@ def test_row_layout_and_sequences():
     assert rows[1].input_ids == [1, 2, 3, 6, 7] and rows[1].completion_mask == [0, 0, 0, 1, 0]
 
 
+def _sequence(kind: int, trained: bool, lost: bool = False, errors=()):
+    return AgenticSequence(
+        [1, 2, 3], [0, int(trained), 0], [0.0] * 3, "r", kind=kind, error_types=list(errors), lost=lost
+    )
+
+
 @settings(max_examples=80)
 @given(
-    lost=st.lists(st.booleans(), min_size=1, max_size=4),
+    status=st.lists(st.sampled_from(["ok", "failed", "unscorable", "lost"]), min_size=1, max_size=4),
     extra=st.lists(
         st.tuples(st.integers(0, 3), st.sampled_from([int(RowKind.NEGATIVE), int(RowKind.SNAPSHOT)]), st.booleans()),
         max_size=6,
     ),
+    regular_tokens=st.lists(st.booleans(), min_size=4, max_size=4),
     cap=st.integers(0, 3),
 )
-def test_pushed_rows_are_the_rows_the_synchronous_trainer_trains(lost, extra, cap):
-    """`trained_rows` (what the async worker pushes) against the synchronous trainer's own `_untrained_rows`: a lost
-    rollout's regular and snapshot rows are not trained, its negative rows are (they are their own turn, with their
-    own penalty); a negative beyond the cap is dropped before either; a row without trained tokens is not pushed."""
+def test_pushed_rows_are_the_rows_the_synchronous_trainer_trains(status, extra, regular_tokens, cap):
+    """`score_group_rows` (what the async worker pushes) against the synchronous trainer's own `_untrained_rows`: a
+    rollout lost to infrastructure has its regular and snapshot rows untrained and its negative rows trained (their
+    own turn, their own penalty); an unscorable one (reward functions gave None) is trained; a negative beyond the cap
+    is dropped before either; a row without a trained token is not pushed."""
     from trl_agentic.batch import BatchAugmenter
 
-    n = len(lost)
+    n = len(status)
     extra = [(c % n, kind, tokens) for c, kind, tokens in extra]
-    rows = [(c, int(RowKind.REGULAR), True) for c in range(n)] + extra
-    kinds = [kind for _, kind, _ in rows]
-    errors = [["ValueError"] if kind == RowKind.NEGATIVE else [] for kind in kinds]
-    rewards = [math.nan if lost[c] else 1.0 for c in range(n)]
-    scored = group_row_advantages(
-        rewards, [c for c, _, _ in rows], kinds, errors, _args(max_negative_samples_per_group=cap)
+    lost = [s == "lost" for s in status]
+    layout = [(c, int(RowKind.REGULAR), regular_tokens[c]) for c in range(n)] + extra
+    rows = [
+        _sequence(kind, tokens, lost=kind == RowKind.REGULAR and lost[c], errors=["ValueError"] * (kind == 1))
+        for c, kind, tokens in layout
+    ]
+    value = {"ok": 1.0, "failed": 0.0, "unscorable": math.nan, "lost": 0.0}  # TRL scores a lost one too
+    scored, got = score_group_rows(
+        rows,
+        [c for c, _, _ in layout],
+        [value[status[c]] for c, _, _ in layout],
+        n,
+        _args(max_negative_samples_per_group=cap),
     )
-    got = trained_rows(scored.keep, kinds, [lost[c] for c, _, _ in rows], [tokens for _, _, tokens in rows])
 
-    # The synchronous trainer's rule, on its own layout: the regular rows, then the extra rows with their parents.
-    kept_extras = [k for k in range(n, len(rows)) if scored.keep[k]]
+    # The synchronous trainer's rule, on its own layout: the regular rows, then the kept extra rows with their parents.
+    kept_extras = [k for k in range(n, len(layout)) if scored.keep[k]]
     trainer = SimpleNamespace(
         args=SimpleNamespace(mask_truncated_completions=False, snapshot_reward_func=None),
         accelerator=SimpleNamespace(device="cpu"),
     )
     parents = [
-        ExtraRow(
-            kind=RowKind(kinds[k]), parent=rows[k][0], prompt_ids=[], completion_ids=[], tool_mask=[], logprobs=None
-        )
+        ExtraRow(RowKind(layout[k][1]), layout[k][0], prompt_ids=[], completion_ids=[], tool_mask=[], logprobs=None)
         for k in kept_extras
     ]
-    untrained = BatchAugmenter(trainer)._untrained_rows({}, list(lost), parents).tolist()
+    untrained = BatchAugmenter(trainer)._untrained_rows({}, lost, parents).tolist()
     sync_trained = {k for k in range(n) if not untrained[k]} | {
         k for e, k in enumerate(kept_extras) if not untrained[n + e]
     }
-    expected_rows = [k for k in range(len(rows)) if k in sync_trained and rows[k][2]]
-    assert [k for k, _ in got] == expected_rows
-    # Positions index the kept rows (the advantages' order).
-    kept = [k for k in range(len(rows)) if scored.keep[k]]
+    assert [k for k, _ in got] == [k for k in range(len(layout)) if k in sync_trained and layout[k][2]]
+    # Positions index the kept rows (the advantages' order); a lost rollout's reward is outside the statistics.
+    kept = [k for k in range(len(layout)) if scored.keep[k]]
     assert all(kept[j] == k for k, j in got)
+    for k, j in zip(kept, range(len(kept))):
+        c, kind = layout[k][0], layout[k][1]
+        if kind == RowKind.REGULAR and status[c] in ("lost", "unscorable"):
+            assert math.isnan(float(scored.rewards[j])) and float(scored.advantages[j]) == 0.0
 
 
 def test_a_lost_rollouts_negative_row_is_pushed_with_its_penalty_and_stays_in_the_baseline():
     """A rollout saved a failed attempt, then was lost to infrastructure: its negative row is trained with its penalty
-    and is in the baseline of the three scored episodes (rewards 1, 0, 0, penalty -1)."""
-    kinds = [int(RowKind.REGULAR)] * 4 + [int(RowKind.NEGATIVE)]
-    scored = group_row_advantages(
-        [1.0, 0.0, 0.0, math.nan], [0, 1, 2, 3, 3], kinds, [[]] * 4 + [["ValueError"]], _args()
-    )
-    got = trained_rows(scored.keep, kinds, [False, False, False, True, True], [True] * 5)
-    assert got == [(0, 0), (1, 1), (2, 2), (4, 4)]
+    and is in the baseline of the three scored episodes (rewards 1, 0, 0, penalty -1). A fifth, unscorable rollout
+    (NaN) is trained at advantage 0 and stays outside the statistics."""
+    rows = [_sequence(0, True), _sequence(0, True), _sequence(0, True), _sequence(0, True, lost=True)]
+    rows += [_sequence(int(RowKind.NEGATIVE), True, errors=["ValueError"]), _sequence(0, True)]
+    scored, got = score_group_rows(rows, [0, 1, 2, 3, 3, 4], [1.0, 0.0, 0.0, 0.0, 0.0, math.nan], 5, _args())
+    assert got == [(0, 0), (1, 1), (2, 2), (4, 4), (5, 5)]
     values = torch.tensor([1.0, 0.0, 0.0, -1.0])
     expected = (values - values.mean()) / values.std()
     torch.testing.assert_close(scored.advantages[[0, 1, 2]], expected[:3], atol=1e-3, rtol=0)  # TRL's std + 1e-4
     assert float(scored.advantages[4]) == pytest.approx(min(float(expected[3]), 0.0), abs=1e-3)
+    assert float(scored.advantages[5]) == 0.0 and math.isnan(float(scored.rewards[5]))

@@ -32,6 +32,7 @@ __all__ = [
     "advantage_batch",
     "group_row_advantages",
     "row_from_tokens",
+    "score_group_rows",
     "sequences_from_loop",
     "trained_rows",
 ]
@@ -283,7 +284,8 @@ def trained_rows(
     """`(row, kept position)` of the rows that are trained, as the synchronous trainer decides (`_untrained_rows`).
 
     A kept row is trained unless its conversation was lost to an infrastructure failure (its regular row and its
-    snapshot rows: their reward is the lost episode's) or it has no trained token. A negative row is its own complete
+    snapshot rows: their reward is the lost episode's) or it has no trained token. A conversation that is merely
+    unscorable (every reward function gave None: NaN, advantage 0) is not lost: it is trained, as in both trainers. A negative row is its own complete
     turn with its own reward: it is trained even when its conversation was lost later, as in the synchronous trainer.
     Every kept row, trained or not, stays in the group's baseline (its advantage was computed with it).
     """
@@ -295,3 +297,37 @@ def trained_rows(
             out.append((k, j))
         j += 1
     return out
+
+
+def score_group_rows(
+    rows: list[AgenticSequence],
+    row_conversation: list[int],
+    row_rewards: list[float],
+    num_conversations: int,
+    args,
+    segment_terms: list[float] | None = None,
+) -> tuple[GroupRows, list[tuple[int, int]]]:
+    """What the async worker does with a scored group: `group_row_advantages`, then `trained_rows`.
+
+    Args:
+        rows: The group's rows in order (each conversation's regular row, then its extra rows).
+        row_conversation: Per row, its conversation.
+        row_rewards: Per row, the reward TRL stamped on it (its conversation's; NaN when unscorable).
+        num_conversations: Conversations in the group.
+        args / segment_terms: As for `group_row_advantages`.
+    """
+    rewards = [math.nan] * num_conversations
+    lost = set()
+    for row, conv, reward in zip(rows, row_conversation, row_rewards):
+        if row.kind == RowKind.REGULAR:
+            if row.lost:  # lost to infrastructure: unscorable and not trained
+                lost.add(conv)
+            rewards[conv] = math.nan if row.lost else reward
+    kinds = [row.kind for row in rows]
+    scored = group_row_advantages(
+        rewards, row_conversation, kinds, [row.error_types for row in rows], args, segment_terms
+    )
+    trained = trained_rows(
+        scored.keep, kinds, [c in lost for c in row_conversation], [any(row.completion_mask) for row in rows]
+    )
+    return scored, trained

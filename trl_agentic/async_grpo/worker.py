@@ -53,7 +53,7 @@ from ..rollout.loop import AgenticRolloutLoop, LoopConfig
 from ..rollout.rendering import ChatRenderer
 from ..rollout.types import RowKind
 from .compat import worker_module
-from .rows import group_row_advantages, sequences_from_loop, trained_rows
+from .rows import score_group_rows, sequences_from_loop
 
 __all__ = ["AgenticAsyncRolloutLoop", "AgenticRolloutSample", "WorkerBackend"]
 
@@ -326,19 +326,17 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
         conversation = [c for c, rows in enumerate(group.completions_sequences) for _ in rows]
         if len(rows) != len(samples):
             raise RuntimeError(f"TRL scored {len(samples)} rows for {len(rows)} sequences")
-        # TRL stamps the conversation's reward on each of its rows; an infrastructure loss is unscorable.
-        rewards = [math.nan] * len(group.completions_sequences)
-        for sample, row, conv in zip(samples, rows, conversation):
-            if row.kind == RowKind.REGULAR:
-                rewards[conv] = math.nan if getattr(row, "lost", False) else sample.metrics["reward"]
         terms = [self._segment_term(row, group) for row in rows] if self._segment_reward else None
-        scored = group_row_advantages(
-            rewards, conversation, [row.kind for row in rows], [row.error_types for row in rows], self._adv_args, terms
+        scored, trained = score_group_rows(
+            rows,
+            conversation,
+            [sample.metrics["reward"] for sample in samples],
+            len(group.completions_sequences),
+            self._adv_args,
+            terms,
         )
         out = []
-        lost = [math.isnan(rewards[c]) for c in conversation]
-        has_tokens = [any(row.completion_mask) for row in rows]
-        for k, j in trained_rows(scored.keep, [row.kind for row in rows], lost, has_tokens):
+        for k, j in trained:
             sample, row = samples[k], rows[k]
             advantage, reward = float(scored.advantages[j]), float(scored.rewards[j])
             metrics = dict(sample.metrics)
