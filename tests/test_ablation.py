@@ -358,6 +358,31 @@ def test_the_superseded_lr_cells_are_what_this_page_says():
         assert row in page, row
 
 
+def test_the_superseded_budget_cells_are_what_this_page_says():
+    """docs/ablation-superseded/v2.1-trl-1461/README.md: its table recomputed from its cells, `tracin`'s budget is
+    the first `trl` cell's training time, `random`'s keep rate is `tracin`'s, and the `trl` computed again (seed 0's
+    cell now) equals the first in every field but the times, commit, date, load and speed probe."""
+    folder = ROOT / "docs" / "ablation-superseded" / "v2.1-trl-1461"
+    page = (folder / "README.md").read_text()
+    cells = {arm: json.loads((folder / "seed0" / f"{arm}.json").read_text()) for arm in ("trl", "tracin", "random")}
+    for arm, c in cells.items():
+        row = (
+            f"| `{arm}` | {sum(c['sampled']) / len(c['sampled']):.3f} | {sum(c['greedy']) / len(c['greedy']):.3f} | "
+            f"{sum(c['rewards']) / len(c['rewards']):.3f} | {c['train_seconds']:.0f} | {c['seconds']:.0f} |"
+        )
+        assert row in page, row
+    assert cells["tracin"]["arm_settings"]["time_budget_seconds"] == cells["trl"]["train_seconds"]
+    assert cells["random"]["arm_settings"]["row_selection_fraction"] == round(cells["tracin"]["keep_rate"], 4)
+    again = json.loads((ROOT / "docs" / "ablation-cells" / "calculator" / "seed0" / "trl.json").read_text())
+    timing = {"commit", "date", "seconds", "train_seconds", "greedy_seconds", "sampled_seconds", "speed_probe_s"}
+    timing |= {"load_average_before", "load_average_after"}
+    assert {k for k in again.keys() | cells["trl"].keys() if again.get(k) != cells["trl"].get(k)} == timing
+    ratio = again["train_seconds"] / cells["trl"]["train_seconds"]
+    assert f"training {again['train_seconds']:.0f} s against {cells['trl']['train_seconds']:.0f} s ({ratio:.2f}x)" in (
+        " ".join(page.split())
+    )
+
+
 # ------------------------------------------------------------------------------------------------ render
 
 
