@@ -285,9 +285,10 @@ def trained_rows(
 
     A kept row is trained unless its conversation was lost to an infrastructure failure (its regular row and its
     snapshot rows: their reward is the lost episode's) or it has no trained token. A conversation that is merely
-    unscorable (every reward function gave None: NaN, advantage 0) is not lost: it is trained, as in both trainers. A negative row is its own complete
-    turn with its own reward: it is trained even when its conversation was lost later, as in the synchronous trainer.
-    Every kept row, trained or not, stays in the group's baseline (its advantage was computed with it).
+    unscorable (every reward function gave None: NaN, advantage 0) is not lost: it is trained, as in both trainers.
+    A negative row is its own complete turn with its own reward: it is trained even when its conversation was lost
+    later, as in the synchronous trainer. A kept row that is not trained still counted in the group's statistics
+    when it had a reward (a row without a trained token; not a lost rollout, whose reward is NaN).
     """
     out, j = [], 0
     for k, (kept, kind) in enumerate(zip(keep, row_kinds)):

@@ -14,8 +14,8 @@ off (`agentic=None`) both call TRL's, unchanged:
   row of the group (negatives and snapshots included: variable-size groups) its reward and advantage by the
   synchronous trainer's rules, and the samples become `AgenticRolloutSample`s carrying their row kind, reward,
   conversation index, the group's row count and the policy versions that generated the trajectory. The rows pushed
-  are those the synchronous trainer trains on (`rows.trained_rows`): not a lost rollout's regular and snapshot rows,
-  but its negative rows.
+  are those the synchronous trainer trains on (`rows.score_group_rows`): not a lost rollout's regular and snapshot
+  rows, but its negative rows.
 
 Differences from TRL's own conversation handling, when a feature is on: turns are appended as tokens (tool results,
 hints and user turns rendered as the synchronous trainer renders them) instead of re-tokenizing the whole
@@ -73,7 +73,8 @@ class AgenticRolloutSample(RolloutSample):
         episode: Index of the row's conversation in its group.
         group_rows: Number of rows of its group pushed to the trainer (they are pushed one after the other).
         baseline_rows: Number of rows of its group its advantage was computed over; more than `group_rows` when a
-            row was scored but not pushed (`rows.trained_rows`: a lost rollout's regular or snapshot row).
+            row was scored but not pushed (`rows.trained_rows`: a lost rollout's regular or snapshot row, or a row
+            without a trained token).
         policy_versions: `(first, last)` policy version that generated a turn of the trajectory; `model_version` is,
             as in TRL, the version when the group started (the `max_staleness` bound reads it, for every row kind).
         token_advantages: Per-token advantages set by a token-level estimator on the trainer side (else None).
