@@ -260,19 +260,26 @@ def test_the_lr_ladder_renders_open_then_chosen():
     )
 
 
-def test_carried_registrations_are_valid_only_for_the_trainers_an_amendment_left_alone():
+def test_carried_registrations_are_valid_only_for_the_trainers_and_arms_an_amendment_left_alone():
     """Amendment 2 changed only the RL arms: warm-start cells of amendment 1's registration stay; RL cells of it
-    (seed 0's superseded `trl` and `feedback`) would be flagged."""
-    (carried,) = design.CARRIED_REGISTRATIONS
-    warm = {"trainer": "warmstart", "preregistration": carried}
-    rl = {"trainer": "trl", "preregistration": carried}
-    now = {"trainer": "trl", "preregistration": "now"}
+    (seed 0's superseded `trl` and `feedback`) would be flagged. Amendment 3 changed only the equal-compute budget:
+    cells of amendment 2's registration stay but for `tracin`, `max_variance` and `random` (`tracin`'s keep rate)."""
+    first, second = design.CARRIED_REGISTRATIONS
+    warm = {"trainer": "warmstart", "arm": "warmstart", "preregistration": first}
+    rl = {"trainer": "trl", "arm": "trl", "preregistration": first}
+    now = {"trainer": "trl", "arm": "trl", "preregistration": "now"}
     assert report.stale_registrations([warm, now], "now") == []
-    assert report.stale_registrations([warm, rl, now], "now") == [carried]
+    assert report.stale_registrations([warm, rl, now], "now") == [first]
     assert report.stale_registrations([{"trainer": "warmstart", "preregistration": "older"}], "now") == ["older"]
-    # The committed warm-start and calibration cells are the carried ones, and the render flags nothing.
+    kept = [{"trainer": "x", "arm": a.name, "preregistration": second} for a in design.ARMS["calculator"]]
+    budget = {"tracin", "max_variance", "random"}
+    assert report.stale_registrations([c for c in kept if c["arm"] not in budget], "now") == []
+    for name in budget:
+        assert report.stale_registrations([c for c in kept if c["arm"] == name], "now") == [second]
+    # The committed cells are the carried ones or the registration's own, and the render flags nothing.
     committed = [json.loads(p.read_text()) for p in (ROOT / "docs" / "ablation-cells").rglob("*.json")]
-    assert {c["trainer"] for c in committed if c["preregistration"] == carried} <= {"warmstart"}
+    assert {c["trainer"] for c in committed if c["preregistration"] == first} <= {"warmstart"}
+    assert not {c["arm"] for c in committed if c["preregistration"] == second} & budget
     registration = cells_mod.registration_sha(ROOT / "docs" / "ablation.md")
     assert report.stale_registrations(committed, registration) == []
 
@@ -333,13 +340,13 @@ def test_the_ladder_refuses_rungs_judged_on_other_problems(tmp_path):
 
 def test_a_ladder_rung_is_never_read_as_a_verdict_cell(tmp_path):
     """A rung (RL seed 1000) at seed 0's `trl` path is refused: a cell may record beyond the asked-for arm settings
-    only what is derived from another cell (the time budget, the keep rate)."""
+    only what is derived from another cell (the compute budget, the keep rate)."""
     rung = {"settings_hash": "h", "arm_settings": {"learning_rate": 1e-4, "seed": 1000}}
     path = tmp_path / "trl.json"
     path.write_text(json.dumps(rung))
     with pytest.raises(RuntimeError, match="ran with arm settings"):
         cells_mod._read(path, "h", {"learning_rate": 1e-4})
-    derived = {"learning_rate": 1e-4, "tracin_enabled": True, "time_budget_seconds": 1601.0}
+    derived = {"learning_rate": 1e-4, "tracin_enabled": True, "token_pass_budget": 1601}
     path.write_text(json.dumps({"settings_hash": "h", "arm_settings": derived}))
     assert cells_mod._read(path, "h", {"learning_rate": 1e-4, "tracin_enabled": True})["arm_settings"] == derived
 
@@ -360,8 +367,8 @@ def test_the_superseded_lr_cells_are_what_this_page_says():
 
 def test_the_superseded_budget_cells_are_what_this_page_says():
     """docs/ablation-superseded/v2.1-trl-1461/README.md: its table recomputed from its cells, `tracin`'s budget is
-    the first `trl` cell's training time, `random`'s keep rate is `tracin`'s, and the `trl` computed again (seed 0's
-    cell now) equals the first in every field but the times, commit, date, load and speed probe."""
+    the first `trl` cell's training time, `random`'s keep rate is `tracin`'s, and the `trl` computed again (kept with
+    the cells amendment 3 retired) equals the first in every field but the times, commit, date, load and speed probe."""
     folder = ROOT / "docs" / "ablation-superseded" / "v2.1-trl-1461"
     page = (folder / "README.md").read_text()
     cells = {arm: json.loads((folder / "seed0" / f"{arm}.json").read_text()) for arm in ("trl", "tracin", "random")}
@@ -373,7 +380,9 @@ def test_the_superseded_budget_cells_are_what_this_page_says():
         assert row in page, row
     assert cells["tracin"]["arm_settings"]["time_budget_seconds"] == cells["trl"]["train_seconds"]
     assert cells["random"]["arm_settings"]["row_selection_fraction"] == round(cells["tracin"]["keep_rate"], 4)
-    again = json.loads((ROOT / "docs" / "ablation-cells" / "calculator" / "seed0" / "trl.json").read_text())
+    again = json.loads(
+        (ROOT / "docs" / "ablation-superseded" / "v2.1-seconds-budget" / "seed0" / "trl.json").read_text()
+    )
     timing = {"commit", "date", "seconds", "train_seconds", "greedy_seconds", "sampled_seconds", "speed_probe_s"}
     timing |= {"load_average_before", "load_average_after"}
     assert {k for k in again.keys() | cells["trl"].keys() if again.get(k) != cells["trl"].get(k)} == timing
@@ -381,6 +390,23 @@ def test_the_superseded_budget_cells_are_what_this_page_says():
     assert f"training {again['train_seconds']:.0f} s against {cells['trl']['train_seconds']:.0f} s ({ratio:.2f}x)" in (
         " ".join(page.split())
     )
+
+
+def test_the_seconds_budget_cells_are_what_this_page_says():
+    """docs/ablation-superseded/v2.1-seconds-budget/README.md (amendment 3): its table recomputed from its cells, and
+    `max_variance`'s budget is that `trl` cell's training time."""
+    folder = ROOT / "docs" / "ablation-superseded" / "v2.1-seconds-budget"
+    page = (folder / "README.md").read_text()
+    cells = {arm: json.loads((folder / "seed0" / f"{arm}.json").read_text()) for arm in ("trl", "max_variance")}
+    for arm, c in cells.items():
+        row = (
+            f"| `{arm}` | {sum(c['sampled']) / len(c['sampled']):.3f} | {sum(c['greedy']) / len(c['greedy']):.3f} | "
+            f"{sum(c['rewards']) / len(c['rewards']):.3f} | {c['train_seconds']:.0f} | {c['seconds']:.0f} | "
+            f"{c['steps_done']} |"
+        )
+        assert row in page, row
+    assert cells["max_variance"]["arm_settings"]["time_budget_seconds"] == cells["trl"]["train_seconds"]
+    assert not any("token_passes" in c for c in cells.values())  # why amendment 3 retired them
 
 
 # ------------------------------------------------------------------------------------------------ render
@@ -526,47 +552,22 @@ def test_readme_and_docs_match_the_committed_cells():
     assert report.render_doc(doc, found, calibration, findings, lr_rungs) == doc
 
 
-def test_a_time_budget_is_spent_only_at_the_speed_it_was_measured_at():
-    source = {"arm": "trl", "seed": 3, "speed_probe_s": 2.0, "train_seconds": 1000.0}
-    cells_mod.check_budget_speed(source, 2.2)  # 10 % slower: within the tolerance
-    cells_mod.check_budget_speed(source, 1.75)  # 14 % faster
-    with pytest.raises(RuntimeError, match=r"1\.70 s against 2\.00 s"):  # 18 % faster
-        cells_mod.check_budget_speed(source, 1.7)
-    with pytest.raises(RuntimeError, match=r"`trl` \(seed 3\).*1\.20x"):
-        cells_mod.check_budget_speed(source, 2.4)
-    with pytest.raises(RuntimeError, match=r"0\.50x"):
-        cells_mod.check_budget_speed(source, 1.0)
-    with pytest.raises(RuntimeError, match="without a speed probe"):
-        cells_mod.check_budget_speed({"arm": "trl", "seed": 0, "train_seconds": 1461.0}, 2.0)
-    with pytest.raises(RuntimeError, match="without a speed probe"):
-        cells_mod.check_budget_speed({**source, "speed_probe_s": 0.0}, 2.0)
-
-
 def test_a_recorded_cell_must_match_the_cells_it_was_derived_from():
-    tracin = {"arm": "tracin", "seed": 0, "arm_settings": {"time_budget_seconds": 1461.0}, "keep_rate": 0.40625}
-    trl = {"arm": "trl", "seed": 0, "train_seconds": 1461.0}
+    tracin = {"arm": "tracin", "seed": 0, "arm_settings": {"token_pass_budget": 1_000_000}, "keep_rate": 0.40625}
+    trl = {"arm": "trl", "seed": 0, "token_passes": {"total": 1_000_000}}
     cells_mod.check_derived(tracin, budget=trl)
-    cells_mod.check_derived(tracin, budget={**trl, "train_seconds": 1500.0})  # recomputed alike: within 5 %
-    with pytest.raises(RuntimeError, match=r"`tracin` \(seed 0\).*1461.0 s.*2900.0 s.*Delete this cell"):
-        cells_mod.check_derived(tracin, budget={**trl, "train_seconds": 2900.0})
-    with pytest.raises(RuntimeError, match="time budget of None"):
+    cells_mod.check_derived(tracin, budget={**trl, "token_passes": {"total": 1_040_000}})  # within 5 %
+    with pytest.raises(RuntimeError, match=r"`tracin` \(seed 0\).*1000000 token passes.*1100000.*Delete this cell"):
+        cells_mod.check_derived(tracin, budget={**trl, "token_passes": {"total": 1_100_000}})
+    with pytest.raises(RuntimeError, match="budget of None"):
         cells_mod.check_derived({"arm": "tracin", "seed": 0, "arm_settings": {}}, budget=trl)
+    with pytest.raises(RuntimeError, match="now records None"):  # a source of the seconds era: no count
+        cells_mod.check_derived(tracin, budget={"arm": "trl", "seed": 0, "train_seconds": 1461.0})
     random = {"arm": "random", "seed": 0, "arm_settings": {"row_selection_fraction": 0.4062}}
     cells_mod.check_derived(random, keep_rate=tracin)
     with pytest.raises(RuntimeError, match="keep rate of 0.5"):
         cells_mod.check_derived(random, keep_rate={**tracin, "keep_rate": 0.5})
     cells_mod.check_derived(random)  # no source recorded yet: nothing to compare
-
-
-def test_the_speed_probe_times_a_bf16_and_a_float32_forward(tiny_model_dir):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    autocast = []
-    model.register_forward_pre_hook(lambda *_: autocast.append(torch.is_autocast_enabled("cpu")))
-    seconds = cells_mod.speed_probe(model, repeats=3, min_seconds=0.0)
-    assert seconds > 0 and autocast == [True, False] * 3
 
 
 # ------------------------------------------------------------------------------------------------ a run
@@ -596,13 +597,11 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
         "calculator",
         tuple(
             design.Arm(a.name, a.label, a.trainer, {**a.overrides, "num_generations": 8, "row_selection_keep": 4,
-                       "per_device_train_batch_size": 8}, a.time_budget_from, a.keep_rate_from, a.what)
+                       "per_device_train_batch_size": 8}, a.compute_budget_from, a.keep_rate_from, a.what)
             if a.name == "max_variance" else a
             for a in design.ARMS["calculator"]
         ),
     )  # fmt: skip
-    # The machine's speed probe is wall time: fixed here (tested on its own below), so that the budget check passes.
-    monkeypatch.setattr(cells_mod, "speed_probe", lambda model: 1.0)
     # The test's design (the PODS arm above) is registered in its own copy of the doc, as a real change would be.
     text = doc.read_text()
     start, end = text.index(report.DESIGN_START) + len(report.DESIGN_START), text.index(report.DESIGN_END)
@@ -634,11 +633,18 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     )
     assert seed0["rollback_episodes"]["arm_settings"]["group_baseline"] == "episodes"
     assert seed0["random"]["arm_settings"]["row_selection_fraction"] == round(seed0["tracin"]["keep_rate"], 4)
-    assert seed0["tracin"]["arm_settings"]["time_budget_seconds"] == seed0["trl"]["train_seconds"]
-    assert seed0["tracin"]["time_budget"]["speed_probe_s"] == 1.0
-    assert {c["speed_probe_s"] for c in seed0.values()} == {1.0}
+    # Amendment 3: the equal-compute arms get `trl`'s token passes; TRL's training forward and backward is its
+    # `num_tokens` (prompt and completion tokens of its batches), counted once more for the backward.
+    passes = seed0["trl"]["token_passes"]
+    for name in ("tracin", "max_variance"):
+        assert seed0[name]["arm_settings"]["token_pass_budget"] == passes["total"] > 0
+        assert seed0[name]["compute_budget"]["token_passes"] == passes
+    assert passes["backward_tokens"] == seed0["trl"]["num_tokens"] and passes["backward_factor"] == 2
+    assert passes["total"] == passes["forward_tokens"] + 2 * passes["backward_tokens"]
+    assert passes["forward_tokens"] >= seed0["trl"]["completion_tokens"]  # prefills and decoded tokens at least
+    assert all(c["token_passes"]["total"] > 0 for n, c in seed0.items() if n != "warmstart")
     assert seed0["tracin"]["validation_rollouts"] == 2 * 8  # one validation rollout: 2 prompts x 8
-    # At most `max_steps` (1), also for the arms stopped by a time budget.
+    # At most `max_steps` (1), also for the arms stopped by a compute budget.
     assert {c.get("steps_done", 1) for c in seed0.values()} == {1}
     assert seed0["max_variance"]["rollouts"] == 8 and seed0["trl"]["rollouts"] == 4
     assert seed0["max_variance"]["fired"]["selection/num_kept"] == 4
@@ -675,29 +681,6 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     # Cells of other settings are refused, never mixed in.
     with pytest.raises(RuntimeError, match="other settings"):
         main([a.replace("max_steps=1", "max_steps=2") for a in argv])
-
-
-@pytest.mark.parametrize(("seconds", "steps"), [(1e9, 2), (0.0, 1)])
-def test_the_time_budget_stops_training_and_never_outlasts_max_steps(tiny_model_dir, tmp_path, seconds, steps):
-    """A budget not yet spent leaves `max_steps` in charge (the callback once cleared the stop it asked for and
-    trained on past it); a spent one stops after the first step."""
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
-    args = GRPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2, save_strategy="no",
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=4, logging_steps=1,
-    )  # fmt: skip
-    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]] * 32})
-    trainer = GRPOTrainer(
-        model=str(tiny_model_dir),
-        reward_funcs=lambda completions, **k: [float(len(c[0]["content"])) for c in completions],
-        args=args,
-        train_dataset=dataset,
-        callbacks=[cells_mod.stop_at_time(seconds)],
-    )
-    trainer.train()
-    assert trainer.state.global_step == steps
 
 
 def test_nothing_runs_without_a_registration(tmp_path):

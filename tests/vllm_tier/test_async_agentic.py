@@ -312,6 +312,10 @@ def test_every_feature_on_the_embedded_model(tmp_path_factory):
         trainer.train()
     assert trainer.state.global_step == 1
     assert logged(trainer, "tracin/num_selected") and logged(trainer, "rlvcr/invalid_format")
-    # The environment's second question was asked (or found no room left: a truncated first answer ends the rollout).
+    # Each rollout's first turn either ends in an answer, and then the environment's second question is asked or
+    # dropped for lack of room, or is cut by the 32-token budget (then no question: the rollout ends), or calls a tool.
+    # Which one the untrained model samples varies from run to run (stop 47's CI sampled only cut turns), so this
+    # checks that the counters of the step's rollouts saw one of the first two; that the question is asked whenever
+    # an answer ends is checked on a policy that answers, test_user_turns_and_a_token_level_estimator_in_an_async_run.
     asked = logged(trainer, "conversation/user_turns_total") + logged(trainer, "conversation/user_turns_dropped_total")
-    assert sum(asked) > 0
+    assert sum(asked) + sum(logged(trainer, "tools/truncated_turns_total")) > 0

@@ -19,13 +19,14 @@ import time
 from pathlib import Path
 
 from . import design
+from .compute import TokenPasses, stop_at_token_passes
 from .design import Arm, Task
 
 ROOT = Path(__file__).resolve().parents[2]
 REGISTERED_START = "<!-- preregistration:start -->"
 REGISTERED_END = "<!-- preregistration:end -->"
 # Arm settings a cell derives from another cell (`_compute`): the equal-compute budget, the keep rate.
-DERIVED_ARM_SETTINGS = {"time_budget_seconds", "row_selection_fraction"}
+DERIVED_ARM_SETTINGS = {"token_pass_budget", "row_selection_fraction"}
 # Settings of the harness itself (not of a trainer), overridable with `--set` for tests and smoke runs.
 PLAN_KEYS = (
     "ablation_eval_samples",
@@ -127,73 +128,23 @@ def _commit() -> str | None:
         return None
 
 
-# A time budget is spent only on a machine within this fraction of the speed it was measured at: 2-core CPU hosts of
-# the same name and model ran the same warm start 1.9x apart (docs/ablation-findings.md).
-SPEED_TOLERANCE = 0.15
-
-
-def speed_probe(model, repeats: int = 3, min_seconds: float = 0.5) -> float:
-    """Seconds of a fixed workload on `model` (median of `repeats`): one forward of 4 x 256 fixed token ids in
-    bfloat16 autocast (the training forward) and one in the weights' dtype (generation), repeated for at least
-    `min_seconds` and averaged. Recorded in every cell as `speed_probe_s`, so that a time budget is not spent on a
-    machine of another speed (`check_budget_speed`)."""
-    import statistics
-
-    import torch
-
-    generator = torch.Generator().manual_seed(0)
-    vocab = model.config.get_text_config(decoder=True).vocab_size
-    ids = torch.randint(0, vocab, (4, 256), generator=generator).to(next(model.parameters()).device)
-    times = []
-    with torch.no_grad():
-        for _ in range(repeats):
-            start, pairs = time.perf_counter(), 0
-            while pairs == 0 or time.perf_counter() - start < min_seconds:  # a small model: enough pairs to time
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    model(input_ids=ids, logits_to_keep=1)
-                model(input_ids=ids, logits_to_keep=1)
-                pairs += 1
-            times.append((time.perf_counter() - start) / pairs)
-    return statistics.median(times)
-
-
-def check_budget_speed(source: dict, probe: float, tolerance: float = SPEED_TOLERANCE) -> None:
-    """Refuse an equal-compute budget (`source`'s training seconds) measured at another machine speed than `probe`
-    (this machine's `speed_probe`): on a slower machine the budget buys fewer steps, and the comparison would not be
-    at equal compute."""
-    where = f"`{source.get('arm')}` (seed {source.get('seed')})"
-    recorded = source.get("speed_probe_s")
-    if not isinstance(recorded, (int, float)) or recorded <= 0:
-        raise RuntimeError(
-            f"The time budget comes from {where}, recorded without a speed probe (`speed_probe_s`: {recorded!r}): "
-            "whether this machine runs at that one's speed is unknown. Delete that cell so that it is computed again "
-            "here, before this arm."
-        )
-    ratio = probe / recorded
-    if max(ratio, 1 / ratio) > 1 + tolerance:  # as far apart either way
-        raise RuntimeError(
-            f"This machine's speed probe takes {probe:.2f} s against {recorded:.2f} s where {where} measured the time "
-            f"budget ({ratio:.2f}x, more than {tolerance:.0%} apart): the budget would not be equal compute here. Run "
-            "this arm on a machine like that one, or delete that cell so that both run here."
-        )
-
-
-# A recomputed budget source (the same arm, seed and machine speed) still stands for the budget it gave within this.
+# A recomputed budget source (the same arm and seed; deterministic, so equal unless another host's arithmetic sent a
+# trajectory elsewhere) still stands for the budget it gave within this.
 BUDGET_MATCH = 0.05
 
 
 def check_derived(cell: dict, budget: dict | None = None, keep_rate: dict | None = None) -> None:
-    """A recorded cell whose time budget (`budget`: the cell it came from) or keep rate (`keep_rate`) was derived from
-    another cell must still match that cell: a source computed again would otherwise leave this arm compared with a
-    run it was not derived from."""
+    """A recorded cell whose compute budget (`budget`: the cell it came from) or keep rate (`keep_rate`) was derived
+    from another cell must still match that cell: a source computed again would otherwise leave this arm compared with
+    a run it was not derived from."""
     name = f"`{cell.get('arm')}` (seed {cell.get('seed')})"
     settings = cell.get("arm_settings", {})
     if budget is not None:
-        spent, source = settings.get("time_budget_seconds"), budget.get("train_seconds")
+        spent, source = settings.get("token_pass_budget"), (budget.get("token_passes") or {}).get("total")
         if spent is None or source is None or abs(spent - source) > BUDGET_MATCH * source:
             raise RuntimeError(
-                f"{name} was stopped at a time budget of {spent} s, but `{budget.get('arm')}` now records {source} s of "
-                "training: its cell was computed again. Delete this cell too, so that it gets the new budget."
+                f"{name} was stopped at a budget of {spent} token passes, but `{budget.get('arm')}` now records "
+                f"{source}: its cell was computed again. Delete this cell too, so that it gets the new budget."
             )
     if keep_rate is not None and settings.get("row_selection_fraction") != round(keep_rate.get("keep_rate", -1), 4):
         raise RuntimeError(
@@ -211,8 +162,7 @@ def has_avx512_bf16() -> bool:
 
 
 def machine() -> dict:
-    """Where and when a cell ran: wall times (and the time budgets of the equal-compute arms) compare only on like
-    machines and loads."""
+    """Where and when a cell ran: wall times compare only on like machines and loads."""
     import platform
 
     import torch
@@ -474,7 +424,7 @@ def run_cell(task: Task, seed: int, arm_: Arm, ctx: Context) -> dict:
     path = cell_path(ctx.cells, task.name, seed, arm_.name)
     cell = _read(path, fingerprint(settings, p), arm_settings)
     if cell is not None:
-        sources = {"budget": arm_.time_budget_from, "keep_rate": arm_.keep_rate_from}
+        sources = {"budget": arm_.compute_budget_from, "keep_rate": arm_.keep_rate_from}
         paths = {k: cell_path(ctx.cells, task.name, seed, n) for k, n in sources.items() if n is not None}
         check_derived(cell, **{k: json.loads(q.read_text()) for k, q in paths.items() if q.exists()})
         return cell
@@ -509,16 +459,22 @@ def _compute(
     settings_hash = fingerprint(settings, p)
     arm_settings = dict(arm_settings)
     deps = {}
-    if arm_.time_budget_from:
-        deps["budget"] = run_cell(task, seed, design.arm(task.name, arm_.time_budget_from), ctx)
-        arm_settings["time_budget_seconds"] = deps["budget"]["train_seconds"]
+    if arm_.compute_budget_from:
+        deps["budget"] = run_cell(task, seed, design.arm(task.name, arm_.compute_budget_from), ctx)
+        passes = (deps["budget"].get("token_passes") or {}).get("total")
+        if not passes:
+            raise RuntimeError(
+                f"`{arm_.compute_budget_from}` (seed {seed}) was recorded without token passes (before amendment 3): "
+                f"`{arm_.name}`'s budget is unknown. Delete that cell so that it is computed again with the count."
+            )
+        arm_settings["token_pass_budget"] = passes
     if arm_.keep_rate_from:
         source = run_cell(task, seed, design.arm(task.name, arm_.keep_rate_from), ctx)
         arm_settings["row_selection_fraction"] = round(source["keep_rate"], 4)
     warm = None
     if arm_.trainer != "warmstart":
         warm = run_cell(task, seed, design.arm(task.name, "warmstart"), ctx)
-    full = {**settings, **{k: v for k, v in arm_settings.items() if k != "time_budget_seconds"}}
+    full = {**settings, **{k: v for k, v in arm_settings.items() if k != "token_pass_budget"}}
     full["output_dir"] = str(ctx.out / task.name / f"seed{seed}" / f"{path.stem}-run")
     task_args, args, model_args = _parse(full, trl=arm_.trainer == "trl")
     built = build_task(task_args)
@@ -542,11 +498,6 @@ def _compute(
         "preregistration": registration_sha(ctx.doc),
         **machine(),
     }
-    from transformers import AutoModelForCausalLM
-
-    record["speed_probe_s"] = speed_probe(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype))
-    if "budget" in deps:
-        check_budget_speed(deps["budget"], record["speed_probe_s"])
     if warm is not None and not (adapter / "adapter_config.json").exists():
         _warm_start(model_path, dtype, built, task_args, model_args, args, seed, adapter, warm)
     started = time.perf_counter()
@@ -589,8 +540,8 @@ def _compute(
         # Kept (not committed) so that a later question about a trained policy needs no training again.
         model.save_pretrained(ctx.out / task.name / f"seed{seed}" / f"{path.stem}-adapter-{settings_hash}")
         if "budget" in deps:
-            record["time_budget"] = {
-                k: deps["budget"].get(k) for k in ("train_seconds", "host", "cpu", "date", "speed_probe_s")
+            record["compute_budget"] = {
+                k: deps["budget"].get(k) for k in ("token_passes", "train_seconds", "commit", "date")
             }
     if held_out:
         record.update(evaluate(model, tokenizer, built, eval_args, rows, p["ablation_eval_samples"], seed))
@@ -645,8 +596,8 @@ def _warm_start(model_path, dtype, task, task_args, model_args, args, seed, adap
 
 
 def _train(arm_: Arm, model, tokenizer, task, task_args, args, eval_keys: set[str], arm_settings: dict) -> dict:
-    """GRPO from the warm start: TRL's trainer for `trl`, ours otherwise; stopped at a time budget for the
-    equal-compute arms. Returns the trained model and what the run recorded."""
+    """GRPO from the warm start: TRL's trainer for `trl`, ours otherwise; stopped at a budget of token passes
+    (`compute`) for the equal-compute arms. Returns the trained model and what the run recorded."""
     from trl import GRPOTrainer
 
     from ..trainer import AgenticGRPOTrainer
@@ -660,8 +611,9 @@ def _train(arm_: Arm, model, tokenizer, task, task_args, args, eval_keys: set[st
         tools=task.tools or None,
         processing_class=tokenizer,
     )
-    budget = arm_settings.get("time_budget_seconds")
-    callbacks = [stop_at_time(budget)] if budget is not None else []
+    counter = TokenPasses(model)
+    budget = arm_settings.get("token_pass_budget")
+    callbacks = [stop_at_token_passes(budget, counter)] if budget is not None else []
     if arm_.trainer == "trl":
         trainer = GRPOTrainer(**kwargs, callbacks=callbacks)
     else:
@@ -670,7 +622,8 @@ def _train(arm_: Arm, model, tokenizer, task, task_args, args, eval_keys: set[st
             kwargs["tracin_eval_dataset"] = validation_rows(task_args, eval_keys)
         trainer = AgenticGRPOTrainer(**kwargs, callbacks=callbacks)
     started = time.perf_counter()
-    trainer.train()
+    with counter:  # training only: the evaluation after it is every arm's same cost
+        trainer.train()
     seconds = time.perf_counter() - started
     history = trainer.state.log_history
     steps = [h for h in history if "reward" in h]  # one generation per optimizer step (spg = accumulation steps)
@@ -697,28 +650,13 @@ def _train(arm_: Arm, model, tokenizer, task, task_args, args, eval_keys: set[st
         # Completion tokens rolled out in training (model and tool tokens; TRL's `completions/mean_length`).
         "completion_tokens": sum(h.get("completions/mean_length", 0.0) * rollouts_per_step for h in steps),
         "num_tokens": max((h.get("num_tokens", 0) for h in history), default=0),
+        "token_passes": counter.record(),  # the equal-compute unit (amendment 3, `compute`)
         "fired": fired,
     }
     if getattr(args, "tracin_enabled", False):
         record["keep_rate"] = sum(ratios) / len(ratios) if ratios else 1.0
         record["validation_rollouts"] = _validation_rollouts(args, trainer.state.global_step)
     return record
-
-
-def stop_at_time(seconds: float):
-    """A `TrainerCallback` that stops training once `seconds` of it have passed (the equal-compute arms: with a
-    constant learning rate a stopped run is a prefix of a longer one). It never clears a stop `max_steps` asked for."""
-    from transformers import TrainerCallback
-
-    class StopAtTime(TrainerCallback):
-        def on_train_begin(self, *args, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, _args, state, control, **kwargs):
-            if time.perf_counter() - self.start >= seconds:
-                control.should_training_stop = True
-
-    return StopAtTime()
 
 
 def _validation_rollouts(args, steps: int) -> int:

@@ -17,11 +17,15 @@ from .. import stats
 # Amendment 2 (the RL learning rate from a ladder) changes no shared setting: the rate is an arm setting of every RL
 # cell (`arm_settings.learning_rate`), so the warm-start cells keep their hash and RL cells without it are refused.
 DESIGN = "v2.1"
-AMENDMENT = 2
-# Cells recorded under an earlier registration that the amendments since left valid, by trainer: amendment 2 changed
-# only the RL arms, so the calibration and warm-start cells of amendment 1's registration stay (their settings hash
-# is unchanged too).
-CARRIED_REGISTRATIONS = {"ecf7de194cad": ("warmstart",)}
+AMENDMENT = 3
+# Cells recorded under an earlier registration that the amendments since left valid, by trainer or arm name:
+# amendment 2 changed only the RL arms, so the calibration and warm-start cells of amendment 1's registration stay
+# (their settings hash is unchanged too); amendment 3 changed only the equal-compute budget (`tracin`, `max_variance`)
+# and so `random`, which takes `tracin`'s keep rate.
+CARRIED_REGISTRATIONS = {
+    "ecf7de194cad": ("warmstart",),
+    "458ecf0d147b": ("warmstart", "trl", "feedback", "rollback", "rollback_episodes", "rft"),
+}
 
 # ------------------------------------------------------------------------------------------------ decision rule
 
@@ -180,7 +184,8 @@ class Arm:
         trainer: `"warmstart"` (the seed's SFT warm start itself), `"trl"` (TRL's `GRPOTrainer` and tool loop, with
             TRL's `GRPOConfig`: no agentic field) or `"agentic"` (`AgenticGRPOTrainer`).
         overrides: Settings of this arm on top of the task's.
-        time_budget_from: Stop training when the named arm's training wall time is spent (equal compute).
+        compute_budget_from: Stop training once the named arm's token passes (`compute`) are spent: equal compute
+            (amendment 3; a budget in seconds before it).
         keep_rate_from: `row_selection_fraction` is the named arm's mean TracIn keep rate (same seed).
         what: One line for the pre-registration.
         eval_overrides: Settings of its evaluation only (the log search's warm start is evaluated, and
@@ -191,7 +196,7 @@ class Arm:
     label: str
     trainer: str
     overrides: dict = field(default_factory=dict)
-    time_budget_from: str | None = None
+    compute_budget_from: str | None = None
     keep_rate_from: str | None = None
     what: str = ""
     eval_overrides: dict = field(default_factory=dict)
@@ -242,8 +247,8 @@ ARMS: dict[str, tuple[Arm, ...]] = {
             "TracIn, equal compute",
             "agentic",
             {"tracin_enabled": True, "tracin_val_batch_size": 2, "tracin_val_num_generations": 8},
-            time_budget_from="trl",
-            what="TracIn (library schedule), stopped when the control's training time is spent",
+            compute_budget_from="trl",
+            what="TracIn (library schedule), stopped once the control's token passes are spent",
         ),
         Arm(
             "random",
@@ -263,8 +268,9 @@ ARMS: dict[str, tuple[Arm, ...]] = {
                 "num_generations": 16,
                 "per_device_train_batch_size": 16,
             },
-            time_budget_from="trl",
-            what="16 rollouts per prompt, the 8 of largest reward variance trained on, stopped at the control's time",
+            compute_budget_from="trl",
+            what="16 rollouts per prompt, the 8 of largest reward variance trained on, stopped at the control's token "
+            "passes",
         ),
     ),
     "logsearch": (
@@ -517,8 +523,8 @@ def estimate_seconds(task: Task, arm_: Arm, warmstart_steps: int) -> float:
     if arm_.trainer == "warmstart":
         spread = rates["sampled"] * task.evaluation.spread_prompts * s["num_generations"]
         return rates["sft_step"] * warmstart_steps + spread + evaluation
-    if arm_.time_budget_from is not None:
-        arm_ = arm(task.name, arm_.time_budget_from)  # stopped at that arm's training time
+    if arm_.compute_budget_from is not None:
+        arm_ = arm(task.name, arm_.compute_budget_from)  # stopped at that arm's compute, estimated as its time
     rollouts = s["max_steps"] * s["per_device_train_batch_size"] * s["gradient_accumulation_steps"]
     rate = rates["rollback_rollout"] if arm_.overrides.get("enable_tool_rollback") else rates["rollout"]
     return rate * rollouts + evaluation
@@ -588,8 +594,8 @@ def design_markdown() -> str:
         ]
         for a in ARMS[task.name]:
             extra = _settings_text(a.overrides) or "-"
-            if a.time_budget_from:
-                extra += f"; stopped at `{a.time_budget_from}`'s training time"
+            if a.compute_budget_from:
+                extra += f"; stopped once `{a.compute_budget_from}`'s token passes are spent"
             if a.keep_rate_from:
                 extra += f"; `row_selection_fraction` = `{a.keep_rate_from}`'s keep rate"
             lines.append(f"| `{a.name}` | {a.trainer} | {extra} | {a.what} |")

@@ -51,11 +51,12 @@ def load_lr_ladder(cells_dir: Path) -> dict:
 
 def stale_registrations(cells: list[dict], registration: str | None) -> list[str]:
     """The registrations other than `registration` that cells ran under, but those an amendment carried over for the
-    cell's trainer (`design.CARRIED_REGISTRATIONS`)."""
+    cell's trainer or arm (`design.CARRIED_REGISTRATIONS`)."""
     stale = set()
     for c in cells:
         recorded = c.get("preregistration")
-        if recorded != registration and c.get("trainer") not in design.CARRIED_REGISTRATIONS.get(recorded, ()):
+        carried = design.CARRIED_REGISTRATIONS.get(recorded, ())
+        if recorded != registration and c.get("trainer") not in carried and c.get("arm") not in carried:
             stale.add(str(recorded))
     return sorted(stale)
 
