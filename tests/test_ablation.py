@@ -407,6 +407,12 @@ def test_the_seconds_budget_cells_are_what_this_page_says():
         assert row in page, row
     assert cells["max_variance"]["arm_settings"]["time_budget_seconds"] == cells["trl"]["train_seconds"]
     assert not any("token_passes" in c for c in cells.values())  # why amendment 3 retired them
+    # Seed 0's `trl` computed a third time (under amendment 3) equals it in every outcome; only its times, where and
+    # when it ran, the registration and the new count differ.
+    again = json.loads((ROOT / "docs" / "ablation-cells" / "calculator" / "seed0" / "trl.json").read_text())
+    timing = {"commit", "date", "seconds", "train_seconds", "greedy_seconds", "sampled_seconds", "speed_probe_s"}
+    timing |= {"load_average_before", "load_average_after", "preregistration", "token_passes"}
+    assert {k for k in again.keys() | cells["trl"].keys() if again.get(k) != cells["trl"].get(k)} == timing
 
 
 # ------------------------------------------------------------------------------------------------ render
@@ -633,16 +639,19 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     )
     assert seed0["rollback_episodes"]["arm_settings"]["group_baseline"] == "episodes"
     assert seed0["random"]["arm_settings"]["row_selection_fraction"] == round(seed0["tracin"]["keep_rate"], 4)
-    # Amendment 3: the equal-compute arms get `trl`'s token passes; TRL's training forward and backward is its
-    # `num_tokens` (prompt and completion tokens of its batches), counted once more for the backward.
+    # Amendment 3: the equal-compute arms get `trl`'s token passes. TRL's training forward and backward covers its
+    # `num_tokens` (prompt and model tokens) and the tool results, which `num_tokens` leaves out.
     passes = seed0["trl"]["token_passes"]
     for name in ("tracin", "max_variance"):
         assert seed0[name]["arm_settings"]["token_pass_budget"] == passes["total"] > 0
         assert seed0[name]["compute_budget"]["token_passes"] == passes
-    assert passes["backward_tokens"] == seed0["trl"]["num_tokens"] and passes["backward_factor"] == 2
+    assert passes["backward_tokens"] >= seed0["trl"]["num_tokens"] and passes["backward_factor"] == 2
     assert passes["total"] == passes["forward_tokens"] + 2 * passes["backward_tokens"]
     assert passes["forward_tokens"] >= seed0["trl"]["completion_tokens"]  # prefills and decoded tokens at least
     assert all(c["token_passes"]["total"] > 0 for n, c in seed0.items() if n != "warmstart")
+    assert all(len(c["token_passes"]["per_step"]) == c["steps_done"] for n, c in seed0.items() if n != "warmstart")
+    # TracIn's validation gradient and scoring passes are paid from its budget: more than its training rows' tokens.
+    assert seed0["tracin"]["token_passes"]["backward_tokens"] > seed0["tracin"]["num_tokens"]
     assert seed0["tracin"]["validation_rollouts"] == 2 * 8  # one validation rollout: 2 prompts x 8
     # At most `max_steps` (1), also for the arms stopped by a compute budget.
     assert {c.get("steps_done", 1) for c in seed0.values()} == {1}
@@ -681,6 +690,20 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     # Cells of other settings are refused, never mixed in.
     with pytest.raises(RuntimeError, match="other settings"):
         main([a.replace("max_steps=1", "max_steps=2") for a in argv])
+
+
+def test_the_arms_table_shows_token_passes_and_the_share_of_the_budget_spent():
+    """Amendment 3: mean token passes in millions; for the equal-compute arms also the mean of each cell's own
+    spent / budget (not the ratio of the means); cells without a count (before it) show nothing."""
+    budgeted = [
+        {"token_passes": {"total": 3_300_000}, "arm_settings": {"token_pass_budget": 3_000_000}},
+        {"token_passes": {"total": 2_100_000}, "arm_settings": {"token_pass_budget": 2_000_000}},
+    ]
+    assert report._token_passes_text(budgeted) == "2.70 (1.08x budget)"  # (1.10 + 1.05) / 2
+    budgeted[1]["token_passes"]["total"] = 2_600_000
+    assert report._token_passes_text(budgeted) == "2.95 (1.20x budget)"  # (1.10 + 1.30) / 2; the means' ratio 1.18
+    assert report._token_passes_text([{"token_passes": {"total": 1_234_567}, "arm_settings": {}}]) == "1.23"
+    assert report._token_passes_text([{"train_seconds": 1461.0}]) == "–"
 
 
 def test_nothing_runs_without_a_registration(tmp_path):

@@ -36,6 +36,8 @@ def test_forwards_count_their_unpadded_tokens_and_a_backward_counts_twice(lora_m
     with torch.no_grad():
         lora_model(input_ids=ids, attention_mask=mask)  # detached: not counted
     assert counter.total == 40
+    with compute.TokenPasses(lora_model), pytest.raises(ValueError, match="2-D attention mask"):
+        lora_model(input_ids=ids, attention_mask=mask[:, :2])  # a mask the unit cannot read is refused, not guessed
 
 
 def test_generation_counts_its_prefill_and_each_decoded_token_once(lora_model):
@@ -54,7 +56,8 @@ def test_generation_counts_its_prefill_and_each_decoded_token_once(lora_model):
 @pytest.mark.parametrize(("budget", "steps"), [(10**12, 2), (1, 1)])
 def test_the_budget_stops_training_and_never_outlasts_max_steps(tiny_model_dir, tmp_path, budget, steps):
     """A budget not yet spent leaves `max_steps` in charge; a spent one stops after the first step. TRL's training
-    forward and backward is exactly its `num_tokens` (prompt and completion tokens of its batches)."""
+    forward and backward is exactly its `num_tokens` (prompt and completion tokens of its batches; with tools,
+    `num_tokens` leaves the tool results out, which the forward processes)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -74,6 +77,8 @@ def test_the_budget_stops_training_and_never_outlasts_max_steps(tiny_model_dir, 
     with counter:
         trainer.train()
     assert trainer.state.global_step == steps
+    assert len(counter.per_step) == steps and counter.per_step[-1] == counter.total
+    assert counter.per_step == sorted(counter.per_step) and counter.per_step[0] > 0
     num_tokens = max(h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h)
     assert counter.backward_tokens == num_tokens
     # Generation: each row's prompt once, then at most 4 decoded positions per row (the batch runs to its longest).

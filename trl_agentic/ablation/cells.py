@@ -613,7 +613,7 @@ def _train(arm_: Arm, model, tokenizer, task, task_args, args, eval_keys: set[st
     )
     counter = TokenPasses(model)
     budget = arm_settings.get("token_pass_budget")
-    callbacks = [stop_at_token_passes(budget, counter)] if budget is not None else []
+    callbacks = [stop_at_token_passes(budget, counter)]  # records the count per step; stops only with a budget
     if arm_.trainer == "trl":
         trainer = GRPOTrainer(**kwargs, callbacks=callbacks)
     else:
@@ -647,7 +647,8 @@ def _train(arm_: Arm, model, tokenizer, task, task_args, args, eval_keys: set[st
         "rewards": [h["reward"] for h in steps],
         "spread_per_step": [1.0 - h["frac_reward_zero_std"] for h in steps if "frac_reward_zero_std" in h],
         "rollouts": rollouts_per_step * len(steps),
-        # Completion tokens rolled out in training (model and tool tokens; TRL's `completions/mean_length`).
+        # Tokens the model generated in training (TRL's `completions/mean_length`: tool results, `tool_mask` 0, are not
+        # in it).
         "completion_tokens": sum(h.get("completions/mean_length", 0.0) * rollouts_per_step for h in steps),
         "num_tokens": max((h.get("num_tokens", 0) for h in history), default=0),
         "token_passes": counter.record(),  # the equal-compute unit (amendment 3, `compute`)

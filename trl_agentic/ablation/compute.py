@@ -6,12 +6,16 @@ is one token through the base model's decoder, counted by a forward pre-hook, so
 machine, its load or the session: a deterministic run records the same count anywhere.
 
 What a pass counts: every forward of the decoder adds the tokens it processes (its new positions whose attention
-mask is 1; all of them without a mask), so generation counts its prefill and each decoded token once, a prefix
-reused from a cache is not counted again, and padding is not counted. A forward with autograd on is followed by a
-backward through the frozen base weights (LoRA: gradients with respect to activations, about one forward's
-multiply-adds), so it counts `BACKWARD_FACTOR` = 2 times. Left out, for every arm alike: attention's cost growing
-with the context, and work outside the decoder's forward and backward (TracIn's per-row products in its LoRA hooks,
-the optimizer, the tool calls).
+mask is 1; all of them without a mask), so generation counts its prefill and each decoded token once, and a prefix
+reused from a cache is not counted again. Padding a batch holds is not counted where the mask marks it: a prompt's
+left padding, a training row's positions after its end; rows that finished generating keep decoding until the batch
+does, with mask 1 (transformers extends it), and are counted, as the work is done. A forward with autograd on is
+followed by a backward through the frozen base weights (LoRA: gradients with respect to activations, about one
+forward's multiply-adds), so it counts `BACKWARD_FACTOR` = 2 times; TracIn's scoring pass (a backward to the LoRA
+outputs) is such a pair too, and with `steps_per_generation > 1` TracIn trains every row, the rejected ones masked,
+so it pays that pass for every row. Left out: attention's cost growing with the context and the LM head (outside
+the decoder; proportional to the positions whose logits are computed), for every arm alike; the optimizer and the
+tools; and TracIn's per-row products in its LoRA hooks (a few % of a scoring pass at r=16), which favours `tracin`.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class TokenPasses:
         self._handle = None
         self.forward_tokens = 0
         self.backward_tokens = 0
+        self.per_step: list[int] = []  # the total after each optimizer step (`stop_at_token_passes`)
 
     @property
     def total(self) -> int:
@@ -69,10 +74,15 @@ class TokenPasses:
         shape = ids.shape if ids is not None else kwargs["inputs_embeds"].shape[:2]
         new = shape[1]
         mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == shape[0] and mask.shape[1] >= new:
-            tokens = int(mask[:, mask.shape[1] - new :].sum())
-        else:  # no (2-D) mask: every position is a token
+        if mask is None:  # every position is a token
             tokens = shape[0] * new
+        elif isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == shape[0] and mask.shape[1] >= new:
+            tokens = int(mask[:, mask.shape[1] - new :].sum())
+        else:  # a 4-D mask (compileable caches) would silently count padding: the unit must not change unseen
+            raise ValueError(
+                f"TokenPasses counts a 2-D attention mask of at least {new} columns; got {type(mask).__name__} of "
+                f"shape {tuple(getattr(mask, 'shape', ()))}."
+            )
         if torch.is_grad_enabled():
             self.backward_tokens += tokens
         else:
@@ -84,18 +94,21 @@ class TokenPasses:
             "forward_tokens": self.forward_tokens,
             "backward_tokens": self.backward_tokens,
             "backward_factor": BACKWARD_FACTOR,
+            "per_step": list(self.per_step),
         }
 
 
-def stop_at_token_passes(budget: int, counter: TokenPasses):
+def stop_at_token_passes(budget: int | None, counter: TokenPasses):
     """A `TrainerCallback` that stops training at the end of the first optimizer step after which `counter` has
-    counted `budget` token passes (with a constant learning rate a stopped run is a prefix of a longer one). It never
-    clears a stop `max_steps` asked for."""
+    counted `budget` token passes (with a constant learning rate a stopped run is a prefix of a longer one; the last
+    step may overshoot the budget, by less than one step). It never clears a stop `max_steps` asked for. It also
+    records `counter.total` after every step in `counter.per_step` (`budget=None`: only that)."""
     from transformers import TrainerCallback
 
     class StopAtTokenPasses(TrainerCallback):
         def on_step_end(self, _args, state, control, **kwargs):
-            if counter.total >= budget:
+            counter.per_step.append(counter.total)
+            if budget is not None and counter.total >= budget:
                 control.should_training_stop = True
 
     return StopAtTokenPasses()

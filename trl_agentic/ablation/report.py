@@ -361,20 +361,22 @@ def _arm_lines(cells: dict) -> list[str]:
         "### Arms",
         "",
         "Means over seeds with t intervals over seeds. *Train* and *eval* are wall times per seed on the recorded "
-        "machine; *completion tokens* are those rolled out in training (model and tool tokens, TRL's "
-        "`completions/mean_length`), *groups with a spread* the share of GRPO groups with a reward spread over the "
-        "training steps (warm start: its spread check), *peak context* the longest context of a sampled evaluation "
-        "episode.",
+        "machine; *completion tokens* are those the model generated in training (TRL's "
+        "`completions/mean_length`), *token passes* the tokens through the model in training, a backward counted "
+        "twice (amendment 3, `trl_agentic/ablation/compute.py`; for the equal-compute arms with the share of their "
+        "budget spent: the last step overshoots it), *groups with a spread* the share of GRPO groups with a reward "
+        "spread over the training steps (warm start: its spread check), *peak context* the longest context of a "
+        "sampled evaluation episode.",
         "",
         "| task | arm | seeds | sampled success | greedy success | train (s) | eval (s) | steps | rollouts | "
-        "groups with a spread | completion tokens | peak context | fired (per seed) |",
-        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "groups with a spread | completion tokens | token passes (M) | peak context | fired (per seed) |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for task in design.TASKS.values():
         for arm in design.ARMS[task.name]:
             found = [c for (t, _, a), c in sorted(cells.items()) if t == task.name and a == arm.name]
             if not found:
-                lines.append(f"| {task.name} | {arm.label} | 0 | – | – | – | – | – | – | – | – | – | – |")
+                lines.append(f"| {task.name} | {arm.label} | 0 | – | – | – | – | – | – | – | – | – | – | – |")
                 continue
             sampled = stats.t_interval([_mean(c["sampled"]) for c in found])
             greedy = stats.t_interval([_mean(c["greedy"]) for c in found])
@@ -386,6 +388,7 @@ def _arm_lines(cells: dict) -> list[str]:
             validation = _mean([c.get("validation_rollouts", 0) for c in found])
             tokens = _mean([c.get("completion_tokens", 0.0) for c in found])
             peak = _mean([c.get("sampled_peak_context_tokens") or 0.0 for c in found])
+            passes_text = _token_passes_text(found)
             fired = {}
             for c in found:
                 for k, v in (c.get("fired") or {}).items():
@@ -401,10 +404,24 @@ def _arm_lines(cells: dict) -> list[str]:
                 f"| {task.name} | {arm.label} | {n} | {_fmt(sampled.mean)} {_interval(sampled)} | "
                 f"{_fmt(greedy.mean)} {_interval(greedy)} | {train:.0f} | {evaluation:.0f} | {steps:.1f} | "
                 f"{rollouts_text if arm.trainer != 'warmstart' else '-'} | {spread_text} | "
-                f"{tokens:.0f} | {peak:.0f} | {fired_text} |"
+                f"{tokens:.0f} | {passes_text} | {peak:.0f} | {fired_text} |"
             )
     lines.append("")
     return lines
+
+
+def _token_passes_text(found: list[dict]) -> str:
+    """Mean token passes over the cells that counted them (millions), with the mean share of the budget spent where
+    the cells had one (amendment 3); `–` before amendment 3 and for the warm start."""
+    counted = [c for c in found if c.get("token_passes")]
+    if not counted:
+        return "–"
+    text = f"{_mean([c['token_passes']['total'] / 1e6 for c in counted]):.2f}"
+    budgets = [c for c in counted if c.get("arm_settings", {}).get("token_pass_budget")]
+    if budgets:
+        share = _mean([c["token_passes"]["total"] / c["arm_settings"]["token_pass_budget"] for c in budgets])
+        text += f" ({share:.2f}x budget)"
+    return text
 
 
 def plot(cells: dict, path: Path) -> None:
