@@ -20,11 +20,12 @@ DESIGN = "v2.1"
 AMENDMENT = 3
 # Cells recorded under an earlier registration that the amendments since left valid, by trainer or arm name:
 # amendment 2 changed only the RL arms, so the calibration and warm-start cells of amendment 1's registration stay
-# (their settings hash is unchanged too); amendment 3 changed only the equal-compute budget (`tracin`, `max_variance`)
-# and so `random`, which takes `tracin`'s keep rate.
+# (their settings hash is unchanged too); amendment 3 changed only the equal-compute budget (`tracin`,
+# `max_variance`). `random` takes `tracin`'s keep rate: its cell stands while `tracin`'s, under amendment 3, records
+# that rate (`cells.check_derived`, on every read).
 CARRIED_REGISTRATIONS = {
     "ecf7de194cad": ("warmstart",),
-    "458ecf0d147b": ("warmstart", "trl", "feedback", "rollback", "rollback_episodes", "rft"),
+    "458ecf0d147b": ("warmstart", "trl", "feedback", "rollback", "rollback_episodes", "rft", "random"),
 }
 
 # ------------------------------------------------------------------------------------------------ decision rule
