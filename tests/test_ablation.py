@@ -693,6 +693,17 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
         main([a.replace("max_steps=1", "max_steps=2") for a in argv])
 
 
+def test_an_equal_compute_arm_refuses_a_source_cell_without_token_passes(tmp_path, monkeypatch):
+    """A `trl` cell recorded before amendment 3 (no count) gives no budget: the arm stops before any training and
+    names the cell to delete, instead of running unbounded or on seconds."""
+    monkeypatch.setattr(cells_mod, "run_cell", lambda task, seed, arm, ctx: {"arm": arm.name, "train_seconds": 1461.0})
+    ctx = cells_mod.Context(out=tmp_path, cells=tmp_path, doc=tmp_path / "ablation.md", overrides={})
+    task = design.TASKS["calculator"]
+    with pytest.raises(RuntimeError, match=r"`trl` \(seed 3\) was recorded without token passes.*`tracin`"):
+        cells_mod._compute(task, 3, design.arm("calculator", "tracin"), {}, {}, ctx, tmp_path / "t.json", {})
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_the_arms_table_shows_token_passes_and_the_share_of_the_budget_spent():
     """Amendment 3: mean token passes in millions; for the equal-compute arms also the mean of each cell's own
     spent / budget (not the ratio of the means); cells without a count (before it) show nothing."""
