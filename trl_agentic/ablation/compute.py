@@ -26,10 +26,9 @@ BACKWARD_FACTOR = 2  # forward + the activation-gradient backward of frozen weig
 def _decoder(model):
     """The module every forward of `model` passes through, whichever wrapper (PEFT, accelerate's autocast, the
     prefix cache's prefill on the base model) was called: the base model's decoder."""
-    model = getattr(model, "_orig_mod", model)  # `torch.compile`'s wrapper
-    get_base_model = getattr(model, "get_base_model", None)
-    base = get_base_model() if callable(get_base_model) else model
-    return base.get_decoder()
+    from ..rollout.prefix_cache import generation_module  # the base model, past torch.compile's and PEFT's wrappers
+
+    return generation_module(model).get_decoder()
 
 
 class TokenPasses:
