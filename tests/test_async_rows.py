@@ -191,6 +191,18 @@ def test_pushed_rows_are_the_rows_the_synchronous_trainer_trains(status, extra, 
         k for e, k in enumerate(kept_extras) if not untrained[n + e]
     }
     assert [k for k, _ in got] == [k for k in range(len(layout)) if k in sync_trained and layout[k][2]]
+    # For an estimator on the trainer side the rows without a trained token are pushed too (they are in the
+    # statistics): every row the synchronous trainer keeps in its loss, at the same positions.
+    _, with_tokenless = score_group_rows(
+        rows,
+        [c for c, _, _ in layout],
+        [value[status[c]] for c, _, _ in layout],
+        n,
+        _args(max_negative_samples_per_group=cap),
+        tokenless=True,
+    )
+    assert [k for k, _ in with_tokenless] == sorted(sync_trained)
+    assert set(got) <= set(with_tokenless)
     # Positions index the kept rows (the advantages' order); a lost rollout's reward is outside the statistics.
     kept = [k for k in range(len(layout)) if scored.keep[k]]
     assert all(kept[j] == k for k, j in got)
@@ -213,3 +225,68 @@ def test_a_lost_rollouts_negative_row_is_pushed_with_its_penalty_and_stays_in_th
     torch.testing.assert_close(scored.advantages[[0, 1, 2]], expected[:3], atol=1e-3, rtol=0)  # TRL's std + 1e-4
     assert float(scored.advantages[4]) == pytest.approx(min(float(expected[3]), 0.0), abs=1e-3)
     assert float(scored.advantages[5]) == 0.0 and math.isnan(float(scored.rewards[5]))
+
+
+def test_a_trainer_side_estimator_sees_the_rows_without_a_trained_token_which_are_then_not_trained():
+    """An estimator on the trainer side (`advantage_estimator != "grpo"`) gets the group as the worker scored it.
+
+    Conversations with rewards 1, 0, 0, 0; the last one's row has no trained token (it is in the statistics, as in
+    the synchronous trainer, but has nothing to train). The worker pushes it flagged untrained; the stage runs the
+    estimator (here GRPO itself, so the result must be the worker's own advantages) on all four rows and passes on the
+    three trained ones only. Without the fourth row the estimator's baseline would be 1/3, not 1/4."""
+    import queue
+
+    import numpy as np
+
+    from trl_agentic.async_grpo.stage import AgenticRolloutQueue
+    from trl_agentic.async_grpo.worker import AgenticRolloutSample
+    from trl_agentic.estimators import grpo_estimator
+
+    rows = [_sequence(0, True), _sequence(0, True), _sequence(0, True), _sequence(0, False)]
+    args = _args()
+    scored, pushed = score_group_rows(rows, [0, 1, 2, 3], [1.0, 0.0, 0.0, 0.0], 4, args, tokenless=True)
+    assert [k for k, _ in pushed] == [0, 1, 2, 3]
+    inner = queue.Queue()
+    for k, j in pushed:
+        row = rows[k]
+        inner.put(
+            AgenticRolloutSample(
+                prompt=[],
+                completion=[],
+                input_ids=np.asarray(row.input_ids),
+                completion_mask=np.asarray(row.completion_mask),
+                old_log_probs=np.zeros(len(row.input_ids), dtype=np.float32),
+                advantage=0.0,
+                model_version=0,
+                group_id=5,
+                metrics={},
+                row_kind=int(row.kind),
+                reward=float(scored.rewards[j]),
+                episode=k,
+                group_rows=len(pushed),
+                trained=any(row.completion_mask),
+            )
+        )
+    seen = []
+
+    def estimator(batch, trainer):
+        seen.append(batch.rewards.tolist())
+        return grpo_estimator(batch, trainer)
+
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(**vars(args), temperature=1.0, chat_template_kwargs=None, max_staleness=4),
+        processing_class=None,
+        _metrics={"train": __import__("collections").defaultdict(list)},
+        accelerator=SimpleNamespace(device=torch.device("cpu")),
+        model_version=0,
+        _observed_rows=[],
+    )
+    stage = AgenticRolloutQueue(trainer, inner, estimator=estimator)
+    out = [stage.get(timeout=1) for _ in range(3)]
+    assert seen == [[1.0, 0.0, 0.0, 0.0]]
+    assert [s.episode for s in out] == [0, 1, 2] and inner.empty() and stage.qsize() == 0
+    assert [s.group_rows for s in out] == [3, 3, 3]
+    values = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    expected = (values - values.mean()) / (values.std() + 1e-4)  # the synchronous rule, over all four rows
+    torch.testing.assert_close(torch.tensor([s.advantage for s in out]), expected[:3], atol=1e-5, rtol=0)
+    torch.testing.assert_close(scored.advantages[:3], expected[:3], atol=1e-5, rtol=0)

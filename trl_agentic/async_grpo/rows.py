@@ -307,6 +307,7 @@ def score_group_rows(
     num_conversations: int,
     args,
     segment_terms: list[float] | None = None,
+    tokenless: bool = False,
 ) -> tuple[GroupRows, list[tuple[int, int]]]:
     """What the async worker does with a scored group: `group_row_advantages`, then `trained_rows`.
 
@@ -316,6 +317,9 @@ def score_group_rows(
         row_rewards: Per row, the reward TRL stamped on it (its conversation's; NaN when unscorable).
         num_conversations: Conversations in the group.
         args / segment_terms: As for `group_row_advantages`.
+        tokenless: Also return the rows `trained_rows` leaves out only for having no trained token. They are in the
+            group's statistics, so an estimator run on the trainer side must see them too (the stage drops them
+            after it ran); with the worker's own advantages they are not pushed.
     """
     rewards = [math.nan] * num_conversations
     lost = set()
@@ -328,7 +332,6 @@ def score_group_rows(
     scored = group_row_advantages(
         rewards, row_conversation, kinds, [row.error_types for row in rows], args, segment_terms
     )
-    trained = trained_rows(
-        scored.keep, kinds, [c in lost for c in row_conversation], [any(row.completion_mask) for row in rows]
-    )
+    has_tokens = [tokenless or any(row.completion_mask) for row in rows]
+    trained = trained_rows(scored.keep, kinds, [c in lost for c in row_conversation], has_tokens)
     return scored, trained

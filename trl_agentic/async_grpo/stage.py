@@ -7,7 +7,8 @@
   `sample/staleness_{kind}_mean` / `_max`, and the rows `max_staleness` is about to drop as
   `sample/dropped_stale_{kind}_total` (`kind` = regular, negative, snapshot, expansion). The drop itself is TRL's.
 - **Estimators.** When `advantage_estimator` is not `"grpo"`, the rows of a group (pushed one after the other by the
-  worker, `group_rows` of them) are collected and the estimator is called once per group through the estimator
+  worker, `group_rows` of them, including the rows without a trained token: they are in the group's statistics and
+  are dropped once the estimator ran) are collected and the estimator is called once per group through the estimator
   protocol (`trl_agentic.estimators`): an `AdvantageBatch` of the group (`rows.advantage_batch`), and as `trainer` an
   `EstimatorHost`, which gives an estimator the attributes of `AgenticGRPOTrainer` the built-in ones use (the
   tokenizer, the model, one-turn generation through the vLLM server with the current adapter, per-token log-probs).
@@ -152,12 +153,12 @@ class AgenticRolloutQueue:
         while not self._ready:
             sample = self._inner.get(timeout=timeout)  # `queue.Empty` reaches TRL's dataset, which polls again
             if self._estimator is None or getattr(sample, "group_rows", 0) <= 0:
-                self._ready.append(sample)
+                self._ready.extend([sample] if getattr(sample, "trained", True) else [])
                 continue
             self._pending.append(sample)
             if len(self._pending) >= sample.group_rows:
                 group, self._pending = self._pending, []
-                self._ready.extend(self._estimate(group))
+                self._ready.extend(s for s in self._estimate(group) if getattr(s, "trained", True))
         sample = self._ready.popleft()
         self._observe(sample)
         return sample
@@ -216,6 +217,9 @@ class AgenticRolloutQueue:
         for k, s in enumerate(group):
             s.advantage = _row_advantage(advantages[k], batch.prompt_ids.size(1), batch.prompt_mask[k], s)
         out = list(group)
+        pushed = len(group) - sum(not getattr(s, "trained", True) for s in group)  # what `get` passes on
+        for s in group:
+            s.group_rows = pushed
         for k, row in enumerate(extra):
             parent = group[row.parent]
             ids, mask, lps = row_from_tokens(row.prompt_ids, row.completion_ids, row.tool_mask, row.logprobs)
@@ -239,7 +243,7 @@ class AgenticRolloutQueue:
                     row_kind=int(RowKind.EXPANSION),
                     reward=parent.reward,
                     episode=parent.episode,
-                    group_rows=len(group) + len(extra),
+                    group_rows=pushed + len(extra),
                     policy_versions=parent.policy_versions,
                 )
             )

@@ -75,9 +75,10 @@ class AgenticRolloutSample(RolloutSample):
         baseline_rows: Number of rows of its group its advantage was computed over; more than `group_rows` when a
             row was scored but not pushed (`rows.trained_rows`: a lost rollout's regular or snapshot row, or a row
             without a trained token).
+        trained: False for a row without a trained token, pushed only when an estimator runs on the trainer side
+            (it is in the group's statistics, so the estimator must see it); the stage drops it after the estimator.
         policy_versions: `(first, last)` policy version that generated a turn of the trajectory; `model_version` is,
             as in TRL, the version when the group started (the `max_staleness` bound reads it, for every row kind).
-        token_advantages: Per-token advantages set by a token-level estimator on the trainer side (else None).
     """
 
     row_kind: int = 0
@@ -86,7 +87,7 @@ class AgenticRolloutSample(RolloutSample):
     group_rows: int = 0
     baseline_rows: int = 0
     policy_versions: tuple = (0, 0)
-    token_advantages: object = None
+    trained: bool = True
 
 
 class _Stopping(Exception):
@@ -185,8 +186,9 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
     Args:
         agentic (`dict`, *optional*):
             `None` keeps TRL's behaviour exactly. Otherwise `{"loop": LoopConfig fields, "advantage": the fields
-            `rows.group_row_advantages` reads, "max_model_len": int, "seed": int}` (plain values: they are pickled into
-            the spawned child).
+            `rows.group_row_advantages` reads, "max_model_len": int, "seed": int, "push_tokenless": bool (an estimator
+            runs on the trainer side: push the rows without a trained token too, `rows.score_group_rows`)}` (plain
+            values: they are pickled into the spawned child).
         **kwargs: TRL's `_AsyncRolloutLoop` arguments.
     """
 
@@ -335,6 +337,7 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
             len(group.completions_sequences),
             self._adv_args,
             terms,
+            tokenless=self._agentic.get("push_tokenless", False),
         )
         out = []
         for k, j in trained:
@@ -357,12 +360,13 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
                     reward=reward,
                     episode=conversation[k],
                     policy_versions=tuple(row.policy_versions),
+                    trained=any(row.completion_mask),
                 )
             )
         for sample in out:
             sample.group_rows, sample.baseline_rows = len(out), int(sum(scored.keep))
-        kinds = [s.row_kind for s in out]
-        self._counters["groups/rows_total"] += len(out)
+        kinds = [s.row_kind for s in out if s.trained]
+        self._counters["groups/rows_total"] += len(kinds)
         self._counters["negatives/rows_total"] += kinds.count(int(RowKind.NEGATIVE))
         self._counters["snapshots/rows_total"] += kinds.count(int(RowKind.SNAPSHOT))
         return out
