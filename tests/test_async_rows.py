@@ -16,6 +16,7 @@ from trl_agentic.advantages import group_advantages
 from trl_agentic.async_grpo.rows import (
     AgenticSequence,
     group_row_advantages,
+    pushed_rows,
     row_from_tokens,
     score_group_rows,
     sequences_from_loop,
@@ -60,9 +61,10 @@ rows_strategy = st.lists(
     scale=st.sampled_from(["group", "none"]),
     floor=st.sampled_from([0.1, 0.5]),
     order=st.randoms(use_true_random=False),
+    iterations=st.lists(st.integers(0, 2), min_size=10, max_size=10),
 )
 def test_group_rows_follow_the_synchronous_rules(
-    rewards, extra, baseline, snapshot_advantage, cap, scale, floor, order
+    rewards, extra, baseline, snapshot_advantage, cap, scale, floor, order, iterations
 ):
     args = _args(
         group_baseline=baseline,
@@ -76,14 +78,20 @@ def test_group_rows_follow_the_synchronous_rules(
     conversation = [c for c, _, _ in rows]
     kinds = [k for _, k, _ in rows]
     errors = [e for _, _, e in rows]
-    got = group_row_advantages(rewards, conversation, kinds, errors, args)
+    # The cap keeps the negatives saved in the earliest loop iterations (ties: row order).
+    got = group_row_advantages(rewards, conversation, kinds, errors, args, cap_order=iterations[: len(rows)])
+    negatives = [k for k in range(len(rows)) if kinds[k] == RowKind.NEGATIVE]
+    capped = {
+        k
+        for k in negatives
+        if sum(iterations[m] < iterations[k] or (iterations[m] == iterations[k] and m < k) for m in negatives) < cap
+    }
 
     # Plain loop: the rules as documented.
-    keep, row_rewards, in_baseline, row_kinds, row_conv, negatives = [], [], [], [], [], 0
-    for conv, kind, types in zip(conversation, kinds, errors):
+    keep, row_rewards, in_baseline, row_kinds, row_conv = [], [], [], [], []
+    for k, (conv, kind, types) in enumerate(zip(conversation, kinds, errors)):
         if kind == RowKind.NEGATIVE:
-            ok = negatives < cap
-            negatives += ok
+            ok = k in capped
             matched = [args.negative_reward_by_error[t] for t in types if t in args.negative_reward_by_error]
             reward = min(matched) if matched else args.negative_sample_reward
         else:
@@ -191,18 +199,13 @@ def test_pushed_rows_are_the_rows_the_synchronous_trainer_trains(status, extra, 
         k for e, k in enumerate(kept_extras) if not untrained[n + e]
     }
     assert [k for k, _ in got] == [k for k in range(len(layout)) if k in sync_trained and layout[k][2]]
-    # For an estimator on the trainer side the rows without a trained token are pushed too (they are in the
-    # statistics): every row the synchronous trainer keeps in its loss, at the same positions.
-    _, with_tokenless = score_group_rows(
-        rows,
-        [c for c, _, _ in layout],
-        [value[status[c]] for c, _, _ in layout],
-        n,
-        _args(max_negative_samples_per_group=cap),
-        tokenless=True,
-    )
-    assert [k for k, _ in with_tokenless] == sorted(sync_trained)
-    assert set(got) <= set(with_tokenless)
+    kept_all = range(len(layout))
+    # For an estimator on the trainer side every kept row is pushed, flagged whether it is trained: the rows the
+    # synchronous trainer's estimator sees (its whole batch), and among them the ones it trains.
+    pushed = pushed_rows(scored.keep, got, untrained=True)
+    assert [(k, j) for k, j, _ in pushed] == [(k, j) for j, k in enumerate(k for k in kept_all if scored.keep[k])]
+    assert [k for k, _, trained in pushed if trained] == [k for k, _ in got]
+    assert pushed_rows(scored.keep, got, untrained=False) == [(k, j, True) for k, j in got]
     # Positions index the kept rows (the advantages' order); a lost rollout's reward is outside the statistics.
     kept = [k for k in range(len(layout)) if scored.keep[k]]
     assert all(kept[j] == k for k, j in got)
@@ -227,14 +230,17 @@ def test_a_lost_rollouts_negative_row_is_pushed_with_its_penalty_and_stays_in_th
     assert float(scored.advantages[5]) == 0.0 and math.isnan(float(scored.rewards[5]))
 
 
-def test_a_trainer_side_estimator_sees_the_rows_without_a_trained_token_which_are_then_not_trained():
+def test_a_trainer_side_estimator_sees_the_group_the_synchronous_trainer_would_and_only_trained_rows_go_on():
     """An estimator on the trainer side (`advantage_estimator != "grpo"`) gets the group as the worker scored it.
 
-    Conversations with rewards 1, 0, 0, 0; the last one's row has no trained token (it is in the statistics, as in
-    the synchronous trainer, but has nothing to train). The worker pushes it flagged untrained; the stage runs the
-    estimator (here GRPO itself, so the result must be the worker's own advantages) on all four rows and passes on the
-    three trained ones only. Without the fourth row the estimator's baseline would be 1/3, not 1/4."""
+    Conversations with rewards 1, 0, 0 and a fourth lost to infrastructure after saving a failed attempt (penalty -1).
+    The third conversation's row has no trained token. As in the synchronous trainer's batch, the estimator sees all
+    five rows: the tokenless row in the statistics, the lost row with its NaN reward as the negative row's anchor (not
+    -1), both untrained rows with a zero loss mask. Here the estimator is GRPO itself, so its result must be the
+    worker's own advantages (checked by hand: mean 0 and unbiased std over 1, 0, 0, -1); only the three trained rows
+    are passed on. Without the tokenless row the baseline would be 0 over 1, 0, -1 with another std."""
     import queue
+    from collections import defaultdict
 
     import numpy as np
 
@@ -242,12 +248,15 @@ def test_a_trainer_side_estimator_sees_the_rows_without_a_trained_token_which_ar
     from trl_agentic.async_grpo.worker import AgenticRolloutSample
     from trl_agentic.estimators import grpo_estimator
 
-    rows = [_sequence(0, True), _sequence(0, True), _sequence(0, True), _sequence(0, False)]
+    rows = [_sequence(0, True), _sequence(0, True), _sequence(0, False), _sequence(0, True, lost=True)]
+    rows.append(_sequence(int(RowKind.NEGATIVE), True, errors=["ValueError"]))
+    conversation = [0, 1, 2, 3, 3]
     args = _args()
-    scored, pushed = score_group_rows(rows, [0, 1, 2, 3], [1.0, 0.0, 0.0, 0.0], 4, args, tokenless=True)
-    assert [k for k, _ in pushed] == [0, 1, 2, 3]
+    scored, trained = score_group_rows(rows, conversation, [1.0, 0.0, 0.0, 0.0, 0.0], 4, args)
+    assert trained == [(0, 0), (1, 1), (4, 4)]
+    pushed = pushed_rows(scored.keep, trained, untrained=True)
     inner = queue.Queue()
-    for k, j in pushed:
+    for k, j, is_trained in pushed:
         row = rows[k]
         inner.put(
             AgenticRolloutSample(
@@ -256,37 +265,96 @@ def test_a_trainer_side_estimator_sees_the_rows_without_a_trained_token_which_ar
                 input_ids=np.asarray(row.input_ids),
                 completion_mask=np.asarray(row.completion_mask),
                 old_log_probs=np.zeros(len(row.input_ids), dtype=np.float32),
-                advantage=0.0,
+                advantage=float(scored.advantages[j]),
                 model_version=0,
                 group_id=5,
                 metrics={},
                 row_kind=int(row.kind),
                 reward=float(scored.rewards[j]),
-                episode=k,
+                episode=conversation[k],
                 group_rows=len(pushed),
-                trained=any(row.completion_mask),
+                trained=is_trained,
             )
         )
     seen = []
 
     def estimator(batch, trainer):
-        seen.append(batch.rewards.tolist())
+        seen.append(batch)
         return grpo_estimator(batch, trainer)
 
     trainer = SimpleNamespace(
         args=SimpleNamespace(**vars(args), temperature=1.0, chat_template_kwargs=None, max_staleness=4),
         processing_class=None,
-        _metrics={"train": __import__("collections").defaultdict(list)},
-        accelerator=SimpleNamespace(device=torch.device("cpu")),
+        _metrics={"train": defaultdict(list)},
+        accelerator=SimpleNamespace(device=torch.device("cpu"), unwrap_model=lambda m: m),
+        model=torch.nn.Linear(1, 1).eval(),  # eval mode, as a full model before the first training step
         model_version=0,
         _observed_rows=[],
     )
     stage = AgenticRolloutQueue(trainer, inner, estimator=estimator)
     out = [stage.get(timeout=1) for _ in range(3)]
-    assert seen == [[1.0, 0.0, 0.0, 0.0]]
-    assert [s.episode for s in out] == [0, 1, 2] and inner.empty() and stage.qsize() == 0
+    assert inner.empty() and stage.qsize() == 0 and trainer.model.training
+    (batch,) = seen
+    torch.testing.assert_close(batch.rewards, torch.tensor([1.0, 0.0, 0.0, math.nan, -1.0]), equal_nan=True)
+    assert batch.episode_ids.tolist() == [0, 1, 2, 3, 3]
+    assert batch.loss_mask.sum(dim=1).tolist() == [1, 1, 0, 0, 1]
+    assert [s.episode for s in out] == [0, 1, 3] and [s.row_kind for s in out] == [0, 0, int(RowKind.NEGATIVE)]
     assert [s.group_rows for s in out] == [3, 3, 3]
-    values = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    expected = (values - values.mean()) / (values.std() + 1e-4)  # the synchronous rule, over all four rows
-    torch.testing.assert_close(torch.tensor([s.advantage for s in out]), expected[:3], atol=1e-5, rtol=0)
-    torch.testing.assert_close(scored.advantages[:3], expected[:3], atol=1e-5, rtol=0)
+    values = torch.tensor([1.0, 0.0, 0.0, -1.0])
+    expected = (values - values.mean()) / (values.std() + 1e-4)  # the synchronous rule over the four scored rows
+    torch.testing.assert_close(torch.tensor([s.advantage for s in out]), expected[[0, 1, 3]], atol=1e-5, rtol=0)
+    torch.testing.assert_close(scored.advantages[[0, 1, 4]], expected[[0, 1, 3]], atol=1e-5, rtol=0)
+
+
+def test_the_negative_cap_keeps_the_earliest_failures_as_the_synchronous_loop_does(tiny_tokenizer):
+    """Cap 1, two rollouts of one group: rollout 0 fails at its second turn (iteration 1), rollout 1 at its first
+    (iteration 0). The synchronous loop keeps rollout 1's failure (its quota is spent when rollout 0 fails). In the
+    asynchronous worker each trajectory runs a loop of its own (both save their failure) and rollout 0 finishes first;
+    the group's cap must still keep rollout 1's, not the first in row order."""
+    from rollout_helpers import LedgerEnv, ScriptBackend, call, run_loop
+
+    from trl_agentic.config import DEFAULT_INFRA_ERROR_TYPES, DEFAULT_ROLLBACK_ON_ERRORS
+    from trl_agentic.rollout.loop import LoopConfig
+
+    config = LoopConfig(
+        rollback_on_errors=list(DEFAULT_ROLLBACK_ON_ERRORS),
+        infra_error_types=list(DEFAULT_INFRA_ERROR_TYPES),
+        enable_tool_rollback=True,
+        save_negative_samples=True,
+        max_negative_samples_per_group=1,
+    )
+    good1, bad, good2, final = call("add", n=1), call("add", n="x"), call("add", n=2), "Done.<|im_end|>"
+    # Synchronous: one loop, both rollouts stepped together.
+    b = ScriptBackend(tiny_tokenizer, [[bad, good2], [good2, final], [final]])
+    *_, sync = run_loop(b, [good1, bad], [LedgerEnv(), LedgerEnv()], config, group_ids=[7, 7])
+    (kept,) = [e for e in sync.extra_rows if e.kind == RowKind.NEGATIVE]
+    assert kept.parent == 1 and kept.iteration == 0
+
+    # Asynchronous: one loop per trajectory; rollout 0 finished first, so its rows come first.
+    group = []
+    for first, script, rollout_id in (
+        (good1, [[bad], [good2], [final]], "b7"),
+        (bad, [[good2], [final]], "a3"),
+    ):
+        b = ScriptBackend(tiny_tokenizer, script)
+        _, prompt_ids, (tool_mask, _, completion_ids, logprobs, *_), result = run_loop(
+            b, [first], [LedgerEnv()], config, group_ids=[7]
+        )
+        group.append(
+            sequences_from_loop(
+                prompt_ids[0], completion_ids[0], tool_mask[0], logprobs[0], result.extra_rows, rollout_id
+            )
+        )
+    assert [r.iteration for r in group[0][1:]] == [1] and [r.iteration for r in group[1][1:]] == [0]
+    rows = [r for conv in group for r in conv]
+    conversation = [c for c, conv in enumerate(group) for _ in conv]
+    scored, _ = score_group_rows(rows, conversation, [1.0] * len(rows), 2, _args(max_negative_samples_per_group=1))
+    assert scored.keep == [True, False, True, True]  # rollout 1's negative (its failed first turn) is kept
+    in_row_order = group_row_advantages(
+        [1.0, 1.0],
+        conversation,
+        [r.kind for r in rows],
+        [r.error_types for r in rows],
+        _args(max_negative_samples_per_group=1),
+    )
+    assert in_row_order.keep == [True, True, True, False]  # what the earlier first-in-row-order rule kept

@@ -9,7 +9,8 @@ prompt and on environment tokens; `old_log_probs` are vLLM's sampling log-probs 
 `group_row_advantages` gives every row of a group its reward and advantage with the synchronous trainer's rules
 (`trl_agentic.batch.BatchAugmenter`, steps 1-2): a negative row's reward is `negative_sample_rewards` of its error
 types, a snapshot row's the episode's reward plus the optional `snapshot_reward_func` term; the per-group cap
-`max_negative_samples_per_group` keeps the first negatives in row order; the baseline is `group_baseline` /
+`max_negative_samples_per_group` keeps the earliest negatives (`cap_order`: by the loop iteration that saved them,
+as the synchronous loop does); the baseline is `group_baseline` /
 `snapshot_advantage`; the advantages come from the configured estimator through the estimator protocol
 (`trl_agentic.estimators`, `grpo_estimator` = `group_advantages`), and a negative row's advantage is clamped at 0.
 """
@@ -31,6 +32,7 @@ __all__ = [
     "GroupRows",
     "advantage_batch",
     "group_row_advantages",
+    "pushed_rows",
     "row_from_tokens",
     "score_group_rows",
     "sequences_from_loop",
@@ -51,6 +53,7 @@ class AgenticSequence(TrainingSequence):
         tokens_freed: A snapshot row's context tokens freed by the deletion that closed it.
         policy_versions: `(first, last)` policy version that generated a turn of the trajectory.
         lost: The rollout was lost to an infrastructure failure (unscorable, not trained on).
+        iteration: A negative row's `ExtraRow.iteration` (the order in which the per-group cap keeps negatives).
     """
 
     kind: int = int(RowKind.REGULAR)
@@ -59,6 +62,7 @@ class AgenticSequence(TrainingSequence):
     tokens_freed: int = 0
     policy_versions: tuple = (0, 0)
     lost: bool = False
+    iteration: int = 0
 
 
 def row_from_tokens(prompt_ids, completion_ids, tool_mask, logprobs) -> tuple[list[int], list[int], list[float]]:
@@ -104,6 +108,7 @@ def sequences_from_loop(
                 error_types=list(e.error_types),
                 segment_index=e.segment_index,
                 tokens_freed=e.tokens_freed,
+                iteration=e.iteration,
             )
         )
     return rows
@@ -126,8 +131,8 @@ def advantage_batch(
     episode id), -1 for a conversation without one.
 
     The prompt of a row is everything before its first trained token (left-padded), the completion the rest
-    (right-padded); `tool_mask` is the completion part of `completion_mask`, `completion_mask` (attention) is 1 on the
-    completion's real tokens.
+    (right-padded); `tool_mask` is the completion part of `completion_mask` (1 on padding, as TRL pads it),
+    `completion_mask` (attention) is 1 on the completion's real tokens.
     """
     prompts, completions, tool_masks = [], [], []
     for row in rows:
@@ -143,7 +148,7 @@ def advantage_batch(
     prompt_mask = torch.zeros(n, p_w, dtype=torch.long)
     completion_ids = torch.zeros(n, c_w, dtype=torch.long)
     completion_mask = torch.zeros(n, c_w, dtype=torch.long)
-    tool_mask = torch.zeros(n, c_w, dtype=torch.long)
+    tool_mask = torch.ones(n, c_w, dtype=torch.long)  # TRL pads `tool_mask` with 1 (the completion mask hides it)
     for i in range(n):
         p, c = prompts[i], completions[i]
         if p:
@@ -227,6 +232,7 @@ def group_row_advantages(
     row_error_types: list[list[str]],
     args,
     segment_terms: list[float] | None = None,
+    cap_order: list | None = None,
 ) -> GroupRows:
     """Rewards and advantages of one group's rows with the synchronous trainer's rules (module docstring).
 
@@ -236,14 +242,18 @@ def group_row_advantages(
         args: The config (`negative_sample_reward`, `negative_reward_by_error`, `max_negative_samples_per_group`,
             `group_baseline`, `snapshot_advantage`, `scale_rewards`).
         segment_terms: Per row, the `snapshot_reward_func` term of a snapshot row (0 elsewhere).
+        cap_order: Per row, a sort key: `max_negative_samples_per_group` keeps the negatives that sort first (ties
+            and `None`: row order).
     """
+    negative_rows = [k for k, kind in enumerate(row_kinds) if kind == RowKind.NEGATIVE]
+    if cap_order is not None:
+        negative_rows.sort(key=lambda k: cap_order[k])
+    capped = set(negative_rows[: args.max_negative_samples_per_group])
     keep, rewards, kinds, episodes = [], [], [], []
-    negatives = 0
     for k, (conv, kind) in enumerate(zip(row_conversation, row_kinds)):
         ok = True
         if kind == RowKind.NEGATIVE:
-            ok = negatives < args.max_negative_samples_per_group
-            negatives += ok
+            ok = k in capped
             value = negative_sample_rewards(
                 [row_error_types[k]], args.negative_sample_reward, args.negative_reward_by_error
             )[0]
@@ -307,7 +317,6 @@ def score_group_rows(
     num_conversations: int,
     args,
     segment_terms: list[float] | None = None,
-    tokenless: bool = False,
 ) -> tuple[GroupRows, list[tuple[int, int]]]:
     """What the async worker does with a scored group: `group_row_advantages`, then `trained_rows`.
 
@@ -316,10 +325,9 @@ def score_group_rows(
         row_conversation: Per row, its conversation.
         row_rewards: Per row, the reward TRL stamped on it (its conversation's; NaN when unscorable).
         num_conversations: Conversations in the group.
-        args / segment_terms: As for `group_row_advantages`.
-        tokenless: Also return the rows `trained_rows` leaves out only for having no trained token. They are in the
-            group's statistics, so an estimator run on the trainer side must see them too (the stage drops them
-            after it ran); with the worker's own advantages they are not pushed.
+        args / segment_terms: As for `group_row_advantages`. The per-group cap keeps the earliest negatives, by
+            `iteration` (the synchronous loop's order; trajectories here each ran a loop of their own), ties broken by
+            `rollout_id` (random: the synchronous loop breaks them by rollout index, not by which finished first).
     """
     rewards = [math.nan] * num_conversations
     lost = set()
@@ -329,9 +337,21 @@ def score_group_rows(
                 lost.add(conv)
             rewards[conv] = math.nan if row.lost else reward
     kinds = [row.kind for row in rows]
+    order = [(row.iteration, str(row.rollout_id)) for row in rows]
     scored = group_row_advantages(
-        rewards, row_conversation, kinds, [row.error_types for row in rows], args, segment_terms
+        rewards, row_conversation, kinds, [row.error_types for row in rows], args, segment_terms, order
     )
-    has_tokens = [tokenless or any(row.completion_mask) for row in rows]
+    has_tokens = [any(row.completion_mask) for row in rows]
     trained = trained_rows(scored.keep, kinds, [c in lost for c in row_conversation], has_tokens)
     return scored, trained
+
+
+def pushed_rows(keep: list[bool], trained: list[tuple[int, int]], untrained: bool) -> list[tuple[int, int, bool]]:
+    """`(row, kept position, trained)` of the rows the worker pushes: the trained ones; with `untrained` (an estimator
+    runs on the trainer side) every kept row, as the synchronous trainer's estimator sees every row of its batch
+    (a lost rollout's rows with their NaN reward, a row without a trained token); the stage drops them after it."""
+    if not untrained:
+        return [(k, j, True) for k, j in trained]
+    trained_set = set(trained)
+    kept = [k for k, ok in enumerate(keep) if ok]
+    return [(k, j, (k, j) in trained_set) for j, k in enumerate(kept)]

@@ -7,8 +7,8 @@
   `sample/staleness_{kind}_mean` / `_max`, and the rows `max_staleness` is about to drop as
   `sample/dropped_stale_{kind}_total` (`kind` = regular, negative, snapshot, expansion). The drop itself is TRL's.
 - **Estimators.** When `advantage_estimator` is not `"grpo"`, the rows of a group (pushed one after the other by the
-  worker, `group_rows` of them, including the rows without a trained token: they are in the group's statistics and
-  are dropped once the estimator ran) are collected and the estimator is called once per group through the estimator
+  worker, `group_rows` of them, including the rows that are not trained, a lost rollout's and those without a trained
+  token, as the synchronous trainer's estimator sees them; they are dropped once the estimator ran) are collected and the estimator is called once per group through the estimator
   protocol (`trl_agentic.estimators`): an `AdvantageBatch` of the group (`rows.advantage_batch`), and as `trainer` an
   `EstimatorHost`, which gives an estimator the attributes of `AgenticGRPOTrainer` the built-in ones use (the
   tokenizer, the model, one-turn generation through the vLLM server with the current adapter, per-token log-probs).
@@ -208,6 +208,15 @@ class AgenticRolloutQueue:
             args.scale_rewards,
             args.advantage_std_floor,
         )
+        untrained = torch.tensor([not getattr(s, "trained", True) for s in group], dtype=torch.bool)
+        batch.tool_mask[untrained] = 0  # as the synchronous trainer masks its untrained rows before the estimator
+        batch.loss_mask[untrained] = 0
+        model = self._host.model
+        if not model.training:
+            # Only training rows come here. TRL reads the first step's rows before `Trainer` puts the model in
+            # training mode (a full model comes from `from_pretrained` in eval mode), and an estimator may take eval
+            # mode for an evaluation batch (RLVCR then returns episode advantages).
+            model.train()
         result = self._estimator(batch, self._host)
         if isinstance(result, EstimatorResult):
             advantages, extra, extra_adv = result.advantages, list(result.extra_rows), result.extra_advantages

@@ -180,7 +180,7 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
                 "advantage": {name: getattr(args, name) for name in _ADVANTAGE_FIELDS},
                 "max_model_len": self.vllm_client.get_max_model_len(),
                 "seed": args.seed,
-                "push_tokenless": self.advantage_estimator is not None,
+                "push_untrained": self.advantage_estimator is not None,
             }
         self._tracin = None
         if args.tracin_enabled:

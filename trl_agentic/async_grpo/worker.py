@@ -53,7 +53,7 @@ from ..rollout.loop import AgenticRolloutLoop, LoopConfig
 from ..rollout.rendering import ChatRenderer
 from ..rollout.types import RowKind
 from .compat import worker_module
-from .rows import score_group_rows, sequences_from_loop
+from .rows import pushed_rows, score_group_rows, sequences_from_loop
 
 __all__ = ["AgenticAsyncRolloutLoop", "AgenticRolloutSample", "WorkerBackend"]
 
@@ -75,8 +75,9 @@ class AgenticRolloutSample(RolloutSample):
         baseline_rows: Number of rows of its group its advantage was computed over; more than `group_rows` when a
             row was scored but not pushed (`rows.trained_rows`: a lost rollout's regular or snapshot row, or a row
             without a trained token).
-        trained: False for a row without a trained token, pushed only when an estimator runs on the trainer side
-            (it is in the group's statistics, so the estimator must see it); the stage drops it after the estimator.
+        trained: False for a row that is not trained (a lost rollout's row, a row without a trained token), pushed
+            only when an estimator runs on the trainer side (`rows.pushed_rows`: the estimator sees the group the
+            synchronous trainer's would); the stage drops it after the estimator.
         policy_versions: `(first, last)` policy version that generated a turn of the trajectory; `model_version` is,
             as in TRL, the version when the group started (the `max_staleness` bound reads it, for every row kind).
     """
@@ -186,8 +187,8 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
     Args:
         agentic (`dict`, *optional*):
             `None` keeps TRL's behaviour exactly. Otherwise `{"loop": LoopConfig fields, "advantage": the fields
-            `rows.group_row_advantages` reads, "max_model_len": int, "seed": int, "push_tokenless": bool (an estimator
-            runs on the trainer side: push the rows without a trained token too, `rows.score_group_rows`)}` (plain
+            `rows.group_row_advantages` reads, "max_model_len": int, "seed": int, "push_untrained": bool (an estimator
+            runs on the trainer side: push the rows that are not trained too, `rows.pushed_rows`)}` (plain
             values: they are pickled into the spawned child).
         **kwargs: TRL's `_AsyncRolloutLoop` arguments.
     """
@@ -337,10 +338,9 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
             len(group.completions_sequences),
             self._adv_args,
             terms,
-            tokenless=self._agentic.get("push_tokenless", False),
         )
         out = []
-        for k, j in trained:
+        for k, j, is_trained in pushed_rows(scored.keep, trained, self._agentic.get("push_untrained", False)):
             sample, row = samples[k], rows[k]
             advantage, reward = float(scored.advantages[j]), float(scored.rewards[j])
             metrics = dict(sample.metrics)
@@ -360,7 +360,7 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
                     reward=reward,
                     episode=conversation[k],
                     policy_versions=tuple(row.policy_versions),
-                    trained=any(row.completion_mask),
+                    trained=is_trained,
                 )
             )
         for sample in out:

@@ -195,6 +195,7 @@ class AgenticRolloutLoop:
         self._extra_rows: list[ExtraRow] = []
         self._group_ids = group_ids if group_ids is not None else list(range(n))
         self._negatives_per_group: dict[int, int] = {}
+        self._iteration = 0  # generation calls so far: a rollout with work generates once per iteration
         self._environments = environments
         self._sync_tools, self._async_tools = sync_tool_dicts, async_tool_dicts
         self._tool_lists: dict[int, list] = {}  # rows whose tools a user turn changed
@@ -236,6 +237,7 @@ class AgenticRolloutLoop:
                 self._generate(rollouts, queued)
             except Exception as e:  # noqa: BLE001 - re-raised at the next synchronisation, on every rank
                 error = e
+            self._iteration += 1
 
         # Close: snapshot downsampling.
         infra_failed, num_segments, rollback_log, segment_starts = [], [], [], []
@@ -603,6 +605,7 @@ class AgenticRolloutLoop:
                     error_messages=[o.error_text or "" for o in model_errors],
                     tool_calls=copy.deepcopy(calls),
                     tool_position=r.turn_k,
+                    iteration=self._iteration,
                     messages=copy.deepcopy(r.completion_msgs[r.turn_msg_start :]) + copy.deepcopy(tool_messages),
                     prompt_messages=copy.deepcopy(r.prompt_msgs[:prompt_msg_start]),
                 )

@@ -37,6 +37,10 @@ class ExtraRow:
             `tool_position` is the assistant turn index (`turn_k`).
         tokens_freed: For a snapshot: context tokens removed by the deletion that closed it (the next turn's context
             before minus after).
+        iteration: For a negative: the loop iteration that saved it (the rollout's generation calls after its first
+            turn; a rollout with work generates once per iteration). The per-group cap
+            `max_negative_samples_per_group` keeps the earliest negatives: in the loop, by iteration then rollout;
+            in the asynchronous worker, whose trajectories each run a loop of their own, by this field.
         messages: The row's completion as messages (a negative: the failed turn and its error results; a snapshot:
             the segment's messages up to its `delete_context` call).
         prompt_messages: The row's prompt as messages (the conversation before the failed turn or the segment).
@@ -54,6 +58,7 @@ class ExtraRow:
     tool_calls: list[dict] = field(default_factory=list)
     tool_position: int = 0
     tokens_freed: int = 0
+    iteration: int = 0
     messages: list[dict] = field(default_factory=list)
     prompt_messages: list[dict] = field(default_factory=list)
 
