@@ -358,3 +358,41 @@ def test_the_negative_cap_keeps_the_earliest_failures_as_the_synchronous_loop_do
         _args(max_negative_samples_per_group=1),
     )
     assert in_row_order.keep == [True, True, True, False]  # what the earlier first-in-row-order rule kept
+
+
+def test_a_segment_reward_gets_what_the_synchronous_trainer_gives_it():
+    """`snapshot_reward_func` is called with the same `segment_info` by both trainers for the same snapshot row: its
+    tokens, its segment, the tokens freed, and the dataset row (its prompt included: TRL's asynchronous worker keeps
+    the other columns only)."""
+    from trl_agentic.async_grpo.worker import AgenticAsyncRolloutLoop
+    from trl_agentic.batch import BatchAugmenter
+
+    prompt = [{"role": "user", "content": "q"}]
+    calls = []
+
+    def record(info):
+        calls.append(info)
+        return 0.5
+
+    sync = BatchAugmenter(SimpleNamespace(args=SimpleNamespace(snapshot_reward_func=None)))
+    sync.segment_reward = record
+    extra = ExtraRow(
+        RowKind.SNAPSHOT, 1, prompt_ids=[1, 2], completion_ids=[3, 4, 5], tool_mask=[1, 0, 1], logprobs=None
+    )
+    extra.segment_index, extra.tokens_freed = 1, 7
+    inputs = [{"prompt": [{"role": "user", "content": "other"}], "answer": 2}, {"prompt": prompt, "answer": 3}]
+    assert sync._segment_term(extra, inputs) == 0.5
+    row = AgenticSequence(
+        [1, 2, 3, 4, 5], [0, 0, 1, 0, 1], [0.0] * 5, "r", kind=int(RowKind.SNAPSHOT), segment_index=1, tokens_freed=7
+    )
+    group = SimpleNamespace(reward_kwargs={"answer": [2, 3]}, prompts=[inputs[0]["prompt"], prompt])
+    worker = SimpleNamespace(_segment_reward=record)
+    assert AgenticAsyncRolloutLoop._segment_term(worker, row, group, 1) == 0.5
+    assert AgenticAsyncRolloutLoop._segment_term(worker, _sequence(0, True), group, 1) == 0.0
+    expected, got = calls
+    assert {k: list(v) if k != "row" else v for k, v in got.items() if k not in ("segment_index", "tokens_freed")} == {
+        k: v for k, v in expected.items() if k not in ("segment_index", "tokens_freed")
+    }
+    assert (
+        (got["segment_index"], got["tokens_freed"]) == (expected["segment_index"], expected["tokens_freed"]) == (1, 7)
+    )

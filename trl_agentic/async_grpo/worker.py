@@ -330,7 +330,7 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
         conversation = [c for c, rows in enumerate(group.completions_sequences) for _ in rows]
         if len(rows) != len(samples):
             raise RuntimeError(f"TRL scored {len(samples)} rows for {len(rows)} sequences")
-        terms = [self._segment_term(row, group) for row in rows] if self._segment_reward else None
+        terms = [self._segment_term(r, group, c) for r, c in zip(rows, conversation)] if self._segment_reward else None
         scored, trained = score_group_rows(
             rows,
             conversation,
@@ -371,9 +371,12 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
         self._counters["snapshots/rows_total"] += kinds.count(int(RowKind.SNAPSHOT))
         return out
 
-    def _segment_term(self, row, group) -> float:
+    def _segment_term(self, row, group, conversation: int) -> float:
         if row.kind != RowKind.SNAPSHOT:
             return 0.0
+        # `row` is the dataset row, as the synchronous trainer passes it: TRL keeps its columns but the prompt.
+        dataset_row = {key: values[conversation] for key, values in group.reward_kwargs.items()}
+        dataset_row["prompt"] = group.prompts[conversation]
         start = next((k for k, m in enumerate(row.completion_mask) if m), len(row.input_ids))
         info = {
             "prompt_ids": row.input_ids[:start],
@@ -381,6 +384,6 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
             "tool_mask": row.completion_mask[start:],
             "segment_index": row.segment_index,
             "tokens_freed": row.tokens_freed,
-            "row": {key: values[0] for key, values in group.reward_kwargs.items()},
+            "row": dataset_row,
         }
         return float(self._segment_reward(info))
