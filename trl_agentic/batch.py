@@ -183,6 +183,24 @@ def _check_estimate(result, num_rows: int, width: int):
     return advantages, rows, extra
 
 
+def kept_negatives(negatives: list[tuple[int, int]], group_size: int, cap: int) -> list[bool]:
+    """Which negative rows the per-group cap `max_negative_samples_per_group` keeps, over every process's rows.
+
+    `negatives` are `(iteration, rollout)` in any order: the loop iteration that saved the row (`ExtraRow.iteration`)
+    and its rollout's global index (its group: `rollout // group_size`). A group keeps its `cap` earliest ones, by
+    iteration then rollout, which is the order one process's loop saves them in. Each process's loop already keeps
+    only its own earliest `cap`, and the earliest `cap` of a group are among those, so the rows kept do not depend on
+    how the group's rollouts were split across processes.
+    """
+    order = sorted(range(len(negatives)), key=lambda k: negatives[k])
+    keep, count = [False] * len(negatives), {}
+    for k in order:
+        group = negatives[k][1] // group_size
+        if count.get(group, 0) < cap:
+            keep[k], count[group] = True, count.get(group, 0) + 1
+    return keep
+
+
 def _import(path: str):
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
@@ -276,8 +294,8 @@ class BatchAugmenter:
         self, extras: list[ExtraRow], rewards: torch.Tensor, inputs: list[dict], num_local: int, mode: str
     ):
         """2. Every row of the generation batch on every process: the regular rows (global rollout order), then each
-        process's kept extra rows (negatives capped per group by `max_negative_samples_per_group`, across processes in
-        a fixed order). The metadata is gathered with variable counts per process (small Python objects)."""
+        process's kept extra rows (negatives capped per group by `max_negative_samples_per_group`, across processes as
+        one process would: `kept_negatives`). The metadata is gathered with variable counts per process (small Python objects)."""
         t, args = self.trainer, self.trainer.args
         device = t.accelerator.device
         nproc, rank = t.accelerator.num_processes, t.accelerator.process_index
@@ -285,7 +303,7 @@ class BatchAugmenter:
         local_error = None
         try:
             local_meta = [
-                (int(e.kind), rank * num_local + e.parent, e.error_types, self._segment_term(e, inputs))
+                (int(e.kind), rank * num_local + e.parent, e.error_types, self._segment_term(e, inputs), e.iteration)
                 for e in extras
             ]
         except Exception as e:  # noqa: BLE001 - e.g. a failing snapshot_reward_func: raised on every process below
@@ -297,14 +315,13 @@ class BatchAugmenter:
         extra_rewards: list[float] = []
         owners: list[int] = []
         keep: list[bool] = []
-        neg_count: dict[int, int] = {}
+        negatives = [(m[4], m[1]) for metas in all_meta for m in metas if m[0] == RowKind.NEGATIVE]
+        capped = iter(kept_negatives(negatives, group_size, args.max_negative_samples_per_group))
         for owner, metas in enumerate(all_meta):
-            for kind, parent, error_types, term in metas:
-                group = parent // group_size
+            for kind, parent, error_types, term, _ in metas:
                 ok = True
-                if kind == RowKind.NEGATIVE:  # the per-group cap holds across processes, in a fixed order
-                    ok = neg_count.get(group, 0) < args.max_negative_samples_per_group
-                    neg_count[group] = neg_count.get(group, 0) + ok
+                if kind == RowKind.NEGATIVE:  # the per-group cap across processes: as one process would keep them
+                    ok = next(capped)
                     value = negative_sample_rewards(
                         [error_types], args.negative_sample_reward, args.negative_reward_by_error
                     )[0]
