@@ -295,7 +295,8 @@ class BatchAugmenter:
     ):
         """2. Every row of the generation batch on every process: the regular rows (global rollout order), then each
         process's kept extra rows (negatives capped per group by `max_negative_samples_per_group`, across processes as
-        one process would: `kept_negatives`). The metadata is gathered with variable counts per process (small Python objects)."""
+        one process would: `kept_negatives`). The metadata is gathered with variable counts per process (small Python
+        objects)."""
         t, args = self.trainer, self.trainer.args
         device = t.accelerator.device
         nproc, rank = t.accelerator.num_processes, t.accelerator.process_index

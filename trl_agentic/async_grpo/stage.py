@@ -8,8 +8,9 @@
   `sample/dropped_stale_{kind}_total` (`kind` = regular, negative, snapshot, expansion). The drop itself is TRL's.
 - **Estimators.** When `advantage_estimator` is not `"grpo"`, the rows of a group (pushed one after the other by the
   worker, `group_rows` of them, including the rows that are not trained, a lost rollout's and those without a trained
-  token, as the synchronous trainer's estimator sees them; they are dropped once the estimator ran) are collected and the estimator is called once per group through the estimator
-  protocol (`trl_agentic.estimators`): an `AdvantageBatch` of the group (`rows.advantage_batch`), and as `trainer` an
+  token, as the synchronous trainer's estimator sees them with a zero loss mask; they are dropped once the estimator
+  ran) are collected and the estimator is called once per group through the estimator protocol
+  (`trl_agentic.estimators`): an `AdvantageBatch` of the group (`rows.advantage_batch`), and as `trainer` an
   `EstimatorHost`, which gives an estimator the attributes of `AgenticGRPOTrainer` the built-in ones use (the
   tokenizer, the model, one-turn generation through the vLLM server with the current adapter, per-token log-probs).
   Token-level advantages travel as the row's `advantage` array (over its whole `input_ids`, 0 on the prompt), which
