@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..advantages import DEFAULT_STD_FLOOR, negative_sample_rewards
+from ..batch import kept_negatives
 from ..estimators import AdvantageBatch, grpo_estimator
 from ..rollout.types import ExtraRow, RowKind
 from .compat import worker_module
@@ -246,9 +247,10 @@ def group_row_advantages(
             and `None`: row order).
     """
     negative_rows = [k for k, kind in enumerate(row_kinds) if kind == RowKind.NEGATIVE]
-    if cap_order is not None:
-        negative_rows.sort(key=lambda k: cap_order[k])
-    capped = set(negative_rows[: args.max_negative_samples_per_group])
+    # The synchronous trainer's rule on one group (every row's "rollout" key below the group size): sort, then cap.
+    keys = [((cap_order[k] if cap_order is not None else 0), k) for k in negative_rows]
+    kept = kept_negatives(keys, group_size=len(row_kinds) + 1, cap=args.max_negative_samples_per_group)
+    capped = {k for k, ok in zip(negative_rows, kept) if ok}
     keep, rewards, kinds, episodes = [], [], [], []
     for k, (conv, kind) in enumerate(zip(row_conversation, row_kinds)):
         ok = True
