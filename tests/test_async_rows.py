@@ -4,6 +4,7 @@ and advantages. The oracle assembles the rewards and the baseline with a plain l
 
 from __future__ import annotations
 
+import copy
 import math
 from types import SimpleNamespace
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rollout_helpers import call
 
 from trl_agentic.advantages import group_advantages
 from trl_agentic.async_grpo.rows import (
@@ -159,12 +161,16 @@ def _sequence(kind: int, trained: bool, lost: bool = False, errors=()):
     ),
     regular_tokens=st.lists(st.booleans(), min_size=4, max_size=4),
     cap=st.integers(0, 3),
+    truncated=st.lists(st.booleans(), min_size=4, max_size=4),
+    mask=st.booleans(),
 )
-def test_pushed_rows_are_the_rows_the_synchronous_trainer_trains(status, extra, regular_tokens, cap):
+def test_pushed_rows_are_the_rows_the_synchronous_trainer_trains(status, extra, regular_tokens, cap, truncated, mask):
     """`score_group_rows` (what the async worker pushes) against the synchronous trainer's own `_untrained_rows`: a
     rollout lost to infrastructure has its regular and snapshot rows untrained and its negative rows trained (their
     own turn, their own penalty); an unscorable one (reward functions gave None) is trained; a negative beyond the cap
-    is dropped before either; a row without a trained token is not pushed."""
+    is dropped before either; a row without a trained token is not pushed. With `mask_truncated_completions` a
+    truncated conversation's regular row stays (its completion mask zeroed, as TRL zeroes it in the synchronous
+    batch) and its snapshot rows are not trained."""
     from trl_agentic.batch import BatchAugmenter
 
     n = len(status)
@@ -175,6 +181,8 @@ def test_pushed_rows_are_the_rows_the_synchronous_trainer_trains(status, extra, 
         _sequence(kind, tokens, lost=kind == RowKind.REGULAR and lost[c], errors=["ValueError"] * (kind == 1))
         for c, kind, tokens in layout
     ]
+    for c in range(n):
+        rows[c].truncated = truncated[c]
     value = {"ok": 1.0, "failed": 0.0, "unscorable": math.nan, "lost": 0.0}  # TRL scores a lost one too
     scored, got = score_group_rows(
         rows,
@@ -182,19 +190,23 @@ def test_pushed_rows_are_the_rows_the_synchronous_trainer_trains(status, extra, 
         [value[status[c]] for c, _, _ in layout],
         n,
         _args(max_negative_samples_per_group=cap),
+        mask_truncated=mask,
     )
+    assert scored.loss_masked == [kind == RowKind.REGULAR and mask and truncated[c] for c, kind, _ in layout]
 
     # The synchronous trainer's rule, on its own layout: the regular rows, then the kept extra rows with their parents.
     kept_extras = [k for k in range(n, len(layout)) if scored.keep[k]]
     trainer = SimpleNamespace(
-        args=SimpleNamespace(mask_truncated_completions=False, snapshot_reward_func=None),
+        args=SimpleNamespace(mask_truncated_completions=mask, snapshot_reward_func=None),
         accelerator=SimpleNamespace(device="cpu"),
     )
     parents = [
         ExtraRow(RowKind(layout[k][1]), layout[k][0], prompt_ids=[], completion_ids=[], tool_mask=[], logprobs=None)
         for k in kept_extras
     ]
-    untrained = BatchAugmenter(trainer)._untrained_rows({}, lost, parents).tolist()
+    # TRL's completion mask of the regular rows (attention over the completion): zeroed where TRL found it truncated.
+    output = {"completion_mask": torch.tensor([[0 if truncated[c] else 1, 0] for c in range(n)])}
+    untrained = BatchAugmenter(trainer)._untrained_rows(output, lost, parents).tolist()
     sync_trained = {k for k in range(n) if not untrained[k]} | {
         k for e, k in enumerate(kept_extras) if not untrained[n + e]
     }
@@ -239,13 +251,6 @@ def test_a_trainer_side_estimator_sees_the_group_the_synchronous_trainer_would_a
     -1), both untrained rows with a zero loss mask. Here the estimator is GRPO itself, so its result must be the
     worker's own advantages (checked by hand: mean 0 and unbiased std over 1, 0, 0, -1); only the three trained rows
     are passed on. Without the tokenless row the baseline would be 0 over 1, 0, -1 with another std."""
-    import queue
-    from collections import defaultdict
-
-    import numpy as np
-
-    from trl_agentic.async_grpo.stage import AgenticRolloutQueue
-    from trl_agentic.async_grpo.worker import AgenticRolloutSample
     from trl_agentic.estimators import grpo_estimator
 
     rows = [_sequence(0, True), _sequence(0, True), _sequence(0, False), _sequence(0, True, lost=True)]
@@ -254,44 +259,9 @@ def test_a_trainer_side_estimator_sees_the_group_the_synchronous_trainer_would_a
     args = _args()
     scored, trained = score_group_rows(rows, conversation, [1.0, 0.0, 0.0, 0.0, 0.0], 4, args)
     assert trained == [(0, 0), (1, 1), (4, 4)]
-    pushed = pushed_rows(scored.keep, trained, untrained=True)
-    inner = queue.Queue()
-    for k, j, is_trained in pushed:
-        row = rows[k]
-        inner.put(
-            AgenticRolloutSample(
-                prompt=[],
-                completion=[],
-                input_ids=np.asarray(row.input_ids),
-                completion_mask=np.asarray(row.completion_mask),
-                old_log_probs=np.zeros(len(row.input_ids), dtype=np.float32),
-                advantage=float(scored.advantages[j]),
-                model_version=0,
-                group_id=5,
-                metrics={},
-                row_kind=int(row.kind),
-                reward=float(scored.rewards[j]),
-                episode=conversation[k],
-                group_rows=len(pushed),
-                trained=is_trained,
-            )
-        )
     seen = []
-
-    def estimator(batch, trainer):
-        seen.append(batch)
-        return grpo_estimator(batch, trainer)
-
-    trainer = SimpleNamespace(
-        args=SimpleNamespace(**vars(args), temperature=1.0, chat_template_kwargs=None, max_staleness=4),
-        processing_class=None,
-        _metrics={"train": defaultdict(list)},
-        accelerator=SimpleNamespace(device=torch.device("cpu"), unwrap_model=lambda m: m),
-        model=torch.nn.Linear(1, 1).eval(),  # eval mode, as a full model before the first training step
-        model_version=0,
-        _observed_rows=[],
-    )
-    stage = AgenticRolloutQueue(trainer, inner, estimator=estimator)
+    stage, trainer, inner = _stage(args, seen, grpo_estimator)
+    _push_group(inner, rows, conversation, scored, trained, group_id=5)
     out = [stage.get(timeout=1) for _ in range(3)]
     assert inner.empty() and stage.qsize() == 0 and trainer.model.training
     (batch,) = seen
@@ -304,6 +274,86 @@ def test_a_trainer_side_estimator_sees_the_group_the_synchronous_trainer_would_a
     expected = (values - values.mean()) / (values.std() + 1e-4)  # the synchronous rule over the four scored rows
     torch.testing.assert_close(torch.tensor([s.advantage for s in out]), expected[[0, 1, 3]], atol=1e-5, rtol=0)
     torch.testing.assert_close(scored.advantages[[0, 1, 4]], expected[[0, 1, 3]], atol=1e-5, rtol=0)
+
+
+def _stage(args, seen: list, estimator):
+    """The trainer-side estimator stage on a queue of its own, with a trainer holding what the stage reads."""
+    import queue
+    from collections import defaultdict
+
+    from trl_agentic.async_grpo.stage import AgenticRolloutQueue
+
+    def recording(batch, trainer):
+        seen.append(batch)
+        return estimator(batch, trainer)
+
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(**vars(args), temperature=1.0, chat_template_kwargs=None, max_staleness=4),
+        processing_class=None,
+        _metrics={"train": defaultdict(list)},
+        accelerator=SimpleNamespace(device=torch.device("cpu"), unwrap_model=lambda m: m),
+        model=torch.nn.Linear(1, 1).eval(),  # eval mode, as a full model before the first training step
+        model_version=0,
+        _observed_rows=[],
+    )
+    inner = queue.Queue()
+    return AgenticRolloutQueue(trainer, inner, estimator=recording), trainer, inner
+
+
+def _push_group(inner, rows, conversation, scored, trained, group_id: int) -> None:
+    """What the worker pushes for a scored group when an estimator runs on the trainer side (`pushed_rows`)."""
+    import numpy as np
+
+    from trl_agentic.async_grpo.worker import AgenticRolloutSample
+
+    pushed = pushed_rows(scored.keep, trained, untrained=True)
+    for k, j, is_trained in pushed:
+        row = rows[k]
+        inner.put(
+            AgenticRolloutSample(
+                prompt=[],
+                completion=[],
+                input_ids=np.asarray(row.input_ids),
+                completion_mask=np.asarray(row.completion_mask),
+                old_log_probs=np.zeros(len(row.input_ids), dtype=np.float32),
+                advantage=float(scored.advantages[j]),
+                model_version=0,
+                group_id=group_id,
+                metrics={},
+                row_kind=int(row.kind),
+                reward=float(scored.rewards[j]),
+                episode=conversation[k],
+                group_rows=len(pushed),
+                trained=is_trained,
+            )
+        )
+
+
+def test_a_group_with_no_trained_row_reaches_the_estimator_and_nothing_of_it_is_trained():
+    """Two groups one after the other through the estimator stage: the first has no trained row (both rollouts lost
+    to infrastructure), the second has fractional rewards. The estimator runs on both, as the synchronous trainer's
+    runs on its whole batch; nothing of the first is passed on (and `get` does not stop at it), the second's rows
+    come out with the advantages of the synchronous rule over 0.3, 0.7, 0.55 (checked by hand)."""
+    from trl_agentic.estimators import grpo_estimator
+
+    args, seen = _args(), []
+    stage, _, inner = _stage(args, seen, grpo_estimator)
+    lost = [_sequence(0, True, lost=True), _sequence(0, True, lost=True)]
+    scored, trained = score_group_rows(lost, [0, 1], [0.0, 0.0], 2, args)
+    assert trained == []
+    _push_group(inner, lost, [0, 1], scored, trained, group_id=1)
+    rows = [_sequence(0, True), _sequence(0, True), _sequence(0, True)]
+    scored, trained = score_group_rows(rows, [0, 1, 2], [0.3, 0.7, 0.55], 3, args)
+    _push_group(inner, rows, [0, 1, 2], scored, trained, group_id=2)
+    out = [stage.get(timeout=1) for _ in range(3)]
+    assert inner.empty() and stage.qsize() == 0
+    assert [s.group_id for s in out] == [2, 2, 2] and [s.group_rows for s in out] == [3, 3, 3]
+    first, second = seen
+    assert first.loss_mask.sum().item() == 0 and torch.isnan(first.rewards).all()
+    values = torch.tensor([0.3, 0.7, 0.55])
+    expected = (values - values.mean()) / (values.std() + 1e-4)
+    torch.testing.assert_close(torch.tensor([s.advantage for s in out]), expected, atol=1e-5, rtol=0)
+    assert second.loss_mask.sum(dim=1).tolist() == [1, 1, 1]
 
 
 def test_the_negative_cap_keeps_the_earliest_failures_as_the_synchronous_loop_does(tiny_tokenizer):
@@ -396,3 +446,172 @@ def test_a_segment_reward_gets_what_the_synchronous_trainer_gives_it():
     assert (
         (got["segment_index"], got["tokens_freed"]) == (expected["segment_index"], expected["tokens_freed"]) == (1, 7)
     )
+
+
+def _scoring_worker(agentic: dict | None, mask_truncated: bool, rewards: list[float]):
+    """An `AgenticAsyncRolloutLoop` with only what TRL's `_score_group` and ours read (no server, no child process):
+    one reward function returning `rewards`, TRL's own scoring code, then ours."""
+    from collections import defaultdict
+
+    from accelerate import PartialState
+
+    from trl_agentic.async_grpo.worker import AgenticAsyncRolloutLoop
+
+    PartialState()  # TRL's scoring logs through accelerate's logger
+    worker = object.__new__(AgenticAsyncRolloutLoop)
+    worker.reward_funcs = [lambda completions, **kw: list(rewards)]
+    worker.reward_func_names = ["fixed"]
+    worker._env_reward_types, worker._provides_rollout_reward = [], False
+    worker._agentic, worker._mask_truncated = agentic, mask_truncated
+    worker.eos_token_ids, worker.tokenizer = [9], SimpleNamespace(pad_token_id=0)
+    worker._counters = defaultdict(float)
+    if agentic is not None:
+        worker._adv_args, worker._segment_reward = _args(**agentic["advantage"]), None
+        worker._stop_event = SimpleNamespace(is_set=lambda: False)
+    return worker
+
+
+def _group(sequences: list[list], completions_ids: list[list[int]]):
+    from trl_agentic.async_grpo.compat import worker_module
+
+    n = len(sequences)
+    return worker_module().RolloutGroup(
+        prompts=[[{"role": "user", "content": "q"}]] * n,
+        reward_kwargs={},
+        completions=[[{"role": "assistant", "content": "a"}]] * n,
+        completions_ids=completions_ids,
+        completions_sequences=sequences,
+        tool_call_counts=[0] * n,
+        tool_failure_counts=[0] * n,
+        model_version=0,
+        group_id=3,
+        env_rewards=[None] * n,
+        rollout_rewards=[None] * n,
+    )
+
+
+@pytest.mark.parametrize("mask", [True, False])
+def test_mask_truncated_completions_with_every_feature_off_masks_the_truncated_conversations_rows(mask):
+    """Every feature off: TRL's own rows and advantages, and with `mask_truncated_completions` a conversation whose
+    completion ends with neither EOS (9) nor pad (0) gets every row TRL made of it (here two: a TRL fork) masked, as
+    `GRPOTrainer` masks it; its reward stays in TRL's statistics (the advantages do not change)."""
+    import asyncio
+
+    from trl_agentic.async_grpo.compat import worker_module
+
+    seq = worker_module().TrainingSequence
+    rows = [
+        [seq([1, 2, 9], [0, 1, 1], [0.0] * 3, "a")],
+        [seq([1, 3], [0, 1], [0.0] * 2, "b"), seq([1, 3, 4, 5], [0, 0, 0, 1], [0.0] * 4, "b")],
+        [seq([1, 6, 0], [0, 1, 1], [0.0] * 3, "c")],
+    ]
+    rewards = [1.0, 0.0, 0.5]
+    samples = asyncio.run(_scoring_worker(None, mask, rewards)._score_group(_group(rows, [[2, 9], [3, 5], [6, 0]])))
+    masks = [s.completion_mask.tolist() for s in samples]
+    truncated = [[0, 0], [0, 0, 0, 0]] if mask else [[0, 1], [0, 0, 0, 1]]
+    assert masks == [[0, 1, 1], *truncated, [0, 1, 1]]
+    values = torch.tensor(rewards, dtype=torch.float64)
+    expected = ((values - values.mean()) / (values.std(unbiased=False) + 1e-8)).tolist()  # TRL's rule, all three
+    assert [s.advantage for s in samples] == pytest.approx([expected[0], expected[1], expected[1], expected[2]])
+
+
+@pytest.mark.parametrize("mask", [True, False])
+def test_mask_truncated_completions_with_features_on_masks_as_the_synchronous_trainer(mask):
+    """With a feature on: conversation 1 was cut by the budget after a `delete_context` (a snapshot row) and a
+    rollback (a negative row). Its regular row is pushed with its completion mask zeroed and its reward (0) in the
+    group statistics, its snapshot row is not trained, its negative row keeps its loss and its penalty; conversation
+    0 is untouched. Advantages by hand: mean and unbiased std over 1, 0, -1 (`group_baseline="all_rows"`)."""
+    import asyncio
+
+    rows = [
+        AgenticSequence([1, 2, 9], [0, 1, 1], [0.0] * 3, "a"),
+        AgenticSequence([1, 3, 4], [0, 1, 1], [0.0] * 3, "b", truncated=True),
+        AgenticSequence([1, 5], [0, 1], [0.0] * 2, "b", kind=int(RowKind.SNAPSHOT)),
+        AgenticSequence([1, 6], [0, 1], [0.0] * 2, "b", kind=int(RowKind.NEGATIVE), error_types=["ValueError"]),
+    ]
+    advantage = {"group_baseline": "all_rows", "max_negative_samples_per_group": 2}
+    worker = _scoring_worker({"advantage": advantage}, mask, [1.0, 0.0])
+    samples = asyncio.run(worker._score_group(_group([rows[:1], rows[1:]], [[2, 9], [3, 4]])))
+    kinds = [int(RowKind.REGULAR), int(RowKind.REGULAR), int(RowKind.NEGATIVE)]
+    if not mask:
+        kinds.insert(2, int(RowKind.SNAPSHOT))
+    assert [s.row_kind for s in samples] == kinds
+    masks = [s.completion_mask.tolist() for s in samples]
+    assert masks[0] == [0, 1, 1] and masks[-1] == [0, 1]
+    assert masks[1] == ([0, 0, 0] if mask else [0, 1, 1])
+    values = torch.tensor([1.0, 0.0, -1.0])
+    expected = (values - values.mean()) / (values.std() + 1e-4)
+    assert [samples[0].advantage, samples[1].advantage, samples[-1].advantage] == pytest.approx(
+        [float(expected[0]), float(expected[1]), min(float(expected[2]), 0.0)], abs=1e-5
+    )
+    assert [s.reward for s in samples][:2] == [1.0, 0.0]
+
+
+def test_is_truncated_is_trls_rule():
+    """The test `GRPOTrainer.mask_truncated_completions` applies: the last token is neither an EOS nor the pad."""
+    from trl_agentic.async_grpo.rows import is_truncated
+
+    stops = {9, 0}
+    assert [is_truncated(ids, stops) for ids in ([1, 9], [1, 0], [9, 1], [1], [])] == [False, False, True, True, False]
+
+
+def _trajectory_worker(tokenizer, turns: list[str], max_tokens: int):
+    """An `AgenticAsyncRolloutLoop` whose vLLM request is replaced by a script (`turns`, one per generation
+    request), with an event loop in a thread of its own, as TRL's worker runs it: `_run_trajectory` runs unchanged."""
+    import asyncio
+    import threading
+
+    from trl.chat_template_utils import add_response_schema
+
+    from trl_agentic.async_grpo.worker import AgenticAsyncRolloutLoop
+    from trl_agentic.config import DEFAULT_INFRA_ERROR_TYPES, DEFAULT_ROLLBACK_ON_ERRORS
+    from trl_agentic.rollout.loop import LoopConfig
+    from trl_agentic.rollout.rendering import ChatRenderer
+
+    tokenizer = add_response_schema(copy.deepcopy(tokenizer))  # as TRL's worker prepares its tokenizer
+    worker = object.__new__(AgenticAsyncRolloutLoop)
+    worker.tokenizer, worker.max_tokens, worker.max_tool_calling_iterations = tokenizer, max_tokens, 4
+    worker.eos_token_ids = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    worker._agentic, worker._model_version_value = {"max_model_len": 100_000}, SimpleNamespace(value=1)
+    worker._stop_event = threading.Event()
+    worker._renderer = ChatRenderer(tokenizer)
+    worker._loop_config = LoopConfig(
+        rollback_on_errors=list(DEFAULT_ROLLBACK_ON_ERRORS), infra_error_types=list(DEFAULT_INFRA_ERROR_TYPES)
+    )
+    script = list(turns)
+
+    async def generate_one_turn(prompt_ids):
+        ids = tokenizer.encode(script.pop(0), add_special_tokens=False)
+        return ids, [-0.1] * len(ids)
+
+    worker._generate_one_turn = generate_one_turn
+    event_loop = asyncio.new_event_loop()
+    threading.Thread(target=event_loop.run_forever, daemon=True).start()
+    return worker, event_loop
+
+
+@pytest.mark.parametrize(
+    ("turns", "truncated"),
+    [
+        (["The answer is 3.<|im_end|>"], False),
+        (["The answer is"], True),  # the first turn used the budget up
+        ([call("add", n=1), "Done.<|im_end|>"], False),
+        ([call("add", n=1), "Still thinking about"], True),  # cut at its second turn
+    ],
+)
+def test_a_trajectory_records_whether_the_budget_cut_it(tiny_tokenizer, turns, truncated):
+    """`_run_trajectory` (the worker's path, scripted vLLM turns) marks the regular row `truncated` by TRL's rule on
+    the trajectory's completion (model and tool tokens, as the synchronous trainer's row): what
+    `mask_truncated_completions` reads."""
+    from rollout_helpers import LedgerEnv
+
+    worker, event_loop = _trajectory_worker(tiny_tokenizer, turns, max_tokens=4096)
+    env = LedgerEnv()
+    try:
+        (_, _, rows, *_), _ = worker._run_trajectory(
+            [{"role": "user", "content": "add 1"}], {"add": env.add}, [env.add], 0, event_loop, 0
+        )
+    finally:
+        event_loop.call_soon_threadsafe(event_loop.stop)
+    assert rows[0].kind == RowKind.REGULAR and rows[0].truncated is truncated
+    assert env.total == (1 if len(turns) == 2 else 0)

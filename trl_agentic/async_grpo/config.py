@@ -48,6 +48,16 @@ class _AsyncOwnFields(AsyncGRPOConfig):
             "choices": ["group", "none"],
         },
     )
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "As `GRPOConfig.mask_truncated_completions` (TRL's `AsyncGRPOConfig` has no such field): a "
+            "conversation whose completion does not end with an EOS or pad token was cut by `max_completion_length`; "
+            "its rows get no loss (completion mask zeroed). They stay in the step and their reward stays in the "
+            "group statistics, as `GRPOTrainer` keeps a masked row; a `delete_context` conversation's earlier "
+            "segments are not trained either, its negative rows keep their loss (docs/async.md)."
+        },
+    )
     vllm_server_start: bool = field(
         default=False,
         metadata={
@@ -115,7 +125,8 @@ _namespace["__doc__"] = f"""
     fields of [`AgenticGRPOConfig`] (same names, defaults and meaning; see its documentation): rollback and negative
     samples, context snapshots, further user turns, the advantage estimator (`advantage_estimator`, `rlvcr_*`) and
     the TracIn filter (`tracin_*`). With all of them at their defaults the trainer behaves exactly like TRL's
-    `AsyncGRPOTrainer`. Own fields: `scale_rewards`, `vllm_server_start`. Not supported yet:
+    `AsyncGRPOTrainer`. Own fields: `scale_rewards`, `mask_truncated_completions`,
+    `vllm_server_start`. Not supported yet:
     `tool_timeout`, `max_tool_output_chars`, `malformed_tool_call_feedback`, `max_turn_tokens`, `row_selection`
     (refused with an error naming the field); `transformers_prefix_caching` has no effect (vLLM generates).
 

@@ -33,6 +33,7 @@ __all__ = [
     "GroupRows",
     "advantage_batch",
     "group_row_advantages",
+    "is_truncated",
     "pushed_rows",
     "row_from_tokens",
     "score_group_rows",
@@ -55,6 +56,7 @@ class AgenticSequence(TrainingSequence):
         policy_versions: `(first, last)` policy version that generated a turn of the trajectory.
         lost: The rollout was lost to an infrastructure failure (unscorable, not trained on).
         iteration: A negative row's `ExtraRow.iteration` (the order in which the per-group cap keeps negatives).
+        truncated: The regular row's completion was cut by the budget (`is_truncated`).
     """
 
     kind: int = int(RowKind.REGULAR)
@@ -64,6 +66,13 @@ class AgenticSequence(TrainingSequence):
     policy_versions: tuple = (0, 0)
     lost: bool = False
     iteration: int = 0
+    truncated: bool = False
+
+
+def is_truncated(completion_ids, stop_token_ids) -> bool:
+    """TRL's test of a completion cut by `max_completion_length` (`GRPOTrainer`'s `mask_truncated_completions` and
+    `completions/clipped_ratio`): its last token is neither an EOS nor the pad token."""
+    return bool(completion_ids) and completion_ids[-1] not in stop_token_ids
 
 
 def row_from_tokens(prompt_ids, completion_ids, tool_mask, logprobs) -> tuple[list[int], list[int], list[float]]:
@@ -197,6 +206,7 @@ class GroupRows:
         kinds / episodes: `RowKind` and conversation index of each kept row.
         baseline: Whether each kept row enters the group statistics.
         advantages: `(K,)` advantages of the kept rows.
+        loss_masked: Per input row, whether its completion mask is to be zeroed (`score_group_rows`).
     """
 
     keep: list[bool]
@@ -205,6 +215,7 @@ class GroupRows:
     episodes: torch.Tensor
     baseline: torch.Tensor
     advantages: torch.Tensor
+    loss_masked: list[bool] = field(default_factory=list)
 
 
 def baseline_mask(kinds: torch.Tensor, args) -> torch.Tensor:
@@ -295,8 +306,9 @@ def trained_rows(
 ) -> list[tuple[int, int]]:
     """`(row, kept position)` of the rows that are trained, as the synchronous trainer decides (`_untrained_rows`).
 
-    A kept row is trained unless its conversation was lost to an infrastructure failure (its regular row and its
-    snapshot rows: their reward is the lost episode's) or it has no trained token. A conversation that is merely
+    A kept row is trained unless `row_lost` marks it (its conversation was lost to an infrastructure failure: its
+    regular row and its snapshot rows, whose reward is the lost episode's; or it is a snapshot row of a conversation
+    masked by `mask_truncated_completions`) or it has no trained token. A conversation that is merely
     unscorable (every reward function gave None: NaN, advantage 0) is not lost: it is trained, as in both trainers.
     A negative row is its own complete turn with its own reward: it is trained even when its conversation was lost
     later, as in the synchronous trainer. A kept row that is not trained still counted in the group's statistics
@@ -319,8 +331,14 @@ def score_group_rows(
     num_conversations: int,
     args,
     segment_terms: list[float] | None = None,
+    mask_truncated: bool = False,
 ) -> tuple[GroupRows, list[tuple[int, int]]]:
     """What the async worker does with a scored group: `group_row_advantages`, then `trained_rows`.
+
+    With `mask_truncated` (`mask_truncated_completions`) a conversation whose regular row is `truncated` is handled as
+    the synchronous trainer handles a row TRL masked (`BatchAugmenter._untrained_rows`): its regular row keeps its
+    place and its reward in the group statistics but its completion mask is zeroed (`GroupRows.loss_masked`), its
+    snapshot rows (earlier segments) are not trained, its negative rows (complete turns of their own) are.
 
     Args:
         rows: The group's rows in order (each conversation's regular row, then its extra rows).
@@ -338,13 +356,21 @@ def score_group_rows(
             if row.lost:  # lost to infrastructure: unscorable and not trained
                 lost.add(conv)
             rewards[conv] = math.nan if row.lost else reward
+    masked = {
+        c for row, c in zip(rows, row_conversation) if mask_truncated and row.kind == RowKind.REGULAR and row.truncated
+    }
     kinds = [row.kind for row in rows]
     order = [(row.iteration, str(row.rollout_id)) for row in rows]
     scored = group_row_advantages(
         rewards, row_conversation, kinds, [row.error_types for row in rows], args, segment_terms, order
     )
     has_tokens = [any(row.completion_mask) for row in rows]
-    trained = trained_rows(scored.keep, kinds, [c in lost for c in row_conversation], has_tokens)
+    # An episode whose last segment is not trained (lost, or masked) does not train its earlier segments either.
+    untrained_episode = [
+        c in lost or (kind == RowKind.SNAPSHOT and c in masked) for c, kind in zip(row_conversation, kinds)
+    ]
+    trained = trained_rows(scored.keep, kinds, untrained_episode, has_tokens)
+    scored.loss_masked = [kind == RowKind.REGULAR and c in masked for c, kind in zip(row_conversation, kinds)]
     return scored, trained
 
 

@@ -2,7 +2,9 @@
 
 Built on TRL's `AsyncGRPOTrainer` (`trl.experimental.async_grpo` in TRL 1.16, top-level `trl` from 1.18; see
 `compat.py`). With every feature of `AsyncAgenticGRPOConfig` off it is `AsyncGRPOTrainer` unchanged (plus the two CPU
-fixes of `compat.py`, which change nothing on a GPU). With a feature on:
+fixes of `compat.py`, which change nothing on a GPU). `mask_truncated_completions`, which TRL's asynchronous config
+lacks, masks a truncated conversation's rows as `GRPOTrainer` does (`worker.AgenticAsyncRolloutLoop`, also with every
+feature off). With a feature on:
 
 - the rollout worker's child process runs `worker.AgenticAsyncRolloutLoop` (TRL's loop class, two methods
   overridden): trl-agentic's rollout loop per trajectory (rollback, negatives, snapshots, further user turns) and the
@@ -167,6 +169,9 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
         self.advantage_estimator = None
         if args.advantage_estimator != "grpo" or advantage_estimator is not None:
             self.advantage_estimator = resolve_estimator(advantage_estimator or args.advantage_estimator)
+        if args.mask_truncated_completions and is_trl_worker:
+            worker._loop_cls = AgenticAsyncRolloutLoop  # TRL's worker has no such option (config help)
+            worker._loop_kwargs["mask_truncated_completions"] = True
         if not self._features_on:
             return
         for cls in env_classes:

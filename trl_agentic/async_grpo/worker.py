@@ -49,11 +49,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
+
 from ..rollout.loop import AgenticRolloutLoop, LoopConfig
 from ..rollout.rendering import ChatRenderer
 from ..rollout.types import RowKind
 from .compat import worker_module
-from .rows import pushed_rows, score_group_rows, sequences_from_loop
+from .rows import is_truncated, pushed_rows, score_group_rows, sequences_from_loop
 
 __all__ = ["AgenticAsyncRolloutLoop", "AgenticRolloutSample", "WorkerBackend"]
 
@@ -176,6 +178,20 @@ class WorkerBackend:
         return flag
 
 
+def _mask_truncated_conversations(samples: list, group, stop_token_ids) -> None:
+    """TRL's own rows (every feature off): zero the completion mask of every row of a truncated conversation, as
+    `GRPOTrainer` masks the conversation's completion. TRL makes each conversation's rows in order, one per sequence."""
+    k = 0
+    for completion_ids, sequences in zip(group.completions_ids, group.completions_sequences, strict=True):
+        truncated = is_truncated(completion_ids, stop_token_ids)
+        for sample in samples[k : k + len(sequences)]:
+            if truncated:
+                sample.completion_mask = np.zeros_like(sample.completion_mask)
+        k += len(sequences)
+    if k != len(samples):
+        raise RuntimeError(f"TRL scored {len(samples)} rows for {k} sequences")
+
+
 def _import(path: str):
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
@@ -190,12 +206,16 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
             `rows.group_row_advantages` reads, "max_model_len": int, "seed": int, "push_untrained": bool (an estimator
             runs on the trainer side: push the rows that are not trained too, `rows.pushed_rows`)}` (plain
             values: they are pickled into the spawned child).
+        mask_truncated_completions (`bool`, *optional*, defaults to `False`):
+            Zero the completion mask of a truncated conversation's rows (`rows.is_truncated`), as `GRPOTrainer` does;
+            with every feature off, of every row TRL made of the conversation.
         **kwargs: TRL's `_AsyncRolloutLoop` arguments.
     """
 
-    def __init__(self, *, agentic: dict | None = None, **kwargs):
+    def __init__(self, *, agentic: dict | None = None, mask_truncated_completions: bool = False, **kwargs):
         super().__init__(**kwargs)
         self._agentic = agentic
+        self._mask_truncated = mask_truncated_completions
         if agentic is None:
             return
         self._loop_config = LoopConfig(**agentic["loop"])
@@ -300,6 +320,7 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
             row.policy_versions = versions
         if result.infra_failed[0]:
             rows[0].lost = True
+        rows[0].truncated = is_truncated(completion_ids[0], backend.stop_token_ids)
         s = result.stats
         stats = {
             "rollback/attempts_total": s.rollback_attempts,
@@ -325,6 +346,10 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
             return []  # it may hold abandoned trajectories (`_generate_one`)
         samples = await super()._score_group(group)
         if self._agentic is None:
+            if self._mask_truncated:
+                _mask_truncated_conversations(
+                    samples, group, {*self.eos_token_ids, self.tokenizer.pad_token_id} - {None}
+                )
             return samples
         rows = [row for rows in group.completions_sequences for row in rows]
         conversation = [c for c, rows in enumerate(group.completions_sequences) for _ in rows]
@@ -338,6 +363,7 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
             len(group.completions_sequences),
             self._adv_args,
             terms,
+            mask_truncated=self._mask_truncated,
         )
         out = []
         for k, j, is_trained in pushed_rows(scored.keep, trained, self._agentic.get("push_untrained", False)):
@@ -350,7 +376,9 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
                     prompt=sample.prompt,
                     completion=sample.completion,
                     input_ids=sample.input_ids,
-                    completion_mask=sample.completion_mask,
+                    completion_mask=np.zeros_like(sample.completion_mask)
+                    if scored.loss_masked[k]
+                    else sample.completion_mask,
                     old_log_probs=sample.old_log_probs,
                     advantage=advantage,
                     model_version=sample.model_version,
