@@ -51,8 +51,8 @@ def test_bad_feature_field_fails_in_the_async_parser(monkeypatch):
     with pytest.raises(ValueError, match="`tool_timeout`"):
         main(["train", "--config", str(CONFIG), "--tool_timeout", "5"])
     # Fields of the synchronous config the asynchronous trainer cannot honour are refused, not silently ignored.
-    with pytest.raises(ValueError, match="`max_turn_tokens` is not supported"):
-        main(["train", "--config", str(CONFIG), "--max_turn_tokens", "32"])
+    with pytest.raises(ValueError, match="`max_turn_tokens`"):  # supported, and validated as in the synchronous one
+        main(["train", "--config", str(CONFIG), "--max_turn_tokens", "0"])
     with pytest.raises(ValueError, match="`row_selection` is not supported"):
         main(["train", "--config", str(CONFIG), "--row_selection", "random"])
 
@@ -111,3 +111,22 @@ def test_tool_bonus_environment_rewards_what_tool_use_reward_does():
         envs.append(env)
     assert [env.get_reward() for env in envs] == list(cases.values())
     assert tool_use_reward([[]] * len(envs), environments=envs) == list(cases.values())
+
+
+def test_loop_fields_the_asynchronous_trainer_supports_are_accepted(tmp_path):
+    """`max_turn_tokens`, `malformed_tool_call_feedback`, `max_tool_output_chars` (the shared rollout loop's) and
+    `mask_truncated_completions` (ours: TRL's asynchronous config has none) make a valid config, which routes the
+    rollouts through trl-agentic's loop."""
+    from trl_agentic.async_grpo import AsyncAgenticGRPOConfig
+
+    args = AsyncAgenticGRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        max_turn_tokens=32,
+        malformed_tool_call_feedback=True,
+        max_tool_output_chars=64,
+        mask_truncated_completions=True,
+    )
+    assert args.uses_agentic_loop and args.mask_truncated_completions
+    assert not AsyncAgenticGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).mask_truncated_completions

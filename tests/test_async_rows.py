@@ -168,9 +168,10 @@ def test_pushed_rows_are_the_rows_the_synchronous_trainer_trains(status, extra, 
     """`score_group_rows` (what the async worker pushes) against the synchronous trainer's own `_untrained_rows`: a
     rollout lost to infrastructure has its regular and snapshot rows untrained and its negative rows trained (their
     own turn, their own penalty); an unscorable one (reward functions gave None) is trained; a negative beyond the cap
-    is dropped before either; a row without a trained token is not pushed. With `mask_truncated_completions` a
-    truncated conversation's regular row stays (its completion mask zeroed, as TRL zeroes it in the synchronous
-    batch) and its snapshot rows are not trained."""
+    is dropped before either; a row without a trained token is not pushed. With `mask_truncated_completions` TRL
+    zeroes a truncated conversation's completion mask in the synchronous batch (its regular row keeps no trained
+    token, so it is not pushed) and the synchronous trainer does not train its snapshot rows; its reward stays in
+    the statistics."""
     from trl_agentic.batch import BatchAugmenter
 
     n = len(status)
@@ -192,7 +193,6 @@ def test_pushed_rows_are_the_rows_the_synchronous_trainer_trains(status, extra, 
         _args(max_negative_samples_per_group=cap),
         mask_truncated=mask,
     )
-    assert scored.loss_masked == [kind == RowKind.REGULAR and mask and truncated[c] for c, kind, _ in layout]
 
     # The synchronous trainer's rule, on its own layout: the regular rows, then the kept extra rows with their parents.
     kept_extras = [k for k in range(n, len(layout)) if scored.keep[k]]
@@ -210,7 +210,9 @@ def test_pushed_rows_are_the_rows_the_synchronous_trainer_trains(status, extra, 
     sync_trained = {k for k in range(n) if not untrained[k]} | {
         k for e, k in enumerate(kept_extras) if not untrained[n + e]
     }
-    assert [k for k, _ in got] == [k for k in range(len(layout)) if k in sync_trained and layout[k][2]]
+    # A row has a trained token unless it had none, or it is a regular row whose mask TRL zeroed.
+    has_token = [tokens and not (kind == RowKind.REGULAR and mask and truncated[c]) for c, kind, tokens in layout]
+    assert [k for k, _ in got] == [k for k in range(len(layout)) if k in sync_trained and has_token[k]]
     kept_all = range(len(layout))
     # For an estimator on the trainer side every kept row is pushed, flagged whether it is trained: the rows the
     # synchronous trainer's estimator sees (its whole batch), and among them the ones it trains.
@@ -491,10 +493,11 @@ def _group(sequences: list[list], completions_ids: list[list[int]]):
 
 
 @pytest.mark.parametrize("mask", [True, False])
-def test_mask_truncated_completions_with_every_feature_off_masks_the_truncated_conversations_rows(mask):
-    """Every feature off: TRL's own rows and advantages, and with `mask_truncated_completions` a conversation whose
-    completion ends with neither EOS (9) nor pad (0) gets every row TRL made of it (here two: a TRL fork) masked, as
-    `GRPOTrainer` masks it; its reward stays in TRL's statistics (the advantages do not change)."""
+def test_mask_truncated_completions_with_every_feature_off_drops_the_truncated_conversations_rows(mask):
+    """Every feature off: TRL's own rows and advantages; with `mask_truncated_completions` a conversation whose
+    completion ends with neither EOS (9) nor pad (0) is not trained (`GRPOTrainer` masks it): none of the rows TRL
+    made of it (here two: a TRL fork) is pushed, and its reward stays in TRL's statistics (the others' advantages do
+    not change)."""
     import asyncio
 
     from trl_agentic.async_grpo.compat import worker_module
@@ -507,20 +510,22 @@ def test_mask_truncated_completions_with_every_feature_off_masks_the_truncated_c
     ]
     rewards = [1.0, 0.0, 0.5]
     samples = asyncio.run(_scoring_worker(None, mask, rewards)._score_group(_group(rows, [[2, 9], [3, 5], [6, 0]])))
-    masks = [s.completion_mask.tolist() for s in samples]
-    truncated = [[0, 0], [0, 0, 0, 0]] if mask else [[0, 1], [0, 0, 0, 1]]
-    assert masks == [[0, 1, 1], *truncated, [0, 1, 1]]
     values = torch.tensor(rewards, dtype=torch.float64)
     expected = ((values - values.mean()) / (values.std(unbiased=False) + 1e-8)).tolist()  # TRL's rule, all three
-    assert [s.advantage for s in samples] == pytest.approx([expected[0], expected[1], expected[1], expected[2]])
+    conversations = [0, 2] if mask else [0, 1, 1, 2]
+    assert [int(s.input_ids[1]) for s in samples] == [[2, 3, 6][c] for c in conversations]  # whose rows they are
+    assert [s.metrics["reward"] for s in samples] == [rewards[c] for c in conversations]
+    assert [s.advantage for s in samples] == pytest.approx([expected[c] for c in conversations])
+    assert all(s.completion_mask.any() for s in samples)
 
 
 @pytest.mark.parametrize("mask", [True, False])
-def test_mask_truncated_completions_with_features_on_masks_as_the_synchronous_trainer(mask):
+def test_mask_truncated_completions_with_features_on_trains_as_the_synchronous_trainer(mask):
     """With a feature on: conversation 1 was cut by the budget after a `delete_context` (a snapshot row) and a
-    rollback (a negative row). Its regular row is pushed with its completion mask zeroed and its reward (0) in the
-    group statistics, its snapshot row is not trained, its negative row keeps its loss and its penalty; conversation
-    0 is untouched. Advantages by hand: mean and unbiased std over 1, 0, -1 (`group_baseline="all_rows"`)."""
+    rollback (a negative row). With the flag its regular and snapshot rows are not trained (not pushed) while its
+    reward (0) stays in the group statistics; its negative row keeps its loss and its penalty; conversation 0 is
+    untouched. Advantages by hand: mean and unbiased std over 1, 0, -1 (`group_baseline="all_rows"`), the same with
+    and without the flag."""
     import asyncio
 
     rows = [
@@ -532,19 +537,15 @@ def test_mask_truncated_completions_with_features_on_masks_as_the_synchronous_tr
     advantage = {"group_baseline": "all_rows", "max_negative_samples_per_group": 2}
     worker = _scoring_worker({"advantage": advantage}, mask, [1.0, 0.0])
     samples = asyncio.run(worker._score_group(_group([rows[:1], rows[1:]], [[2, 9], [3, 4]])))
-    kinds = [int(RowKind.REGULAR), int(RowKind.REGULAR), int(RowKind.NEGATIVE)]
-    if not mask:
-        kinds.insert(2, int(RowKind.SNAPSHOT))
-    assert [s.row_kind for s in samples] == kinds
-    masks = [s.completion_mask.tolist() for s in samples]
-    assert masks[0] == [0, 1, 1] and masks[-1] == [0, 1]
-    assert masks[1] == ([0, 0, 0] if mask else [0, 1, 1])
     values = torch.tensor([1.0, 0.0, -1.0])
-    expected = (values - values.mean()) / (values.std() + 1e-4)
-    assert [samples[0].advantage, samples[1].advantage, samples[-1].advantage] == pytest.approx(
-        [float(expected[0]), float(expected[1]), min(float(expected[2]), 0.0)], abs=1e-5
-    )
-    assert [s.reward for s in samples][:2] == [1.0, 0.0]
+    expected = ((values - values.mean()) / (values.std() + 1e-4)).tolist()
+    pushed = [0, 3] if mask else [0, 1, 2, 3]  # input rows
+    assert [s.row_kind for s in samples] == [int(rows[k].kind) for k in pushed]
+    assert [s.completion_mask.tolist() for s in samples] == [rows[k].completion_mask for k in pushed]
+    advantage_of = [expected[0], expected[1], expected[1], min(expected[2], 0.0)]  # the snapshot: its episode's
+    assert [s.advantage for s in samples] == pytest.approx([advantage_of[k] for k in pushed], abs=1e-5)
+    assert [s.reward for s in samples] == [[1.0, 0.0, 0.0, -1.0][k] for k in pushed]
+    assert {s.baseline_rows for s in samples} == {4} and {s.group_rows for s in samples} == {len(pushed)}
 
 
 def test_is_truncated_is_trls_rule():
@@ -555,11 +556,14 @@ def test_is_truncated_is_trls_rule():
     assert [is_truncated(ids, stops) for ids in ([1, 9], [1, 0], [9, 1], [1], [])] == [False, False, True, True, False]
 
 
-def _trajectory_worker(tokenizer, turns: list[str], max_tokens: int):
-    """An `AgenticAsyncRolloutLoop` whose vLLM request is replaced by a script (`turns`, one per generation
-    request), with an event loop in a thread of its own, as TRL's worker runs it: `_run_trajectory` runs unchanged."""
+def _trajectory_worker(tokenizer, turns: list[str], max_tokens: int, **loop):
+    """An `AgenticAsyncRolloutLoop` whose vLLM server is a script (`turns`, one per request, cut at the request's
+    `max_tokens` as vLLM cuts), with an event loop in a thread of its own, as TRL's worker runs it. TRL's own
+    `_generate_one_turn` builds each request; `_run_trajectory` runs unchanged. Returns `(worker, event loop, the
+    requests' payloads)`."""
     import asyncio
     import threading
+    from collections import defaultdict
 
     from trl.chat_template_utils import add_response_schema
 
@@ -573,21 +577,37 @@ def _trajectory_worker(tokenizer, turns: list[str], max_tokens: int):
     worker.tokenizer, worker.max_tokens, worker.max_tool_calling_iterations = tokenizer, max_tokens, 4
     worker.eos_token_ids = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     worker._agentic, worker._model_version_value = {"max_model_len": 100_000}, SimpleNamespace(value=1)
+    worker.lora_name, worker.model_name, worker.request_timeout, worker.min_p = None, "policy", 10, None
+    worker.temperature, worker.top_p, worker.top_k, worker.repetition_penalty = 1.0, 1.0, -1, 1.0
+    worker._counters = defaultdict(float)
     worker._stop_event = threading.Event()
     worker._renderer = ChatRenderer(tokenizer)
-    worker._loop_config = LoopConfig(
+    config = dict(
         rollback_on_errors=list(DEFAULT_ROLLBACK_ON_ERRORS), infra_error_types=list(DEFAULT_INFRA_ERROR_TYPES)
     )
-    script = list(turns)
+    worker._loop_config = LoopConfig(**{**config, **loop})
+    script, payloads = list(turns), []
 
-    async def generate_one_turn(prompt_ids):
-        ids = tokenizer.encode(script.pop(0), add_special_tokens=False)
-        return ids, [-0.1] * len(ids)
+    async def post(path, payload, timeout):
+        payloads.append(payload)
+        ids = tokenizer.encode(script.pop(0), add_special_tokens=False)[: payload["max_tokens"]]
+        return {"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.1] * len(ids)}}]}
 
-    worker._generate_one_turn = generate_one_turn
+    worker._post = post
     event_loop = asyncio.new_event_loop()
     threading.Thread(target=event_loop.run_forever, daemon=True).start()
-    return worker, event_loop
+    return worker, event_loop, payloads
+
+
+def _run_one(worker, event_loop, tools: dict):
+    """`_run_trajectory` for one prompt: `(rows, completion messages, counters)`."""
+    try:
+        (completion, _, rows, *_), stats = worker._run_trajectory(
+            [{"role": "user", "content": "add 1"}], tools, list(tools.values()), 0, event_loop, 0
+        )
+    finally:
+        event_loop.call_soon_threadsafe(event_loop.stop)
+    return rows, completion, stats
 
 
 @pytest.mark.parametrize(
@@ -605,13 +625,120 @@ def test_a_trajectory_records_whether_the_budget_cut_it(tiny_tokenizer, turns, t
     `mask_truncated_completions` reads."""
     from rollout_helpers import LedgerEnv
 
-    worker, event_loop = _trajectory_worker(tiny_tokenizer, turns, max_tokens=4096)
+    worker, event_loop, _ = _trajectory_worker(tiny_tokenizer, turns, max_tokens=4096)
     env = LedgerEnv()
-    try:
-        (_, _, rows, *_), _ = worker._run_trajectory(
-            [{"role": "user", "content": "add 1"}], {"add": env.add}, [env.add], 0, event_loop, 0
-        )
-    finally:
-        event_loop.call_soon_threadsafe(event_loop.stop)
+    rows, _, _ = _run_one(worker, event_loop, {"add": env.add})
     assert rows[0].kind == RowKind.REGULAR and rows[0].truncated is truncated
     assert env.total == (1 if len(turns) == 2 else 0)
+
+
+def _prompt_length(row) -> int:
+    return next(k for k, m in enumerate(row.completion_mask) if m)
+
+
+@pytest.mark.parametrize("cap", [None, 60])
+def test_each_vllm_request_asks_for_what_the_trajectory_can_keep(tiny_tokenizer, cap):
+    """A request for a later turn asks vLLM for what is left of the trajectory's budget (and at most
+    `max_turn_tokens`), not for the whole `max_completion_length` as TRL's worker does: tokens past it would be cut
+    anyway (the synchronous rule). Without a cap the first request is TRL's own (`max_completion_length`)."""
+    from rollout_helpers import LedgerEnv
+
+    turns = [call("add", n=1), "Done.<|im_end|>"]
+    worker, event_loop, payloads = _trajectory_worker(tiny_tokenizer, turns, max_tokens=300, max_turn_tokens=cap)
+    env = LedgerEnv()
+    rows, _, stats = _run_one(worker, event_loop, {"add": env.add})
+    second = len(tiny_tokenizer.encode(turns[1], add_special_tokens=False))
+    used = len(rows[0].input_ids) - _prompt_length(rows[0]) - second  # first turn and the tool result
+    limit = cap if cap is not None else 10**9
+    assert [p["max_tokens"] for p in payloads] == [min(300, limit), min(300 - used, limit)]
+    assert 0 < used < 300 - 60 and env.total == 1 and not rows[0].truncated
+    assert stats["tools/turn_cap_truncations_total"] == 0
+
+
+def test_a_turn_longer_than_max_turn_tokens_is_cut_by_the_request(tiny_tokenizer):
+    """`max_turn_tokens` in the asynchronous worker: vLLM is asked for 8 tokens, the turn is cut there (counted as a
+    cut by the per-turn cap, as in the synchronous trainer) and the conversation ends, truncated."""
+    worker, event_loop, payloads = _trajectory_worker(
+        tiny_tokenizer, ["The answer is three, I am sure.<|im_end|>"], max_tokens=300, max_turn_tokens=8
+    )
+    rows, _, stats = _run_one(worker, event_loop, {})
+    assert [p["max_tokens"] for p in payloads] == [8]
+    assert len(rows[0].input_ids) - _prompt_length(rows[0]) == 8 and rows[0].truncated
+    assert stats["tools/turn_cap_truncations_total"] == 1 and stats["tools/truncated_turns_total"] == 1
+
+
+class _EchoEnv:
+    def reset(self, **kwargs):
+        pass
+
+    def echo(self, n: int) -> str:
+        """
+        Repeat a letter.
+
+        Args:
+            n: How many times.
+        """
+        return "x" * n
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_malformed_call_feedback_and_long_tool_outputs_in_the_worker(tiny_tokenizer, on):
+    """`malformed_tool_call_feedback` and `max_tool_output_chars` reach the loop in the asynchronous worker: a
+    malformed call is answered with the parser's error (without the feedback the conversation ends there, as in
+    TRL), a 500-character tool output is cut to 64 characters, its marker included; both are counted."""
+    bad = "<tool_call>{not json</tool_call><|im_end|>"
+    turns = [bad, call("echo", n=500), "Done.<|im_end|>"] if on else [bad]
+    loop = {"malformed_tool_call_feedback": True, "max_tool_output_chars": 64} if on else {}
+    worker, event_loop, payloads = _trajectory_worker(tiny_tokenizer, turns, max_tokens=2000, **loop)
+    env = _EchoEnv()
+    _, completion, stats = _run_one(worker, event_loop, {"echo": env.echo})
+    tool_messages = [m["content"] for m in completion if m["role"] == "tool"]
+    if on:
+        assert len(payloads) == 3 and len(tool_messages) == 2
+        assert tool_messages[0].startswith("{'error': 'invalid JSON in <tool_call> block")
+        assert len(tool_messages[1]) == 64 and tool_messages[1].endswith("x\n...[truncated 436 chars]")
+        assert stats["tools/malformed_calls_total"] == 1 and stats["tools/truncated_outputs_total"] == 1
+    else:
+        assert len(payloads) == 1 and tool_messages == []
+        assert stats["tools/malformed_calls_total"] == 0 and stats["tools/truncated_outputs_total"] == 0
+
+
+def test_a_trajectory_whose_tool_result_fills_the_budget_is_truncated_as_in_the_synchronous_trainer(tiny_tokenizer):
+    """The budget is exactly the first turn plus its tool result: the next turn has no room and the trajectory ends on
+    an environment token. Both trainers test the row's whole completion, so it is truncated (what TRL's `GRPOTrainer`
+    sees in the synchronous batch: a completion that does not end with EOS)."""
+    from rollout_helpers import LedgerEnv
+
+    turns = [call("add", n=1), "Done.<|im_end|>"]
+    worker, event_loop, _ = _trajectory_worker(tiny_tokenizer, turns, max_tokens=300)
+    rows, _, _ = _run_one(worker, event_loop, {"add": LedgerEnv().add})
+    second = len(tiny_tokenizer.encode(turns[1], add_special_tokens=False))
+    used = len(rows[0].input_ids) - _prompt_length(rows[0]) - second
+    worker, event_loop, payloads = _trajectory_worker(tiny_tokenizer, turns, max_tokens=used)
+    env = LedgerEnv()
+    rows, _, stats = _run_one(worker, event_loop, {"add": env.add})
+    assert env.total == 1 and len(rows[0].input_ids) - _prompt_length(rows[0]) == used
+    assert rows[0].completion_mask[-1] == 0 and rows[0].truncated  # ends on the tool result's tokens
+    assert [p["max_tokens"] for p in payloads] == [used, 1]  # the second request cannot keep a token
+
+
+def test_the_agentic_loop_replaces_trls_own_loop_only():
+    """The worker's class is replaced only where it is TRL's own `_AsyncRolloutLoop` (or already ours): a worker that
+    runs a loop of its own (TRL's OpenEnv harness) gets a clear error naming it, not a child that fails to start."""
+    from trl_agentic.async_grpo.compat import worker_module
+    from trl_agentic.async_grpo.trainer import _use_agentic_loop
+    from trl_agentic.async_grpo.worker import AgenticAsyncRolloutLoop
+
+    worker = SimpleNamespace(_loop_cls=worker_module()._AsyncRolloutLoop)
+    _use_agentic_loop(worker, "x")
+    assert worker._loop_cls is AgenticAsyncRolloutLoop
+    _use_agentic_loop(worker, "x")
+    assert worker._loop_cls is AgenticAsyncRolloutLoop
+
+    class HarnessLoop(worker_module()._AsyncRolloutLoop):
+        pass
+
+    other = SimpleNamespace(_loop_cls=HarnessLoop)
+    with pytest.raises(ValueError, match="HarnessLoop"):
+        _use_agentic_loop(other, "`mask_truncated_completions`")
+    assert other._loop_cls is HarnessLoop

@@ -793,3 +793,52 @@ def test_list_results_pass_through_and_images_are_refused(tiny_tokenizer):
     assert blocks[1]["text"] == "b" * 30  # the tool's own value is not modified
     with pytest.raises(NotImplementedError, match="images"):
         run_tools_loop(ScriptBackend(tiny_tokenizer, []), [call("get")], [{"get": lambda: image}], cfg())
+
+
+class LimitedBackend(ScriptBackend):
+    """A backend that asks the engine for no more than the loop can keep (`takes_turn_limits`, as the asynchronous
+    worker's): each scripted output is cut at its limit, as vLLM cuts at `max_tokens`."""
+
+    takes_turn_limits = True
+
+    def __init__(self, tokenizer, script):
+        super().__init__(tokenizer, script)
+        self.limits: list[list[int]] = []
+
+    def generate(self, contexts, limits=None):
+        self.limits.append(list(limits))
+        ids, lps = super().generate(contexts)
+        return [x[:n] for x, n in zip(ids, limits)], [x[:n] for x, n in zip(lps, limits)]
+
+
+@pytest.mark.parametrize("budget", [70, 90, 400])
+@pytest.mark.parametrize("cap", [None, 25])
+def test_asking_the_engine_for_what_the_loop_keeps_changes_no_row(tiny_tokenizer, budget, cap):
+    """The same scripted rollouts (a failing call rolled back, a good call, a long answer) with an engine that ignores
+    the per-turn limits and one that honours them: every row, mask, log-prob and negative row is the same, and no
+    limit asks for more than the rollout's remaining budget or the cap."""
+    turns = [call("add", n="x"), call("add", n=1)]
+    script = [[call("add", n=2), "The total is three, as it was asked for, nothing less.<|im_end|>"]]
+    script += [["Done, the total is three.<|im_end|>"], ["Done.<|im_end|>"]]
+
+    def run(backend_cls):
+        b = backend_cls(tiny_tokenizer, [list(s) for s in script] * 2)
+        b.max_completion_length = budget
+        _, prompt_ids, trl_tuple, result = run_loop(
+            b, turns, [LedgerEnv(), LedgerEnv()], rollback_cfg(max_turn_tokens=cap)
+        )
+        rows = [(e.kind, e.parent, e.prompt_ids, e.completion_ids, e.tool_mask, e.logprobs) for e in result.extra_rows]
+        return b, prompt_ids, trl_tuple, rows, result.stats
+
+    plain, prompt_ids, expected, expected_rows, expected_stats = run(ScriptBackend)
+    limited, _, got, rows, stats = run(LimitedBackend)
+    assert got == expected and rows == expected_rows
+    assert (stats.truncated_turns, stats.turn_cap_truncations) == (
+        expected_stats.truncated_turns,
+        expected_stats.turn_cap_truncations,
+    )
+    assert (stats.truncated_turns > 0) == (cap is not None or budget < 400)  # the limits did cut turns
+    for contexts, limits in zip(limited.calls, limited.limits):
+        for context, limit in zip(contexts, limits):
+            prompt = next(len(p) for p in prompt_ids if context[: len(p)] == p)
+            assert 1 <= limit <= max(1, budget - (len(context) - prompt)) and (cap is None or limit <= cap)

@@ -95,16 +95,6 @@ def _validate_async(self) -> None:
             "`tracin_enabled=True` needs `gradient_checkpointing=False` in AsyncAgenticGRPOTrainer: the TracIn scoring "
             "forward records the LoRA activations (AsyncGRPOConfig turns gradient checkpointing on by default)."
         )
-    if self.max_tool_output_chars is not None or self.malformed_tool_call_feedback:
-        raise ValueError(
-            "`max_tool_output_chars` and `malformed_tool_call_feedback` are not supported by "
-            "AsyncAgenticGRPOTrainer yet (docs/async.md)."
-        )
-    if self.max_turn_tokens is not None:
-        raise ValueError(
-            "`max_turn_tokens` is not supported by AsyncAgenticGRPOTrainer yet: TRL's worker sends every turn with "
-            "the whole remaining `max_completion_length` (docs/async.md)."
-        )
     if self.row_selection != "none":
         raise ValueError(
             "`row_selection` is not supported by AsyncAgenticGRPOTrainer: it selects rows of a synchronous generation "
@@ -126,8 +116,8 @@ _namespace["__doc__"] = f"""
     samples, context snapshots, further user turns, the advantage estimator (`advantage_estimator`, `rlvcr_*`) and
     the TracIn filter (`tracin_*`). With all of them at their defaults the trainer behaves exactly like TRL's
     `AsyncGRPOTrainer`. Own fields: `scale_rewards`, `mask_truncated_completions`,
-    `vllm_server_start`. Not supported yet:
-    `tool_timeout`, `max_tool_output_chars`, `malformed_tool_call_feedback`, `max_turn_tokens`, `row_selection`
+    `vllm_server_start`. Not supported:
+    `tool_timeout`, `row_selection`
     (refused with an error naming the field); `transformers_prefix_caching` has no effect (vLLM generates).
 
     Feature fields: {", ".join(f.name for f in _feature_fields())}.

@@ -206,7 +206,6 @@ class GroupRows:
         kinds / episodes: `RowKind` and conversation index of each kept row.
         baseline: Whether each kept row enters the group statistics.
         advantages: `(K,)` advantages of the kept rows.
-        loss_masked: Per input row, whether its completion mask is to be zeroed (`score_group_rows`).
     """
 
     keep: list[bool]
@@ -215,7 +214,6 @@ class GroupRows:
     episodes: torch.Tensor
     baseline: torch.Tensor
     advantages: torch.Tensor
-    loss_masked: list[bool] = field(default_factory=list)
 
 
 def baseline_mask(kinds: torch.Tensor, args) -> torch.Tensor:
@@ -306,9 +304,8 @@ def trained_rows(
 ) -> list[tuple[int, int]]:
     """`(row, kept position)` of the rows that are trained, as the synchronous trainer decides (`_untrained_rows`).
 
-    A kept row is trained unless `row_lost` marks it (its conversation was lost to an infrastructure failure: its
-    regular row and its snapshot rows, whose reward is the lost episode's; or it is a snapshot row of a conversation
-    masked by `mask_truncated_completions`) or it has no trained token. A conversation that is merely
+    A kept row is trained unless `row_lost` marks it (its conversation was lost to an infrastructure failure, or
+    masked by `mask_truncated_completions`: its regular row and its snapshot rows) or it has no trained token. A conversation that is merely
     unscorable (every reward function gave None: NaN, advantage 0) is not lost: it is trained, as in both trainers.
     A negative row is its own complete turn with its own reward: it is trained even when its conversation was lost
     later, as in the synchronous trainer. A kept row that is not trained still counted in the group's statistics
@@ -336,9 +333,11 @@ def score_group_rows(
     """What the async worker does with a scored group: `group_row_advantages`, then `trained_rows`.
 
     With `mask_truncated` (`mask_truncated_completions`) a conversation whose regular row is `truncated` is handled as
-    the synchronous trainer handles a row TRL masked (`BatchAugmenter._untrained_rows`): its regular row keeps its
-    place and its reward in the group statistics but its completion mask is zeroed (`GroupRows.loss_masked`), its
-    snapshot rows (earlier segments) are not trained, its negative rows (complete turns of their own) are.
+    the synchronous trainer handles a row TRL masked (`BatchAugmenter._untrained_rows`): its reward stays in the group
+    statistics, its regular row and its snapshot rows (earlier segments) are not trained, its negative rows (complete
+    turns of their own) are. The synchronous batch keeps the masked regular row with a zero completion mask, which
+    weighs nothing in the asynchronous token-mean loss; here it is not pushed (TRL's packer cannot build a micro-batch
+    of rows without a trained token).
 
     Args:
         rows: The group's rows in order (each conversation's regular row, then its extra rows).
@@ -366,11 +365,7 @@ def score_group_rows(
     )
     has_tokens = [any(row.completion_mask) for row in rows]
     # An episode whose last segment is not trained (lost, or masked) does not train its earlier segments either.
-    untrained_episode = [
-        c in lost or (kind == RowKind.SNAPSHOT and c in masked) for c, kind in zip(row_conversation, kinds)
-    ]
-    trained = trained_rows(scored.keep, kinds, untrained_episode, has_tokens)
-    scored.loss_masked = [kind == RowKind.REGULAR and c in masked for c, kind in zip(row_conversation, kinds)]
+    trained = trained_rows(scored.keep, kinds, [c in lost or c in masked for c in row_conversation], has_tokens)
     return scored, trained
 
 

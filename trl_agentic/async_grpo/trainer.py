@@ -25,15 +25,26 @@ from __future__ import annotations
 import os
 import uuid
 
+from transformers.utils import logging
+
 from ..envs.protocol import check_checkpointable, has_user_turns
 from ..estimators import resolve_estimator
 from ..rollout.context import delete_context
 from ..rollout.loop import LoopConfig
-from .compat import AsyncGRPOTrainer, cpu_peak_flops, install_stop, register_cpu_tree_attention, trainer_module
+from .compat import (
+    AsyncGRPOTrainer,
+    cpu_peak_flops,
+    install_stop,
+    register_cpu_tree_attention,
+    trainer_module,
+    worker_module,
+)
 from .config import AsyncAgenticGRPOConfig
 from .worker import AgenticAsyncRolloutLoop
 
 __all__ = ["AsyncAgenticGRPOTrainer"]
+
+logger = logging.get_logger(__name__)
 
 _ADVANTAGE_FIELDS = (
     "negative_sample_reward",
@@ -45,6 +56,18 @@ _ADVANTAGE_FIELDS = (
     "scale_rewards",
     "advantage_std_floor",
 )
+
+
+def _use_agentic_loop(worker, what: str) -> None:
+    """Make TRL's rollout worker spawn `AgenticAsyncRolloutLoop` (its `start()` reads `_loop_cls`): only in place of
+    TRL's own loop, not of a subclass with other arguments (the OpenEnv harness's)."""
+    loop_cls = worker._loop_cls
+    if loop_cls is not AgenticAsyncRolloutLoop and loop_cls is not worker_module()._AsyncRolloutLoop:
+        raise ValueError(
+            f"{what} run in TRL's own asynchronous rollout loop, but this rollout worker runs "
+            f"{loop_cls.__name__} ({type(worker).__name__}). Use TRL's AsyncRolloutWorker, or switch them off."
+        )
+    worker._loop_cls = AgenticAsyncRolloutLoop
 
 
 def _environment_classes(environment_factory) -> list:
@@ -170,8 +193,13 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
         if args.advantage_estimator != "grpo" or advantage_estimator is not None:
             self.advantage_estimator = resolve_estimator(advantage_estimator or args.advantage_estimator)
         if args.mask_truncated_completions and is_trl_worker:
-            worker._loop_cls = AgenticAsyncRolloutLoop  # TRL's worker has no such option (config help)
+            _use_agentic_loop(worker, "`mask_truncated_completions`")  # TRL's worker has no such option
             worker._loop_kwargs["mask_truncated_completions"] = True
+        elif args.mask_truncated_completions and worker is not None:
+            logger.warning(
+                "`mask_truncated_completions` has no effect with a rollout worker other than TRL's: the rows are "
+                f"the ones {type(worker).__name__} makes."
+            )
         if not self._features_on:
             return
         for cls in env_classes:
@@ -179,7 +207,7 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
                 check_checkpointable(cls())
         if self.accelerator.is_main_process and is_trl_worker:
             self.vllm_client.wait_for_server_ready()
-            worker._loop_cls = AgenticAsyncRolloutLoop  # read by `start()`, which spawns the child
+            _use_agentic_loop(worker, "trl-agentic's features")
             worker._loop_kwargs["agentic"] = {
                 "loop": {name: getattr(args, name) for name in LoopConfig.__dataclass_fields__},
                 "advantage": {name: getattr(args, name) for name in _ADVANTAGE_FIELDS},

@@ -27,7 +27,9 @@ Metrics (summed over the logging window, TRL's `_total` convention): `rollback/a
 `rollback/recovered_total`, `rollback/exhausted_total`, `rollback/regenerated_tokens_total`,
 `rollback/failed_turn_tokens_total`, `negatives/saved_total`, `snapshots/closed_total`, `context/tokens_freed_total`,
 `conversation/user_turns_total`, `conversation/user_turns_dropped_total`, `infra/retries_total`,
-`infra/lost_rollouts_total`, `tools/truncated_turns_total`; and per group `groups/rows_total` and
+`infra/lost_rollouts_total`, `tools/truncated_turns_total`, `tools/malformed_calls_total` (with
+`malformed_tool_call_feedback` or rollback), `tools/truncated_outputs_total` (`max_tool_output_chars`),
+`tools/turn_cap_truncations_total` (`max_turn_tokens`); and per group `groups/rows_total` and
 `negatives/rows_total`, `snapshots/rows_total` (rows kept after the per-group cap).
 """
 
@@ -48,8 +50,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
-
-import numpy as np
 
 from ..rollout.loop import AgenticRolloutLoop, LoopConfig
 from ..rollout.rendering import ChatRenderer
@@ -114,6 +114,7 @@ class WorkerBackend:
     """
 
     multi_process = False
+    takes_turn_limits = True
 
     def __init__(self, rollout_loop: AgenticAsyncRolloutLoop, tools: list, event_loop):
         self._rl = rollout_loop
@@ -127,11 +128,12 @@ class WorkerBackend:
         self.stop_token_ids = {*rollout_loop.eos_token_ids, self.tokenizer.pad_token_id} - {None}
         self.versions: list[int] = []
 
-    def generate(self, contexts):
+    def generate(self, contexts, limits=None):
         ids, logprobs = [], []
-        for context in contexts:  # one trajectory queues at most one context per call
+        for k, context in enumerate(contexts):  # one trajectory queues at most one context per call
             self.versions.append(self._rl.model_version)
-            future = asyncio.run_coroutine_threadsafe(self._rl._generate_one_turn(list(context)), self._loop)
+            limit = limits[k] if limits is not None else None
+            future = asyncio.run_coroutine_threadsafe(self._rl._limited_turn(list(context), limit), self._loop)
             turn_ids, turn_logprobs = self._wait(future)
             ids.append(list(turn_ids))
             logprobs.append(list(turn_logprobs))
@@ -178,18 +180,31 @@ class WorkerBackend:
         return flag
 
 
-def _mask_truncated_conversations(samples: list, group, stop_token_ids) -> None:
-    """TRL's own rows (every feature off): zero the completion mask of every row of a truncated conversation, as
-    `GRPOTrainer` masks the conversation's completion. TRL makes each conversation's rows in order, one per sequence."""
-    k = 0
+def _without_truncated_conversations(samples: list, group, stop_token_ids) -> list:
+    """TRL's own rows (every feature off) less every row of a truncated conversation (`rows.is_truncated` on TRL's
+    completion stream), which `GRPOTrainer` would mask: its reward stayed in TRL's advantage statistics, and a row
+    without a trained token is not pushed (TRL's packer cannot build a micro-batch of such rows). TRL makes each
+    conversation's rows in order, one per sequence."""
+    out, k = [], 0
     for completion_ids, sequences in zip(group.completions_ids, group.completions_sequences, strict=True):
-        truncated = is_truncated(completion_ids, stop_token_ids)
-        for sample in samples[k : k + len(sequences)]:
-            if truncated:
-                sample.completion_mask = np.zeros_like(sample.completion_mask)
+        if not is_truncated(completion_ids, stop_token_ids):
+            out.extend(samples[k : k + len(sequences)])
         k += len(sequences)
     if k != len(samples):
         raise RuntimeError(f"TRL scored {len(samples)} rows for {k} sequences")
+    return out
+
+
+class _RequestView:
+    """The rollout loop as one request sees it: TRL's `_generate_one_turn` reads `self.max_tokens` to build its vLLM
+    request; this view gives it a per-request value and passes every other attribute through to the loop."""
+
+    def __init__(self, loop, max_tokens: int):
+        self._view_of = loop
+        self.max_tokens = max_tokens
+
+    def __getattr__(self, name):
+        return getattr(self._view_of, name)
 
 
 def _import(path: str):
@@ -207,8 +222,9 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
             runs on the trainer side: push the rows that are not trained too, `rows.pushed_rows`)}` (plain
             values: they are pickled into the spawned child).
         mask_truncated_completions (`bool`, *optional*, defaults to `False`):
-            Zero the completion mask of a truncated conversation's rows (`rows.is_truncated`), as `GRPOTrainer` does;
-            with every feature off, of every row TRL made of the conversation.
+            Train no row of a truncated conversation (`rows.is_truncated`) but its negative rows, as `GRPOTrainer`
+            masks it; its reward stays in the group statistics. With every feature off, TRL's rows of it are dropped
+            after TRL's scoring.
         **kwargs: TRL's `_AsyncRolloutLoop` arguments.
     """
 
@@ -281,13 +297,22 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
         )
         return result
 
+    async def _limited_turn(self, prompt_ids: list[int], limit: int | None):
+        """One turn by TRL's `_generate_one_turn`, asking vLLM for at most `limit` tokens (what the trajectory can
+        keep: its remaining budget, `max_turn_tokens`, the model's room) instead of the whole `max_completion_length`."""
+        if limit is None or limit >= self.max_tokens:
+            return await self._generate_one_turn(prompt_ids)
+        return await type(self)._generate_one_turn(_RequestView(self, limit), prompt_ids)
+
     def _run_trajectory(self, prompt, tool_dict, tools, group_id, event_loop, seed):
         """One trajectory through trl-agentic's loop (in a worker thread). Returns TRL's 6-tuple and counters."""
         backend = WorkerBackend(self, tools, event_loop)
         environment = _environment_of(tool_dict)
         prompt_msgs = copy.deepcopy(list(prompt))
         prompt_ids = self._renderer.prompt_ids(prompt_msgs, tools=tools)
-        (first_ids,), (first_logprobs,) = backend.generate([prompt_ids])
+        cap = self._loop_config.max_turn_tokens
+        first_limit = min(self.max_tokens, backend.max_model_len - len(prompt_ids), cap or self.max_tokens)
+        (first_ids,), (first_logprobs,) = backend.generate([prompt_ids], limits=[max(1, first_limit)])
         message = backend.parse(first_ids, prompt_ids, 0)
         sync_tools = {n: f for n, f in tool_dict.items() if not inspect.iscoroutinefunction(f)}
         async_tools = {n: f for n, f in tool_dict.items() if inspect.iscoroutinefunction(f)}
@@ -336,6 +361,9 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
             "infra/retries_total": s.infra_retries,
             "infra/lost_rollouts_total": int(result.infra_failed[0]),
             "tools/truncated_turns_total": s.truncated_turns,
+            "tools/malformed_calls_total": s.malformed_calls,
+            "tools/truncated_outputs_total": s.truncated_outputs,
+            "tools/turn_cap_truncations_total": s.turn_cap_truncations,
         }
         generated = [t for t, m in zip(completion_ids[0], tool_mask[0]) if m]
         return (completions[0], generated, rows, n_calls, n_failures, None), {k: float(v) for k, v in stats.items()}
@@ -347,9 +375,8 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
         samples = await super()._score_group(group)
         if self._agentic is None:
             if self._mask_truncated:
-                _mask_truncated_conversations(
-                    samples, group, {*self.eos_token_ids, self.tokenizer.pad_token_id} - {None}
-                )
+                stops = {*self.eos_token_ids, self.tokenizer.pad_token_id} - {None}
+                return _without_truncated_conversations(samples, group, stops)
             return samples
         rows = [row for rows in group.completions_sequences for row in rows]
         conversation = [c for c, rows in enumerate(group.completions_sequences) for _ in rows]
@@ -376,9 +403,7 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
                     prompt=sample.prompt,
                     completion=sample.completion,
                     input_ids=sample.input_ids,
-                    completion_mask=np.zeros_like(sample.completion_mask)
-                    if scored.loss_masked[k]
-                    else sample.completion_mask,
+                    completion_mask=sample.completion_mask,
                     old_log_probs=sample.old_log_probs,
                     advantage=advantage,
                     model_version=sample.model_version,

@@ -59,6 +59,8 @@ class RolloutBackend(Protocol):
     multi_process: bool
     stop_token_ids: set[int]  # a turn that does not end with one of these was truncated
 
+    # A backend with `takes_turn_limits = True` also gets `limits=`: per context, the most tokens the loop will keep
+    # of its turn (`_turn_limit`), so that the engine generates no more (the asynchronous worker's vLLM requests).
     def generate(self, contexts: list[list[int]]) -> tuple[list[list[int]], list[list[float]] | None]: ...
 
     # `tools`: the rollout's tools, passed only once a user turn changed them (absent: the row's initial tools).
@@ -699,7 +701,11 @@ class AgenticRolloutLoop:
         contexts = [rollouts[i].context for i in queued]
         stats.generation_calls += 1
         started = time.perf_counter()
-        new_ids, new_logprobs = backend.generate(contexts)
+        if getattr(backend, "takes_turn_limits", False):  # one request per context: each asks for what it can keep
+            limits = [self._turn_limit(rollouts[i].prompt_ids, c) for i, c in zip(queued, contexts)]
+            new_ids, new_logprobs = backend.generate(contexts, limits=limits)
+        else:
+            new_ids, new_logprobs = backend.generate(contexts)
         stats.generate_seconds += time.perf_counter() - started
         for j, i in enumerate(queued):
             r = rollouts[i]
@@ -731,6 +737,17 @@ class AgenticRolloutLoop:
             if message:
                 r.completion_msgs.append(message)
             self._after_turn(i, r, post, message)
+
+    def _turn_limit(self, prompt_ids: list[int], context: list[int]) -> int:
+        """The most tokens a turn generated from `context` can keep (more are cut, `_generate`): what is left of the
+        budget, the per-turn cap, and the room left in the model's context."""
+        backend = self.backend
+        limit = min(
+            backend.max_completion_length - (len(context) - len(prompt_ids)), backend.max_model_len - len(context)
+        )
+        if self.config.max_turn_tokens is not None:
+            limit = min(limit, self.config.max_turn_tokens)
+        return max(1, limit)
 
     def _hit_turn_cap(self, ids: list[int], budget: int) -> bool:
         """Whether a turn was cut by `max_turn_tokens` (rather than by the rollout's remaining `budget`)."""
