@@ -70,8 +70,11 @@ class AgenticSequence(TrainingSequence):
 
 
 def is_truncated(completion_ids, stop_token_ids) -> bool:
-    """TRL's test of a completion cut by `max_completion_length` (`GRPOTrainer`'s `mask_truncated_completions` and
-    `completions/clipped_ratio`): its last token is neither an EOS nor the pad token."""
+    """TRL's test of a completion cut by `max_completion_length` (`GRPOTrainer`'s `mask_truncated_completions`): its
+    last token is neither an EOS nor the pad token. The worker applies it to a trajectory's whole completion (model and
+    tool tokens, as the synchronous trainer's row); TRL's `completions/clipped_ratio` applies it to the model's tokens
+    only, so a trajectory ending on a tool result that filled the budget is truncated here but not clipped there."""
+    # An empty completion is not truncated (`GRPOTrainer` never sees one: its test would fail on it).
     return bool(completion_ids) and completion_ids[-1] not in stop_token_ids
 
 
