@@ -348,3 +348,19 @@ def test_mask_truncated_completions_in_an_async_run(server, calculator_policy_di
     plain = build(calculator_policy_dir, off)
     assert plain.rollout_worker._loop_cls is AgenticAsyncRolloutLoop
     assert plain.rollout_worker._loop_kwargs["mask_truncated_completions"] is True
+
+
+def test_max_turn_tokens_in_an_async_run(server, calculator_policy_dir, tmp_path):
+    """`max_turn_tokens=1` in a real run: every request asks vLLM for one token (the tiny policy's turns are one or
+    two turn tokens and an end of turn), so every trained row holds exactly one generated token per turn, and the
+    worker counts the turns the cap cut."""
+    from async_helpers import async_config, build, total
+
+    from trl_agentic.rollout.types import RowKind
+
+    args = async_config(tmp_path / "out", server.url, max_turn_tokens=1, max_steps=1)
+    trainer = build(calculator_policy_dir, args)
+    trainer.train()
+    regular = [r for r in trainer._observed_rows if r["kind"] == RowKind.REGULAR]
+    assert regular and all(int(np.asarray(r["completion_mask"]).sum()) == 1 for r in regular)
+    assert total(trainer, "tools/turn_cap_truncations_total") > 0
