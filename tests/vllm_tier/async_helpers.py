@@ -120,9 +120,14 @@ def tool_call(expression: str) -> str:
     return f"<tool_call>\n{json.dumps({'name': 'calculate', 'arguments': {'expression': expression}})}\n</tool_call>"
 
 
+HOST_GENERATIONS: list = []  # (adapter requested, token ids, log-probs) of `scaled_token_estimator`'s generations
+
+
 def scaled_token_estimator(batch, trainer):
     """A token-level estimator for the tests: GRPO's advantage on every completion token, doubled on the row's first
-    trained token. Uses the host's model to prove it is reachable (a forward of one row)."""
+    trained token. Uses the host's model to prove it is reachable (a forward of one row) and generates 3 tokens from
+    the first row's prompt through the host (the server, as RLVCR's alternative thinking), recorded in
+    `HOST_GENERATIONS`."""
     import torch
 
     from trl_agentic.estimators import grpo_estimator
@@ -130,6 +135,10 @@ def scaled_token_estimator(batch, trainer):
     episode = grpo_estimator(batch, trainer)
     with torch.no_grad():
         trainer.model(input_ids=batch.prompt_ids[:1, -4:])
+    prompt = batch.prompt_ids[0][batch.prompt_mask[0].bool()].tolist()
+    model = trainer._trainer._request_model_name()
+    (ids,), (logprobs,) = trainer._generate_single_turn([prompt], max_tokens=3)
+    HOST_GENERATIONS.append((model, list(ids), list(logprobs)))
     weights = torch.ones_like(batch.loss_mask, dtype=torch.float32)
     first = batch.loss_mask.float().argmax(dim=1)
     weights[torch.arange(len(first)), first] = 2.0

@@ -169,13 +169,20 @@ def test_killed_server_is_a_clear_error(calculator_policy_dir, tmp_path):
 
 
 def test_user_turns_and_a_token_level_estimator_in_an_async_run(server, calculator_policy_dir, tmp_path):
-    from async_helpers import TwoQuestionCalculatorEnv, async_config, build, total
+    from async_helpers import HOST_GENERATIONS, TwoQuestionCalculatorEnv, async_config, build, total
 
+    HOST_GENERATIONS.clear()
     args = async_config(tmp_path / "out", server.url, advantage_estimator="async_helpers:scaled_token_estimator")
     trainer = build(calculator_policy_dir, args, environment_factory=TwoQuestionCalculatorEnv)
     trainer.train()
     assert trainer.state.global_step == 2
     assert total(trainer, "conversation/user_turns_total") > 0
+    # The estimator's host generated from the server with the policy's current adapter (what RLVCR's alternative
+    # thinking uses), at most the requested 3 tokens, with their sampling log-probs.
+    assert HOST_GENERATIONS
+    base = trainer._lora_name
+    for model, ids, logprobs in HOST_GENERATIONS:
+        assert model.startswith(f"{base}-v") and 1 <= len(ids) <= 3 and len(logprobs) == len(ids)
     rows = trainer._observed_rows
     token_rows = [r for r in rows if isinstance(r["advantage"], np.ndarray)]
     assert token_rows and len(token_rows) == len(rows)
