@@ -719,7 +719,7 @@ def test_a_trajectory_whose_tool_result_fills_the_budget_is_truncated_as_in_the_
     rows, _, stats = _run_one(worker, event_loop, {"add": env.add})
     assert env.total == 1 and len(rows[0].input_ids) - _prompt_length(rows[0]) == used
     assert rows[0].completion_mask[-1] == 0 and rows[0].truncated  # ends on the tool result's tokens
-    assert [p["max_tokens"] for p in payloads] == [used, 1]  # the second request cannot keep a token
+    assert [p["max_tokens"] for p in payloads] == [used]  # no request for a turn that could keep no token
 
 
 def test_the_agentic_loop_replaces_trls_own_loop_only():

@@ -795,6 +795,15 @@ def test_list_results_pass_through_and_images_are_refused(tiny_tokenizer):
         run_tools_loop(ScriptBackend(tiny_tokenizer, []), [call("get")], [{"get": lambda: image}], cfg())
 
 
+class RoomBackend(ScriptBackend):
+    """An engine without per-turn limits that, like any engine, generates no token past the model's context."""
+
+    def generate(self, contexts):
+        ids, lps = super().generate(contexts)
+        rooms = [self.max_model_len - len(c) for c in contexts]
+        return [x[:n] for x, n in zip(ids, rooms)], [x[:n] for x, n in zip(lps, rooms)]
+
+
 class LimitedBackend(ScriptBackend):
     """A backend that asks the engine for no more than the loop can keep (`takes_turn_limits`, as the asynchronous
     worker's): each scripted output is cut at its limit, as vLLM cuts at `max_tokens`."""
@@ -811,34 +820,67 @@ class LimitedBackend(ScriptBackend):
         return [x[:n] for x, n in zip(ids, limits)], [x[:n] for x, n in zip(lps, limits)]
 
 
-@pytest.mark.parametrize("budget", [70, 90, 400])
+@pytest.mark.parametrize(
+    ("budget", "room", "feedback"),
+    [(70, None, "none"), (90, None, "hint"), (400, None, "none"), (400, 130, "hint"), (400, 130, "none")],
+)
 @pytest.mark.parametrize("cap", [None, 25])
-def test_asking_the_engine_for_what_the_loop_keeps_changes_no_row(tiny_tokenizer, budget, cap):
-    """The same scripted rollouts (a failing call rolled back, a good call, a long answer) with an engine that ignores
-    the per-turn limits and one that honours them: every row, mask, log-prob and negative row is the same, and no
-    limit asks for more than the rollout's remaining budget or the cap."""
+def test_asking_the_engine_for_what_the_loop_keeps_changes_no_row(tiny_tokenizer, budget, room, feedback, cap):
+    """The same scripted rollouts (a failing call rolled back, with or without a hint, a good call, a long answer)
+    with an engine that ignores the per-turn limits (it stops only at the model's context) and one that honours them: every row, mask, log-prob and negative
+    row is the same, and no limit asks for more than the rollout's remaining budget, the cap or the room left in the
+    model's context (`room`: `max_model_len` above the prompt)."""
     turns = [call("add", n="x"), call("add", n=1)]
     script = [[call("add", n=2), "The total is three, as it was asked for, nothing less.<|im_end|>"]]
     script += [["Done, the total is three.<|im_end|>"], ["Done.<|im_end|>"]]
+    prompt_len = len(ScriptBackend(tiny_tokenizer, []).enc("user: go<|im_start|>"))
 
     def run(backend_cls):
         b = backend_cls(tiny_tokenizer, [list(s) for s in script] * 2)
         b.max_completion_length = budget
-        _, prompt_ids, trl_tuple, result = run_loop(
-            b, turns, [LedgerEnv(), LedgerEnv()], rollback_cfg(max_turn_tokens=cap)
-        )
+        if room is not None:
+            b.max_model_len = prompt_len + room
+        config = rollback_cfg(max_turn_tokens=cap, rollback_feedback=feedback)
+        _, prompt_ids, trl_tuple, result = run_loop(b, turns, [LedgerEnv(), LedgerEnv()], config)
         rows = [(e.kind, e.parent, e.prompt_ids, e.completion_ids, e.tool_mask, e.logprobs) for e in result.extra_rows]
         return b, prompt_ids, trl_tuple, rows, result.stats
 
-    plain, prompt_ids, expected, expected_rows, expected_stats = run(ScriptBackend)
+    plain, prompt_ids, expected, expected_rows, expected_stats = run(RoomBackend)
     limited, _, got, rows, stats = run(LimitedBackend)
     assert got == expected and rows == expected_rows
-    assert (stats.truncated_turns, stats.turn_cap_truncations) == (
-        expected_stats.truncated_turns,
-        expected_stats.turn_cap_truncations,
-    )
-    assert (stats.truncated_turns > 0) == (cap is not None or budget < 400)  # the limits did cut turns
+    counters = ("truncated_turns", "turn_cap_truncations", "hints_dropped", "rollback_attempts")
+    assert [getattr(stats, c) for c in counters] == [getattr(expected_stats, c) for c in counters]
+    assert stats.rollback_attempts > 0
+    if room is None:
+        assert (stats.truncated_turns > 0) == (cap is not None or budget < 400)  # the limits did cut turns
+    by_room = 0  # limits set by the room left in the model's context
     for contexts, limits in zip(limited.calls, limited.limits):
         for context, limit in zip(contexts, limits):
             prompt = next(len(p) for p in prompt_ids if context[: len(p)] == p)
-            assert 1 <= limit <= max(1, budget - (len(context) - prompt)) and (cap is None or limit <= cap)
+            left = budget - (len(context) - prompt)
+            assert 1 <= limit <= left and (cap is None or limit <= cap)
+            assert len(context) + limit <= limited.max_model_len
+            by_room += limit == limited.max_model_len - len(context) < min(left, cap or left)
+    assert by_room == 0 if room is None else (by_room > 0 or cap is not None)  # the room term bound some request
+    assert all(len(ids) <= budget for ids in got[2])  # no completion over the budget
+
+
+def test_a_rollback_hint_without_room_is_left_out(tiny_tokenizer):
+    """`rollback_feedback="hint"`: with room for it the hint is appended (masked) before the retried turn; with a
+    budget that the failed turn almost filled, the hint would leave the retry no token, so it is left out and counted:
+    the retry is sampled from the checkpoint's context and the completion stays within `max_completion_length` (it
+    used to exceed it by the hint's length)."""
+    bad = call("add", n="x")
+    b = ScriptBackend(tiny_tokenizer, [])
+    used = len(b.enc(bad))
+    for budget, dropped in ((used + 200, 0), (used + 5, 1)):
+        b = ScriptBackend(tiny_tokenizer, [["Done.<|im_end|>"]])
+        b.max_completion_length = budget
+        _, prompt_ids, (tool_mask, _, completion_ids, *_), result = run_loop(
+            b, [bad], [LedgerEnv()], rollback_cfg(rollback_feedback="hint")
+        )
+        assert result.stats.rollback_attempts == 1 and result.stats.hints_dropped == dropped
+        assert len(completion_ids[0]) <= budget
+        hint_tokens = len(completion_ids[0]) - sum(tool_mask[0])
+        assert (hint_tokens > 0) == (dropped == 0)  # the hint is the row's only environment text
+        assert b.calls[0][0][len(prompt_ids[0]) :] == ([] if dropped else completion_ids[0][:hint_tokens])

@@ -736,9 +736,10 @@ class BatchAugmenter:
                         stats.user_turns_dropped,
                         stats.retired_environments,
                         stats.turn_cap_truncations,
+                        stats.hints_dropped,
                     ]
                     if stats is not None
-                    else [0] * 18
+                    else [0] * 19
                 ),
             ],
             dtype=torch.float64,
@@ -767,6 +768,7 @@ class BatchAugmenter:
             user_turns_dropped,
             retired,
             turn_cap_truncations,
+            hints_dropped,
         ) = total
         sizes = torch.bincount(group_t - group_t.min()) if group_t.numel() else torch.zeros(1)
         sizes = sizes[sizes > 0].float()
@@ -784,6 +786,8 @@ class BatchAugmenter:
             metrics["negatives/rows"].append(neg_rows)
             metrics["negatives/mean_advantage"].append(neg_adv / neg_rows if neg_rows else 0.0)
             metrics["infra/retries"].append(infra_retries)
+            if args.rollback_feedback == "hint":
+                metrics["rollback/hints_dropped"].append(hints_dropped)
         if t.tools and getattr(t, "_uses_agentic_loop", True):  # TRL's own loop keeps TRL's metrics only
             metrics["tools/malformed_calls"].append(malformed)
             metrics["tools/truncated_outputs"].append(truncated)

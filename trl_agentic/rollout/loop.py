@@ -628,10 +628,16 @@ class AgenticRolloutLoop:
         if cfg.rollback_feedback == "hint":
             error = "; ".join(f"{o.error_type}: {o.error_text}" for o in model_errors)
             hint = cfg.rollback_hint_template.format(error=error)
-            self._append_env_tokens(r, backend.hint_ids(hint))
-            hint_msgs = [{"role": "assistant", "content": ""}, {"role": "user", "content": hint}]
-            r.completion_msgs.extend(hint_msgs)
-            r.prompt_msgs.extend(copy.deepcopy(hint_msgs))
+            hint_ids = backend.hint_ids(hint)
+            # The hint must leave the regenerated turn a token of budget and of context; without room the failed
+            # turn is regenerated from its own context, as with `rollback_feedback="none"`.
+            if self._fits(r, hint_ids, reply=1):
+                self._append_env_tokens(r, hint_ids)
+                hint_msgs = [{"role": "assistant", "content": ""}, {"role": "user", "content": hint}]
+                r.completion_msgs.extend(hint_msgs)
+                r.prompt_msgs.extend(copy.deepcopy(hint_msgs))
+            else:
+                stats.hints_dropped += 1
         r.retries[r.turn_k] = r.retries.get(r.turn_k, 0) + 1
         r.in_retry = True
         r.regenerating = True
@@ -702,8 +708,7 @@ class AgenticRolloutLoop:
         stats.generation_calls += 1
         started = time.perf_counter()
         if getattr(backend, "takes_turn_limits", False):  # one request per context: each asks for what it can keep
-            limits = [self._turn_limit(rollouts[i].prompt_ids, c) for i, c in zip(queued, contexts)]
-            new_ids, new_logprobs = backend.generate(contexts, limits=limits)
+            new_ids, new_logprobs = self._generate_limited(backend, contexts, [rollouts[i].prompt_ids for i in queued])
         else:
             new_ids, new_logprobs = backend.generate(contexts)
         stats.generate_seconds += time.perf_counter() - started
@@ -740,14 +745,31 @@ class AgenticRolloutLoop:
 
     def _turn_limit(self, prompt_ids: list[int], context: list[int]) -> int:
         """The most tokens a turn generated from `context` can keep (more are cut, `_generate`): what is left of the
-        budget, the per-turn cap, and the room left in the model's context."""
+        budget, the per-turn cap, and the room left in the model's context (0: none)."""
         backend = self.backend
         limit = min(
             backend.max_completion_length - (len(context) - len(prompt_ids)), backend.max_model_len - len(context)
         )
         if self.config.max_turn_tokens is not None:
             limit = min(limit, self.config.max_turn_tokens)
-        return max(1, limit)
+        return max(0, limit)
+
+    def _generate_limited(self, backend, contexts: list[list[int]], prompts: list[list[int]]):
+        """`backend.generate` with each context's `_turn_limit`; a context that can keep no token is not sent (its
+        turn is empty, as the cut of a longer one would leave it)."""
+        limits = [self._turn_limit(p, c) for p, c in zip(prompts, contexts)]
+        asked = [j for j, n in enumerate(limits) if n > 0]
+        ids: list[list[int]] = [[] for _ in contexts]
+        logprobs: list[list[float]] | None = [[] for _ in contexts]
+        if asked:
+            got_ids, got_logprobs = backend.generate([contexts[j] for j in asked], limits=[limits[j] for j in asked])
+            for k, j in enumerate(asked):
+                ids[j] = list(got_ids[k])
+                if got_logprobs is None:
+                    logprobs = None
+                elif logprobs is not None:
+                    logprobs[j] = list(got_logprobs[k])
+        return ids, logprobs
 
     def _hit_turn_cap(self, ids: list[int], budget: int) -> bool:
         """Whether a turn was cut by `max_turn_tokens` (rather than by the rollout's remaining `budget`)."""

@@ -94,6 +94,7 @@ class LoopStats:
     user_turns: int = 0  # user messages supplied by environments (`_next_user_turn`)
     user_turns_dropped: int = 0  # ...that did not fit in the completion budget (the rollout ended there)
     retired_environments: int = 0  # environments replaced after a call timed out (its thread may still run)
+    hints_dropped: int = 0  # rollback hints left out: no budget or context left after them for the regenerated turn
 
 
 @dataclass
