@@ -26,8 +26,8 @@ total of the trajectory's model and environment tokens (the synchronous rule), n
 Metrics (summed over the logging window, TRL's `_total` convention): `rollback/attempts_total`,
 `rollback/recovered_total`, `rollback/exhausted_total`, `rollback/regenerated_tokens_total`,
 `rollback/failed_turn_tokens_total`, `rollback/hints_dropped_total`, `negatives/saved_total`, `snapshots/closed_total`,
-`context/tokens_freed_total`, `conversation/user_turns_total`, `conversation/user_turns_dropped_total`, `infra/retries_total`,
-`infra/lost_rollouts_total`, `tools/truncated_turns_total`, `tools/malformed_calls_total` (with
+`context/tokens_freed_total`, `conversation/user_turns_total`, `conversation/user_turns_dropped_total`,
+`infra/retries_total`, `infra/lost_rollouts_total`, `tools/truncated_turns_total`, `tools/malformed_calls_total` (with
 `malformed_tool_call_feedback` or rollback), `tools/truncated_outputs_total` (`max_tool_output_chars`),
 `tools/turn_cap_truncations_total` (`max_turn_tokens`); and per group `groups/rows_total` and
 `negatives/rows_total`, `snapshots/rows_total` (rows kept after the per-group cap).
