@@ -195,18 +195,6 @@ def _without_truncated_conversations(samples: list, group, stop_token_ids) -> li
     return out
 
 
-class _RequestView:
-    """The rollout loop as one request sees it: TRL's `_generate_one_turn` reads `self.max_tokens` to build its vLLM
-    request; this view gives it a per-request value and passes every other attribute through to the loop."""
-
-    def __init__(self, loop, max_tokens: int):
-        self._view_of = loop
-        self.max_tokens = max_tokens
-
-    def __getattr__(self, name):
-        return getattr(self._view_of, name)
-
-
 def _import(path: str):
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
@@ -302,7 +290,12 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
         keep: its remaining budget, `max_turn_tokens`, the model's room) instead of the whole `max_completion_length`."""
         if limit is None or limit >= self.max_tokens:
             return await self._generate_one_turn(prompt_ids)
-        return await type(self)._generate_one_turn(_RequestView(self, limit), prompt_ids)
+        # TRL's request reads `self.max_tokens`: a shallow copy of this loop (same session, counters, version) with
+        # the request's own value, so concurrent trajectories never see each other's, and a subclass's override of
+        # `_generate_one_turn` (its `super()` included) still runs.
+        request = copy.copy(self)
+        request.max_tokens = limit
+        return await request._generate_one_turn(prompt_ids)
 
     def _run_trajectory(self, prompt, tool_dict, tools, group_id, event_loop, seed):
         """One trajectory through trl-agentic's loop (in a worker thread). Returns TRL's 6-tuple and counters."""
