@@ -303,15 +303,16 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
         environment = _environment_of(tool_dict)
         prompt_msgs = copy.deepcopy(list(prompt))
         prompt_ids = self._renderer.prompt_ids(prompt_msgs, tools=tools)
-        cap = self._loop_config.max_turn_tokens
-        first_limit = min(self.max_tokens, backend.max_model_len - len(prompt_ids), cap or self.max_tokens)
-        (first_ids,), (first_logprobs,) = backend.generate([prompt_ids], limits=[max(1, first_limit)])
+        loop = AgenticRolloutLoop(backend, self._loop_config, async_loop=event_loop, rng=random.Random(seed))
+        # The first turn is asked for as the loop asks for later ones (at least one token: a prompt that leaves no
+        # room is vLLM's to refuse, as in TRL's worker).
+        first_limit = max(1, loop._turn_limit(prompt_ids, prompt_ids))
+        (first_ids,), (first_logprobs,) = backend.generate([prompt_ids], limits=[first_limit])
         message = backend.parse(first_ids, prompt_ids, 0)
         sync_tools = {n: f for n, f in tool_dict.items() if not inspect.iscoroutinefunction(f)}
         async_tools = {n: f for n, f in tool_dict.items() if inspect.iscoroutinefunction(f)}
         prompts, prompt_id_lists = [prompt_msgs], [prompt_ids]
         completion_ids, completions, logprobs = [list(first_ids)], [[message]], [list(first_logprobs)]
-        loop = AgenticRolloutLoop(backend, self._loop_config, async_loop=event_loop, rng=random.Random(seed))
         trl_tuple, result = loop.run(
             prompts,
             prompt_id_lists,
