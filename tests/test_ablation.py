@@ -556,7 +556,77 @@ def test_readme_and_docs_match_the_committed_cells():
     assert readme[start:end] + "\n" == report.readme_block(found, calibration)
     doc = (ROOT / "docs" / "ablation.md").read_text()
     findings = (ROOT / "docs" / "ablation-findings.md").read_text()
-    assert report.render_doc(doc, found, calibration, findings, lr_rungs) == doc
+    forms = cells_mod.forms_by_seed(found)
+    assert report.render_doc(doc, found, calibration, findings, lr_rungs, forms) == doc
+
+
+def test_expression_forms_name_the_numbers_in_order():
+    assert cells_mod.expression_form("(12 * 40 - 7) / 3") == "(a * b - c) / d"
+    assert cells_mod.expression_form("3 * (29 * 48 + 361)") == "a * (b * c + d)"
+    assert cells_mod.expression_form("1.5 + 2") == "a + b"
+    assert cells_mod.expression_form(" + ".join(["1"] * 28)) == " + ".join([*"abcdefghijklmnopqrstuvwxyz", "n", "n"])
+
+
+def test_the_committed_cells_forms_are_the_held_out_expressions():
+    """Each held-out problem's form, in the order the cells scored them: the calculator's held-out set (task seed 0,
+    shared by every seed) has 23 problems of the division form the findings discuss, the ones whose expression
+    divides, and one form per template."""
+    found, _ = report.load(ROOT / "docs" / "ablation-cells")
+    forms = cells_mod.forms_by_seed(found)
+    assert {k for k in forms} == {("calculator", s) for (t, s, _) in found if t == "calculator"}
+    from trl_agentic.tasks import TaskArguments, build_task
+
+    settings = found["calculator", 0, "warmstart"]["settings"]
+    args = TaskArguments(
+        **{k: settings[k] for k in ("task", "task_difficulty", "num_train_tasks", "num_eval_tasks", "task_seed")}
+    )
+    expressions = build_task(args).eval_dataset["expression"]
+    for f in forms.values():
+        assert len(f) == len(expressions) == 128
+        assert [i for i, x in enumerate(f) if x == "(a * b - c) / d"] == [
+            i for i, e in enumerate(expressions) if "/" in e
+        ]
+        assert sum(1 for x in f if x == "(a * b - c) / d") == 23
+        assert len(set(f)) == 4  # shopping and area share `a * b + c * d`
+    # A cell that scored another number of problems is refused, not read against the wrong forms.
+    broken = dict(found)
+    broken["calculator", 0, "trl"] = {**found["calculator", 0, "trl"], "sampled": [1.0] * 127}
+    with pytest.raises(RuntimeError, match=r"seed 0 `trl` scored 127 problems.*has 128"):
+        cells_mod.forms_by_seed(broken)
+
+
+def test_per_seed_differences_and_forms_are_plain_loops_over_the_cells():
+    """The per-seed table: each seed's mean paired difference and its standard error over problems; the form table:
+    the mean sampled success and the count of greedy failures over the problems of each form."""
+    found = {}
+    problems = ["x", "y", "x", "z", "y", "x"]
+    sampled = {
+        (0, "trl"): [1.0, 0.5, 0.25, 0.0, 1.0, 0.75],
+        (0, "tracin"): [0.5, 0.5, 1.0, 0.25, 0.0, 0.75],
+        (1, "trl"): [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+        (1, "tracin"): [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+    }
+    for (seed, arm), values in sampled.items():
+        found["calculator", seed, arm] = _cell("calculator", seed, arm, 0, n=6)
+        found["calculator", seed, arm].update(sampled=values, greedy=[float(v >= 0.5) for v in values])
+    forms = {("calculator", 0): problems, ("calculator", 1): problems}
+    text = report.render_results(found, {}, "x", forms=forms)
+    d = [a - b for a, b in zip(sampled[0, "tracin"], sampled[0, "trl"])]
+    mean = sum(d) / 6
+    se = math.sqrt(sum((v - mean) ** 2 for v in d) / 5) / math.sqrt(6)
+    assert f"| calculator | `tracin` − `trl` | {mean:+.3f} ({se:.3f}) | +0.000 (0.000) |" in text
+    assert "`rollback` − `feedback`" not in text.split("### Per seed")[1].split("###")[0]  # no cells: no row
+    # Forms by count (x: 3, y: 2, z: 1); seed 0's tracin on x: (0.5 + 1 + 0.75) / 3, greedy failures: none.
+    assert "calculator, seeds 0, 1:" in text
+    assert "| seed | arm | `x` (3) | `y` (2) | `z` (1) |" in text
+    assert "| 0 | tracin | 0.750 (0) | 0.250 (1) | 0.250 (1) |" in text
+    assert "| 0 | trl | 0.667 (1) | 0.750 (0) | 0.000 (1) |" in text
+    assert "| 1 | trl | 1.000 (0) | 1.000 (0) | 1.000 (0) |" in text
+    # Seeds whose held-out sets differ get a table each.
+    forms["calculator", 1] = ["x"] * 6
+    text = report.render_results(found, {}, "x", forms=forms)
+    assert "calculator, seed 0:" in text and "calculator, seed 1:" in text and "| seed | arm | `x` (6) |" in text
+    assert "### By problem form" not in report.render_results(found, {}, "x")  # no forms: no table
 
 
 def test_a_recorded_cell_must_match_the_cells_it_was_derived_from():
@@ -614,13 +684,20 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     start, end = text.index(report.DESIGN_START) + len(report.DESIGN_START), text.index(report.DESIGN_END)
     doc.write_text(text[:start] + "\n" + design.design_markdown() + text[end:])
     report.check_registration(doc.read_text())
-    monkeypatch.setattr(
-        report, "render_doc", lambda text, found, calibration, findings, lr_rungs=None: text + "rendered\n"
-    )
+    rendered_forms = {}
+
+    def render_doc(text, found, calibration, findings, lr_rungs=None, forms=None):
+        rendered_forms.update(forms)
+        return text + "rendered\n"
+
+    monkeypatch.setattr(report, "render_doc", render_doc)
     from trl_agentic.ablation import main
 
     assert main(argv) == 0
     seed0 = {p.stem: json.loads(p.read_text()) for p in (cells / "calculator" / "seed0").glob("*.json")}
+    # The render gets each held-out problem's form, one per problem every cell scored.
+    assert list(rendered_forms) == [("calculator", 0)]
+    assert all(len(rendered_forms["calculator", 0]) == len(c["sampled"]) for c in seed0.values())
     assert set(seed0) == {a.name for a in design.ARMS["calculator"]}
     ladder = sorted(p.name for p in (cells / "calculator" / "calibration").iterdir())
     assert ladder == ["warmstart-1.json", "warmstart-2.json"]

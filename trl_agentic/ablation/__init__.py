@@ -59,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     lr_rungs = report.load_lr_ladder(ctx.cells)
     doc = Path(a.doc)
     findings = doc.with_name(doc.stem + "-findings.md")
+    forms = cells_mod.forms_by_seed(found)
     text = report.render_doc(
-        doc.read_text(), found, calibration, findings.read_text() if findings.exists() else None, lr_rungs
+        doc.read_text(), found, calibration, findings.read_text() if findings.exists() else None, lr_rungs, forms
     )
     doc.write_text(text)
     report.plot(found, doc.with_suffix(".png"))

@@ -12,9 +12,12 @@ registered block nothing runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
+import re
+import string
 import time
 from pathlib import Path
 
@@ -218,6 +221,52 @@ def without_problems(task, keys: set[str]):
     return dataclasses.replace(
         task, train_dataset=keep(task.train_dataset), warmstart_dataset=keep(task.warmstart_dataset)
     )
+
+
+def expression_form(expression: str) -> str:
+    """The shape of a calculator expression, its numbers named in order: `(12 * 40 - 7) / 3` gives `(a * b - c) / d`."""
+    names = iter(string.ascii_lowercase)
+    return re.sub(r"\d+(?:\.\d+)?", lambda _: next(names, "n"), expression)
+
+
+def held_out_forms(settings: dict) -> list[str] | None:
+    """The form (`expression_form`) of each held-out problem of a cell's `settings`, in the order of the cell's
+    `sampled` and `greedy` lists (`_compute` evaluates `build_task(...).eval_dataset` in order); `None` for a task
+    whose problems have no expression (the log search)."""
+    from transformers import HfArgumentParser
+
+    from ..tasks import TaskArguments
+
+    (task_args,) = HfArgumentParser(TaskArguments).parse_dict(settings, allow_extra_keys=True)
+    forms = _held_out_forms(json.dumps(dataclasses.asdict(task_args), sort_keys=True, default=str))
+    return None if forms is None else list(forms)
+
+
+@functools.cache  # one build per task's settings, not per cell
+def _held_out_forms(task_args_json: str) -> tuple[str, ...] | None:
+    from ..tasks import TaskArguments, build_task
+
+    rows = build_task(TaskArguments(**json.loads(task_args_json))).eval_dataset
+    if rows is None or "expression" not in rows.column_names:
+        return None
+    return tuple(expression_form(e) for e in rows["expression"])
+
+
+def forms_by_seed(cells: dict) -> dict:
+    """`{(task, seed): forms}` (`held_out_forms`) of every (task, seed) with a cell, for `report.render_results`;
+    raises when a cell of that seed scored another number of problems (it would be read against the wrong forms)."""
+    out = {}
+    for (task, seed, _), cell in sorted(cells.items()):
+        if (task, seed) not in out and cell.get("settings"):
+            out[task, seed] = held_out_forms(cell["settings"])
+    for (task, seed, arm), cell in cells.items():
+        forms = out.get((task, seed))
+        if forms is not None and len(cell["sampled"]) != len(forms):
+            raise RuntimeError(
+                f"{task} seed {seed} `{arm}` scored {len(cell['sampled'])} problems, but the seed's held-out set "
+                f"has {len(forms)}: its settings are not the seed's."
+            )
+    return {k: v for k, v in out.items() if v is not None}
 
 
 # ------------------------------------------------------------------------------------------------ evaluation

@@ -178,8 +178,15 @@ def readme_block(cells: dict, calibration: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_results(cells: dict, calibration: dict, registration: str | None, lr_rungs: dict | None = None) -> str:
-    """The generated part of docs/ablation.md (after the pre-registration)."""
+def render_results(
+    cells: dict,
+    calibration: dict,
+    registration: str | None,
+    lr_rungs: dict | None = None,
+    forms: dict | None = None,
+) -> str:
+    """The generated part of docs/ablation.md (after the pre-registration). `forms`: `{(task, seed): [form of each
+    held-out problem]}` (`cells.forms_by_seed`), for the table of success by problem form."""
     lr_rungs = lr_rungs or {}
     arms = [key for task in design.TASKS.values() for key in _expected(task)]
     rungs = [(t.name, n) for t in design.TASKS.values() for n in t.calibration_steps]
@@ -240,6 +247,7 @@ def render_results(cells: dict, calibration: dict, registration: str | None, lr_
             f"{needed if needed is not None else '> 100' if iv else '–'} | {row['verdict']} | {greedy} | {peak} |"
         )
     lines += ["", *_calibration_lines(cells, calibration), *_lr_lines(lr_rungs, cells), *_arm_lines(cells)]
+    lines += [*_per_seed_lines(cells), *_form_lines(cells, forms or {})]
     return "\n".join(lines) + "\n"
 
 
@@ -410,6 +418,82 @@ def _arm_lines(cells: dict) -> list[str]:
     return lines
 
 
+def _per_seed_lines(cells: dict) -> list[str]:
+    """Each comparison's difference per seed, with its standard error over the seed's problems (paired by problem):
+    the values the t interval over seeds is built from, and how much of each is evaluation noise."""
+    seeds = sorted({s for (_, s, _) in cells})
+    if not seeds:
+        return []
+    lines = [
+        "### Per seed",
+        "",
+        "Each comparison's difference in sampled success per seed (a − b), with its standard error over the seed's "
+        "held-out problems in brackets (the per-problem differences paired by problem): the seed means the verdicts' "
+        "intervals are built from, and how much of each is the evaluation's own noise.",
+        "",
+        "| task | comparison (a − b) | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+        "|---|---|" + "---:|" * len(seeds),
+    ]
+    for c in design.COMPARISONS:
+        values = []
+        for seed in seeds:
+            a, b = cells.get((c.task, seed, c.a)), cells.get((c.task, seed, c.b))
+            if a is None or b is None or len(a["sampled"]) != len(b["sampled"]):
+                values.append("–")
+                continue
+            diffs = [x - y for x, y in zip(a["sampled"], b["sampled"])]
+            mean, sd = stats.mean_sd(diffs)
+            values.append(f"{_fmt(mean, True)} ({sd / math.sqrt(len(diffs)):.3f})")
+        if any(v != "–" for v in values):
+            lines.append(f"| {c.task} | `{c.a}` − `{c.b}` | " + " | ".join(values) + " |")
+    return lines + [""]
+
+
+def _form_lines(cells: dict, forms: dict) -> list[str]:
+    """Sampled success and greedy failures per held-out problem form, per seed and arm (one table per task and set
+    of forms): where a difference between arms comes from."""
+    lines = []
+    for task in design.TASKS.values():
+        groups: dict[tuple, list[int]] = {}  # the seeds that share one list of forms
+        for (t, seed), f in sorted(forms.items()):
+            if t == task.name:
+                groups.setdefault(tuple(f), []).append(seed)
+        for f, seeds in groups.items():
+            counts: dict[str, int] = {}
+            for form in f:
+                counts[form] = counts.get(form, 0) + 1
+            order = sorted(counts, key=lambda form: (-counts[form], form))
+            if not lines:
+                lines += [
+                    "### By problem form",
+                    "",
+                    "Sampled success on each form of held-out problem, with the number of the form's problems failed "
+                    "greedily in brackets; a form is an expression with its numbers named in order "
+                    "(`trl_agentic/ablation/cells.py`, `expression_form`), the column header gives its problems.",
+                    "",
+                ]
+            lines += [
+                f"{task.name}, seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}:",
+                "",
+                "| seed | arm | " + " | ".join(f"`{form}` ({counts[form]})" for form in order) + " |",
+                "|---:|---|" + "---:|" * len(order),
+            ]
+            for seed in seeds:
+                for arm in design.ARMS[task.name]:
+                    cell = cells.get((task.name, seed, arm.name))
+                    if cell is None:
+                        continue
+                    values = []
+                    for form in order:
+                        idx = [i for i, x in enumerate(f) if x == form]
+                        sampled = _mean([cell["sampled"][i] for i in idx])
+                        failed = sum(1 for i in idx if cell["greedy"][i] < 1.0)
+                        values.append(f"{sampled:.3f} ({failed})")
+                    lines.append(f"| {seed} | {arm.name} | " + " | ".join(values) + " |")
+            lines.append("")
+    return lines
+
+
 def _token_passes_text(found: list[dict]) -> str:
     """Mean token passes over the cells that counted them (millions), with the mean share of the budget spent where
     the cells had one (amendment 3); `–` before amendment 3 and for the warm start."""
@@ -474,7 +558,12 @@ def check_registration(doc_text: str) -> str:
 
 
 def render_doc(
-    doc_text: str, cells: dict, calibration: dict, findings: str | None, lr_rungs: dict | None = None
+    doc_text: str,
+    cells: dict,
+    calibration: dict,
+    findings: str | None,
+    lr_rungs: dict | None = None,
+    forms: dict | None = None,
 ) -> str:
     """docs/ablation.md: its pre-registration (kept verbatim; its design block must be the code's), the results and
     the hand-written findings."""
@@ -483,7 +572,11 @@ def render_doc(
     import hashlib
 
     registration = hashlib.sha256(block.encode()).hexdigest()[:12]
-    text = doc_text[: end + len(REGISTERED_END)] + "\n\n" + render_results(cells, calibration, registration, lr_rungs)
+    text = (
+        doc_text[: end + len(REGISTERED_END)]
+        + "\n\n"
+        + render_results(cells, calibration, registration, lr_rungs, forms)
+    )
     text += "\n![sampled held-out success per arm](ablation.png)\n"
     if findings:
         text += "\n" + findings
