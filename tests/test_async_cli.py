@@ -57,12 +57,78 @@ def test_bad_feature_field_fails_in_the_async_parser(monkeypatch):
         main(["train", "--config", str(CONFIG), "--row_selection", "random"])
 
 
-def test_warm_start_needs_the_synchronous_trainer(monkeypatch):
+def test_a_warm_start_needs_the_server_this_run_starts(monkeypatch):
     from trl_agentic.cli import main
 
     _forbid_model_loading(monkeypatch)
-    with pytest.raises(ValueError, match="`warmstart_steps` needs `trainer: grpo`"):
-        main(["train", "--config", str(CONFIG), "--warmstart_steps", "4"])
+    with pytest.raises(
+        ValueError, match="`warmstart_steps` with `trainer: async_grpo` needs `vllm_server_start: true`"
+    ):
+        main(["train", "--config", str(CONFIG), "--warmstart_steps", "4", "--vllm_server_start", "false"])
+
+
+def test_a_warm_start_is_merged_into_the_folder_the_server_serves_and_the_trainer_loads(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """`trainer: async_grpo` with `warmstart_steps`: the SFT warm start runs, its adapter is merged into
+    `output_dir/warmstart-merged`, and both the vLLM server and the asynchronous trainer get that folder, whose
+    model computes the warm-started policy's logits (not the base model's). Server and trainer are recorders here;
+    the vLLM tier runs them for real."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import trl_agentic.async_grpo as async_grpo
+    import trl_agentic.async_grpo.server as server_module
+    import trl_agentic.warmstart as warmstart
+    from trl_agentic.cli import main
+
+    seen = {}
+    ids = torch.tensor([[5, 17, 42, 9, 100, 3]])
+
+    class Server:
+        def __init__(self, model, **kwargs):
+            seen["served"], self.log_path = model, kwargs.get("log_path")
+
+        def start(self):
+            self.url = "http://127.0.0.1:1"
+            return self
+
+        def stop(self):
+            seen["stopped"] = True
+
+    class Trainer:
+        def __init__(self, model, **kwargs):
+            seen["trained"] = model
+
+        def train(self, resume_from_checkpoint=None):
+            pass
+
+        def save_model(self, output_dir):
+            pass
+
+    def recording_warm_start(*args, **kwargs):
+        result = run(*args, **kwargs)
+        with torch.no_grad():
+            seen["warm_logits"] = result.model(ids).logits
+        return result
+
+    run = warmstart.run_task_warmstart
+    monkeypatch.setattr(warmstart, "run_task_warmstart", recording_warm_start)
+    monkeypatch.setattr(server_module, "VLLMServer", Server)
+    monkeypatch.setattr(async_grpo, "AsyncAgenticGRPOTrainer", Trainer)
+    out = tmp_path / "out"
+    argv = ["train", "--config", str(CONFIG), "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out)]
+    argv += ["--warmstart_steps", "2", "--warmstart_batch_size", "2", "--warmstart_learning_rate", "0.01"]
+    argv += ["--disable_tqdm", "true"]
+    assert main(argv) == 0
+    folder = str(out / "warmstart-merged")
+    assert seen["served"] == seen["trained"] == folder and seen["stopped"]
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)(ids).logits
+    torch.testing.assert_close(merged, seen["warm_logits"], atol=1e-5, rtol=1e-5)
+    assert (merged - base).abs().max() > 1e-3  # the adapter is in the merged weights
+    assert (out / "warmstart-merged" / "tokenizer_config.json").exists()
 
 
 def test_tracin_needs_gradient_checkpointing_off():
@@ -130,3 +196,17 @@ def test_loop_fields_the_asynchronous_trainer_supports_are_accepted(tmp_path):
     )
     assert args.uses_agentic_loop and args.mask_truncated_completions
     assert not AsyncAgenticGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).mask_truncated_completions
+
+
+def test_the_warm_start_config_parses_as_an_async_run_with_its_server(monkeypatch):
+    """configs/async_calculator_warmstart.yaml (the run in docs/async.md where rollback fires on the embedded model):
+    the asynchronous trainer, a warm start, the server started by the run, rollback and negatives on."""
+    from trl_agentic.cli import make_parser, trainer_kind
+
+    _forbid_model_loading(monkeypatch)
+    argv = ["--config", str(CONFIG.with_name("async_calculator_warmstart.yaml"))]
+    assert trainer_kind(argv) == "async_grpo"
+    task_args, training_args, model_args, _ = make_parser("async_grpo").parse_args_and_config(args=argv)
+    assert task_args.warmstart_steps > 0 and training_args.vllm_server_start
+    assert training_args.enable_tool_rollback and training_args.save_negative_samples
+    assert training_args.use_cpu and not training_args.bf16 and model_args.model_name_or_path == "smollm2-135m"

@@ -270,6 +270,8 @@ def train_async(task_args, training_args, model_args):
     task = build_task(task_args)
     model_path = resolve_model_path(model_args.model_name_or_path or DEFAULT_MODEL)
     peft_config = get_peft_config(model_args)
+    if task_args.warmstart_steps:
+        model_path = _async_warm_start(task, task_args, training_args, model_path, peft_config)
     server = None
     if training_args.vllm_server_start and _is_main_process():
         rank = peft_config.r if peft_config is not None else 8
@@ -306,6 +308,41 @@ def train_async(task_args, training_args, model_args):
             "after training", policy, trainer.processing_class, task, task_args, training_args, results, records
         )
     return trainer
+
+
+def _async_warm_start(task, task_args, training_args, model_path: str, peft_config) -> str:
+    """Stage 1 of `trainer: async_grpo` with `warmstart_steps`: the synchronous pipeline's SFT warm start, its adapter
+    merged into a model folder (`output_dir/warmstart-merged`) that the vLLM server serves and the asynchronous
+    trainer loads. GRPO then trains a new LoRA adapter on the merged weights (the synchronous pipeline continues the
+    warm-start adapter instead): the same starting policy, a fresh adapter."""
+    from accelerate import PartialState
+
+    from .warmstart import run_task_warmstart, save_merged
+
+    model, tokenizer = _load(model_path, {})
+    _stage(
+        f"Stage 1/2: warm start — SFT on {task_args.warmstart_steps * task_args.warmstart_batch_size} synthetic "
+        f"tool-use traces ({task_args.warmstart_steps} steps), merged into a model folder for the vLLM server"
+    )
+    result = run_task_warmstart(
+        model,
+        tokenizer,
+        task,
+        task_args,
+        peft_config=peft_config,
+        output_dir=os.path.join(training_args.output_dir, "warmstart"),
+        seed=training_args.seed,
+        use_cpu=training_args.use_cpu,
+        bf16=training_args.bf16,
+        compact_progress=not training_args.disable_tqdm,
+    )
+    losses = [e["loss"] for e in result.log_history if "loss" in e]
+    folder = os.path.join(training_args.output_dir, "warmstart-merged")
+    if _is_main_process():
+        save_merged(result.model, tokenizer, folder)
+    PartialState().wait_for_everyone()  # every process loads the folder the main one wrote
+    print(f"Warm start done: loss {losses[0]:.3f} -> {losses[-1]:.3f}; merged model in {folder}.")
+    return folder
 
 
 def _is_main_process() -> bool:
@@ -441,10 +478,10 @@ def main(argv: list[str] | None = None) -> int:
     task_args, training_args, model_args, _ = make_parser(kind).parse_args_and_config(args=rest)
     if training_args.tracin_enabled and not model_args.use_peft:
         raise ValueError("`tracin_enabled` needs `use_peft: true`: the influence scores come from the LoRA layers.")
-    if kind == "async_grpo" and task_args.warmstart_steps:
+    if kind == "async_grpo" and task_args.warmstart_steps and not training_args.vllm_server_start:
         raise ValueError(
-            "`warmstart_steps` needs `trainer: grpo`: the asynchronous trainer takes its model as a folder that the "
-            "vLLM server serves (warm-start first, merge the adapter, then train asynchronously from that folder)."
+            "`warmstart_steps` with `trainer: async_grpo` needs `vllm_server_start: true`: the warm-started model is a "
+            "folder this run writes (the adapter merged), and a server started elsewhere serves another model."
         )
     try:
         if kind == "async_grpo":

@@ -70,7 +70,9 @@ class TaskArguments:
 
         warmstart_steps (`int`, *optional*, defaults to `0`):
             Optimizer steps of a short SFT stage (TRL's `SFTTrainer`, same LoRA config) on synthetic tool-use traces
-            of the task before GRPO; `0` skips it. GRPO then continues training the same adapter. `bfcl`: the traces
+            of the task before GRPO; `0` skips it. GRPO then continues training the same adapter (`trainer:
+            async_grpo`: the adapter is merged into a model folder the vLLM server serves, `vllm_server_start` must be
+            on, and GRPO trains a new adapter on it). `bfcl`: the traces
             are the ground-truth conversations of the training tasks. `textworld`: solved episodes (shortest plans)
             in the RLVCR step format.
         warmstart_batch_size (`int`, *optional*, defaults to `8`):
@@ -142,7 +144,10 @@ class TaskArguments:
     )
     warmstart_steps: int = field(
         default=0,
-        metadata={"help": "SFT steps on synthetic tool-use traces before GRPO (same LoRA adapter); 0 skips it."},
+        metadata={
+            "help": "SFT steps on synthetic tool-use traces before GRPO (same LoRA adapter; `trainer: async_grpo`: "
+            "merged into a model folder the started vLLM server serves); 0 skips it."
+        },
     )
     warmstart_batch_size: int = field(default=8, metadata={"help": "Traces per warm-start SFT step."})
     warmstart_learning_rate: float = field(default=2e-4, metadata={"help": "Peak learning rate of the warm start."})

@@ -412,6 +412,25 @@ def run_task_warmstart(
     )
 
 
+def save_merged(model, tokenizer, folder: str) -> str:
+    """
+    Saves a warm-started policy as a plain model folder, its LoRA adapter merged into the weights: what a vLLM server
+    serves and what the asynchronous trainer loads (it takes its model as a folder and adds its own adapter).
+
+    Args:
+        model: [`WarmStartResult.model`] (a `PeftModel`, merged in place: do not train it further) or a full model.
+        tokenizer: Saved beside it (with its chat template).
+        folder (`str`): Where to write.
+
+    Returns:
+        `str`: `folder`.
+    """
+    merged = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+    merged.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def _leave_deepspeed(trainer, output_dir: str):
     """The warm-start policy as a plain `PeftModel`, and accelerate's state freed for the GRPO trainer.
 
