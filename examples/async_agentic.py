@@ -33,6 +33,11 @@ def main():
     # TRL's ModelConfig without `dtype` / `trust_remote_code`, which AsyncGRPOConfig has too.
     parser = TrlParser((TaskArguments, AsyncAgenticGRPOConfig, async_model_config(), TrainerArguments))
     task_args, args, model_args, _ = parser.parse_args_and_config()
+    if task_args.warmstart_steps:
+        raise SystemExit(
+            "`warmstart_steps`: run this config with `trl-agentic train --config ...`, which warm-starts, merges the "
+            "adapter and serves the merged model (docs/async.md)."
+        )
     task = build_task(task_args)
     model = resolve_model_path(model_args.model_name_or_path)
     peft_config = get_peft_config(model_args)
@@ -44,6 +49,7 @@ def main():
             max_lora_rank=peft_config.r,
             max_loras=args.max_staleness + 2,
             log_path=os.path.join(args.output_dir, "vllm-server.log"),
+            dtype=str(args.dtype).removeprefix("torch."),  # the trainer's
         ).start()
         args.vllm_server_base_url = server.url
     try:

@@ -87,7 +87,7 @@ def test_a_warm_start_is_merged_into_the_folder_the_server_serves_and_the_traine
 
     class Server:
         def __init__(self, model, **kwargs):
-            seen["served"], self.log_path = model, kwargs.get("log_path")
+            seen["served"], seen["dtype"], self.log_path = model, kwargs.get("dtype"), kwargs.get("log_path")
 
         def start(self):
             self.url = "http://127.0.0.1:1"
@@ -128,7 +128,28 @@ def test_a_warm_start_is_merged_into_the_folder_the_server_serves_and_the_traine
         base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)(ids).logits
     torch.testing.assert_close(merged, seen["warm_logits"], atol=1e-5, rtol=1e-5)
     assert (merged - base).abs().max() > 1e-3  # the adapter is in the merged weights
-    assert (out / "warmstart-merged" / "tokenizer_config.json").exists()
+    # A plain model folder, what vLLM serves: merged weights, no adapter (transformers would load one too), the chat
+    # template kept, and served at the trainer's dtype.
+    saved = {p.name for p in (out / "warmstart-merged").iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer_config.json",
+    } <= saved and "adapter_config.json" not in saved
+    from transformers import AutoTokenizer
+
+    template = AutoTokenizer.from_pretrained(folder).chat_template
+    assert template and template == AutoTokenizer.from_pretrained(str(tiny_model_dir)).chat_template
+    assert seen["dtype"] == "float32"
+    # A resumed run reuses the folder (its checkpoint's adapter was trained on those weights), no warm start again.
+    seen.clear()
+    monkeypatch.setattr(warmstart, "run_task_warmstart", lambda *a, **k: pytest.fail("warm-started again"))
+    assert main([*argv, "--resume_from_checkpoint", str(out / "checkpoint-1")]) == 0
+    assert seen["served"] == seen["trained"] == folder
+    # Without it, a resumed run is refused before a model loads.
+    _forbid_model_loading(monkeypatch)
+    with pytest.raises(ValueError, match="warmstart-merged is missing"):
+        main([*argv, "--output_dir", str(tmp_path / "other"), "--resume_from_checkpoint", "x"])
 
 
 def test_tracin_needs_gradient_checkpointing_off():

@@ -280,6 +280,7 @@ def train_async(task_args, training_args, model_args):
             max_lora_rank=rank,
             max_loras=training_args.max_staleness + 2,
             log_path=os.path.join(training_args.output_dir, "vllm-server.log"),
+            dtype=str(training_args.dtype).removeprefix("torch."),  # the trainer's: both see the same weights
         )
         os.makedirs(training_args.output_dir, exist_ok=True)
         _stage(f"Starting a vLLM server for {model_path} (log: {server.log_path})")
@@ -314,12 +315,21 @@ def _async_warm_start(task, task_args, training_args, model_path: str, peft_conf
     """Stage 1 of `trainer: async_grpo` with `warmstart_steps`: the synchronous pipeline's SFT warm start, its adapter
     merged into a model folder (`output_dir/warmstart-merged`) that the vLLM server serves and the asynchronous
     trainer loads. GRPO then trains a new LoRA adapter on the merged weights (the synchronous pipeline continues the
-    warm-start adapter instead): the same starting policy, a fresh adapter."""
+    warm-start adapter instead): the same starting policy, a fresh adapter. A resumed run reuses the folder (its
+    checkpoint's adapter was trained on those weights) and refuses to run without it."""
+    import gc
+    import shutil
+
+    import torch
     from accelerate import PartialState
 
     from .warmstart import run_task_warmstart, save_merged
 
-    model, tokenizer = _load(model_path, {})
+    folder = _merged_warm_start(training_args)
+    if training_args.resume_from_checkpoint:  # `main` checked that the folder is there
+        _stage(f"Stage 1/2: warm start — reusing the merged model in {folder} (resumed run)")
+        return folder
+    model, tokenizer = _load(model_path, {"dtype": training_args.dtype})
     _stage(
         f"Stage 1/2: warm start — SFT on {task_args.warmstart_steps * task_args.warmstart_batch_size} synthetic "
         f"tool-use traces ({task_args.warmstart_steps} steps), merged into a model folder for the vLLM server"
@@ -337,11 +347,32 @@ def _async_warm_start(task, task_args, training_args, model_path: str, peft_conf
         compact_progress=not training_args.disable_tqdm,
     )
     losses = [e["loss"] for e in result.log_history if "loss" in e]
-    folder = os.path.join(training_args.output_dir, "warmstart-merged")
-    if _is_main_process():
-        save_merged(result.model, tokenizer, folder)
-    PartialState().wait_for_everyone()  # every process loads the folder the main one wrote
+    state = PartialState()
+    # One writer: per node with `save_on_each_node` (nodes without a shared disk), else the main process (TRL's rule).
+    if state.is_local_main_process if training_args.save_on_each_node else state.is_main_process:
+        partial = folder + "-partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        save_merged(result.model, tokenizer, partial)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(partial, folder)  # never a half-written folder where a server or a resumed run looks
+    state.wait_for_everyone()
+    del model, result
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the vLLM server may start on this GPU next
     print(f"Warm start done: loss {losses[0]:.3f} -> {losses[-1]:.3f}; merged model in {folder}.")
+    return folder
+
+
+def _merged_warm_start(training_args) -> str:
+    """The folder of `trainer: async_grpo`'s merged warm start; raises when a resumed run would need it and it is
+    missing (checked before any model loads)."""
+    folder = os.path.join(training_args.output_dir, "warmstart-merged")
+    if training_args.resume_from_checkpoint and not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ValueError(
+            f"`resume_from_checkpoint` with `warmstart_steps`: the warm-started model {folder} is missing, and a warm "
+            "start trained again need not give the weights the checkpoint's adapter was trained on."
+        )
     return folder
 
 
@@ -483,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
             "`warmstart_steps` with `trainer: async_grpo` needs `vllm_server_start: true`: the warm-started model is a "
             "folder this run writes (the adapter merged), and a server started elsewhere serves another model."
         )
+    if kind == "async_grpo" and task_args.warmstart_steps:
+        _merged_warm_start(training_args)
     try:
         if kind == "async_grpo":
             train_async(task_args, training_args, model_args)

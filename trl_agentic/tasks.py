@@ -145,8 +145,9 @@ class TaskArguments:
     warmstart_steps: int = field(
         default=0,
         metadata={
-            "help": "SFT steps on synthetic tool-use traces before GRPO (same LoRA adapter; `trainer: async_grpo`: "
-            "merged into a model folder the started vLLM server serves); 0 skips it."
+            "help": "SFT steps on synthetic tool-use traces before GRPO, which continues the same LoRA adapter "
+            "(`trainer: async_grpo`: merged into a model folder that the server started by the run, "
+            "`vllm_server_start: true`, serves; GRPO trains a new adapter on it); 0 skips it."
         },
     )
     warmstart_batch_size: int = field(default=8, metadata={"help": "Traces per warm-start SFT step."})
