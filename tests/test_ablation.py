@@ -591,8 +591,16 @@ def test_the_committed_cells_forms_are_the_held_out_expressions():
     # A cell that scored another number of problems is refused, not read against the wrong forms.
     broken = dict(found)
     broken["calculator", 0, "trl"] = {**found["calculator", 0, "trl"], "sampled": [1.0] * 127}
-    with pytest.raises(RuntimeError, match=r"seed 0 `trl` scored 127 problems.*has 128"):
+    with pytest.raises(RuntimeError, match=r"seed 0 `trl` was scored on 127 problems other than the seed's 128"):
         cells_mod.forms_by_seed(broken)
+    # Cells that record their problems (from 5f500de on) are checked problem by problem, order included.
+    keys, _ = cells_mod.held_out_forms(settings)
+    assert keys == [f"expression={e}" for e in expressions]
+    recorded = {**found["calculator", 0, "trl"], "problems": keys}
+    assert cells_mod.forms_by_seed({**found, ("calculator", 0, "trl"): recorded}) == forms
+    swapped = {**recorded, "problems": [keys[1], keys[0], *keys[2:]]}
+    with pytest.raises(RuntimeError, match=r"seed 0 `trl` was scored on 128 problems other than"):
+        cells_mod.forms_by_seed({**found, ("calculator", 0, "trl"): swapped})
 
 
 def test_per_seed_differences_and_forms_are_plain_loops_over_the_cells():
@@ -698,6 +706,8 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     # The render gets each held-out problem's form, one per problem every cell scored.
     assert list(rendered_forms) == [("calculator", 0)]
     assert all(len(rendered_forms["calculator", 0]) == len(c["sampled"]) for c in seed0.values())
+    keys, _ = cells_mod.held_out_forms(seed0["trl"]["settings"])
+    assert all(c["problems"] == keys for c in seed0.values())  # each cell names the problems it scored, in order
     assert set(seed0) == {a.name for a in design.ARMS["calculator"]}
     ladder = sorted(p.name for p in (cells / "calculator" / "calibration").iterdir())
     assert ladder == ["warmstart-1.json", "warmstart-2.json"]

@@ -229,44 +229,48 @@ def expression_form(expression: str) -> str:
     return re.sub(r"\d+(?:\.\d+)?", lambda _: next(names, "n"), expression)
 
 
-def held_out_forms(settings: dict) -> list[str] | None:
-    """The form (`expression_form`) of each held-out problem of a cell's `settings`, in the order of the cell's
-    `sampled` and `greedy` lists (`_compute` evaluates `build_task(...).eval_dataset` in order); `None` for a task
-    whose problems have no expression (the log search)."""
+def held_out_forms(settings: dict) -> tuple[list[str], list[str] | None]:
+    """`(keys, forms)` of the held-out problems of a cell's `settings`, in the order `_compute` scores them
+    (`build_task(...).eval_dataset`): each one's `problem_key` and form (`expression_form`; `None` for a task whose
+    problems have no expression, the log search)."""
     from transformers import HfArgumentParser
 
     from ..tasks import TaskArguments
 
     (task_args,) = HfArgumentParser(TaskArguments).parse_dict(settings, allow_extra_keys=True)
-    forms = _held_out_forms(json.dumps(dataclasses.asdict(task_args), sort_keys=True, default=str))
-    return None if forms is None else list(forms)
+    keys, forms = _held_out_forms(json.dumps(dataclasses.asdict(task_args), sort_keys=True, default=str))
+    return list(keys), None if forms is None else list(forms)
 
 
 @functools.cache  # one build per task's settings, not per cell
-def _held_out_forms(task_args_json: str) -> tuple[str, ...] | None:
+def _held_out_forms(task_args_json: str) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
     from ..tasks import TaskArguments, build_task
 
     rows = build_task(TaskArguments(**json.loads(task_args_json))).eval_dataset
-    if rows is None or "expression" not in rows.column_names:
-        return None
-    return tuple(expression_form(e) for e in rows["expression"])
+    keys = tuple(problem_key(r) for r in rows)
+    if "expression" not in rows.column_names:
+        return keys, None
+    return keys, tuple(expression_form(e) for e in rows["expression"])
 
 
 def forms_by_seed(cells: dict) -> dict:
-    """`{(task, seed): forms}` (`held_out_forms`) of every (task, seed) with a cell, for `report.render_results`;
-    raises when a cell of that seed scored another number of problems (it would be read against the wrong forms)."""
-    out = {}
+    """`{(task, seed): forms}` (`held_out_forms`) of every (task, seed) with a cell, for `report.render_results`.
+    Raises when a cell was scored on other problems than the ones its forms are read from: another number of them,
+    or, for cells that record their `problems` (from `5f500de` on), other ones or another order."""
+    built = {}
     for (task, seed, _), cell in sorted(cells.items()):
-        if (task, seed) not in out and cell.get("settings"):
-            out[task, seed] = held_out_forms(cell["settings"])
+        if (task, seed) not in built and cell.get("settings"):
+            built[task, seed] = held_out_forms(cell["settings"])
     for (task, seed, arm), cell in cells.items():
-        forms = out.get((task, seed))
-        if forms is not None and len(cell["sampled"]) != len(forms):
+        if (task, seed) not in built:
+            continue
+        keys, _ = built[task, seed]
+        if len(cell["sampled"]) != len(keys) or cell.get("problems", keys) != keys:
             raise RuntimeError(
-                f"{task} seed {seed} `{arm}` scored {len(cell['sampled'])} problems, but the seed's held-out set "
-                f"has {len(forms)}: its settings are not the seed's."
+                f"{task} seed {seed} `{arm}` was scored on {len(cell['sampled'])} problems other than the seed's "
+                f"{len(keys)} held-out ones (in their order): its settings are not the seed's."
             )
-    return {k: v for k, v in out.items() if v is not None}
+    return {k: forms for k, (_, forms) in built.items() if forms is not None}
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
@@ -594,6 +598,7 @@ def _compute(
             }
     if held_out:
         record.update(evaluate(model, tokenizer, built, eval_args, rows, p["ablation_eval_samples"], seed))
+        record["problems"] = [problem_key(r) for r in rows]  # what `sampled[i]` and `greedy[i]` were scored on
     if validation is not None:
         offset, count = validation
         validation_set = validation_slice(task_args, eval_keys, offset, count)
