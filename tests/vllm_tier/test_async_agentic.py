@@ -371,3 +371,39 @@ def test_max_turn_tokens_in_an_async_run(server, calculator_policy_dir, tmp_path
     regular = [r for r in trainer._observed_rows if r["kind"] == RowKind.REGULAR]
     assert regular and all(int(np.asarray(r["completion_mask"]).sum()) == 1 for r in regular)
     assert total(trainer, "tools/turn_cap_truncations_total") > 0
+
+
+def test_a_warm_start_is_served_merged_in_an_async_run(tmp_path, capsys):
+    """`trl-agentic train` with `trainer: async_grpo` and `warmstart_steps`, for real: the warm start's adapter merged
+    into `output_dir/warmstart-merged`, a vLLM server started on that folder, one asynchronous step whose adapter is
+    saved on that base (the tiny random Qwen3 and its byte-level tokenizer, with heads of 32, which vLLM's CPU
+    attention supports: it has no kernel for the tiny model's 16)."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    from trl_agentic.cli import main
+    from trl_agentic.models import build_tiny_model
+
+    tiny = build_tiny_model(tmp_path / "tiny")
+    config = Qwen3ForCausalLM.from_pretrained(tiny).config
+    config.hidden_size, config.head_dim, config.intermediate_size = 64, 32, 128
+    torch.manual_seed(0)
+    model = str(tmp_path / "tiny32")
+    Qwen3ForCausalLM(config).save_pretrained(model)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(model)
+    out = tmp_path / "out"
+    config = Path(__file__).resolve().parents[2] / "configs" / "async_calculator.yaml"
+    argv = ["train", "--config", str(config), "--model_name_or_path", model, "--output_dir", str(out)]
+    argv += ["--warmstart_steps", "1", "--warmstart_batch_size", "2", "--max_steps", "1", "--disable_tqdm", "true"]
+    argv += ["--per_device_train_batch_size", "4", "--num_generations", "2", "--max_completion_length", "16"]
+    argv += ["--max_inflight_tasks", "2", "--queue_maxsize", "4"]
+    assert main(argv) == 0
+    merged = out / "warmstart-merged"
+    assert (merged / "config.json").exists() and not (merged / "adapter_config.json").exists()
+    assert not (out / "warmstart-merged-partial").exists()
+    # The trained adapter's base is the merged folder, and the server was started on it.
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(merged)
+    assert f"Starting a vLLM server for {merged} " in capsys.readouterr().out  # the path `VLLMServer` was given
