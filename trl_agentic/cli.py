@@ -161,26 +161,13 @@ def train(task_args, training_args, model_args):
                 "base model", model, processing_class, task, task_args, training_args, eval_results, eval_records
             )
     if task_args.warmstart_steps:
-        from .warmstart import run_task_warmstart
-
         _stage(
             f"Stage 1/2: warm start — SFT on {task_args.warmstart_steps * task_args.warmstart_batch_size} synthetic "
             f"tool-use traces ({task_args.warmstart_steps} steps, {task_args.warmstart_error_fraction:.0%} with a "
             "rejected call first)"
         )
         with clock("warmstart"):
-            result = run_task_warmstart(
-                model,
-                processing_class,
-                task,
-                task_args,
-                peft_config=peft_config,
-                output_dir=os.path.join(training_args.output_dir, "warmstart"),
-                seed=training_args.seed,
-                use_cpu=training_args.use_cpu,
-                bf16=training_args.bf16,
-                compact_progress=not training_args.disable_tqdm,
-            )
+            result = _warm_start(model, processing_class, task, task_args, training_args, peft_config)
         model, peft_config = result.model, None  # GRPO continues training the warm-start adapter
         training_args.model_init_kwargs = None
         losses = [e["loss"] for e in result.log_history if "loss" in e]
@@ -323,7 +310,7 @@ def _async_warm_start(task, task_args, training_args, model_path: str, peft_conf
     import torch
     from accelerate import PartialState
 
-    from .warmstart import run_task_warmstart, save_merged
+    from .warmstart import save_merged
 
     folder = _merged_warm_start(training_args)
     if training_args.resume_from_checkpoint:  # `main` checked that the folder is there
@@ -334,18 +321,7 @@ def _async_warm_start(task, task_args, training_args, model_path: str, peft_conf
         f"Stage 1/2: warm start — SFT on {task_args.warmstart_steps * task_args.warmstart_batch_size} synthetic "
         f"tool-use traces ({task_args.warmstart_steps} steps), merged into a model folder for the vLLM server"
     )
-    result = run_task_warmstart(
-        model,
-        tokenizer,
-        task,
-        task_args,
-        peft_config=peft_config,
-        output_dir=os.path.join(training_args.output_dir, "warmstart"),
-        seed=training_args.seed,
-        use_cpu=training_args.use_cpu,
-        bf16=training_args.bf16,
-        compact_progress=not training_args.disable_tqdm,
-    )
+    result = _warm_start(model, tokenizer, task, task_args, training_args, peft_config)
     losses = [e["loss"] for e in result.log_history if "loss" in e]
     state = PartialState()
     # One writer: per node with `save_on_each_node` (nodes without a shared disk), else the main process (TRL's rule).
@@ -362,6 +338,24 @@ def _async_warm_start(task, task_args, training_args, model_path: str, peft_conf
         torch.cuda.empty_cache()  # the vLLM server may start on this GPU next
     print(f"Warm start done: loss {losses[0]:.3f} -> {losses[-1]:.3f}; merged model in {folder}.")
     return folder
+
+
+def _warm_start(model, tokenizer, task, task_args, training_args, peft_config):
+    """The SFT warm start of both pipelines (`run_task_warmstart` with the run's settings)."""
+    from .warmstart import run_task_warmstart
+
+    return run_task_warmstart(
+        model,
+        tokenizer,
+        task,
+        task_args,
+        peft_config=peft_config,
+        output_dir=os.path.join(training_args.output_dir, "warmstart"),
+        seed=training_args.seed,
+        use_cpu=training_args.use_cpu,
+        bf16=training_args.bf16,
+        compact_progress=not training_args.disable_tqdm,
+    )
 
 
 def _merged_warm_start(training_args) -> str:
