@@ -231,3 +231,42 @@ def test_the_warm_start_config_parses_as_an_async_run_with_its_server(monkeypatc
     assert task_args.warmstart_steps > 0 and training_args.vllm_server_start
     assert training_args.enable_tool_rollback and training_args.save_negative_samples
     assert training_args.use_cpu and not training_args.bf16 and model_args.model_name_or_path == "smollm2-135m"
+
+
+@pytest.mark.parametrize(
+    "async_name, sync_name, feature",
+    [
+        ("async_snapshots_logsearch.yaml", "snapshots_logsearch.yaml", "enable_context_snapshots"),
+        ("async_rlvcr_textworld.yaml", "rlvcr_textworld.yaml", "advantage_estimator"),
+    ],
+)
+def test_async_feature_configs_warm_start_as_their_synchronous_twins(monkeypatch, async_name, sync_name, feature):
+    """configs/async_snapshots_logsearch.yaml and configs/async_rlvcr_textworld.yaml (the runs in docs/async.md where
+    snapshots, TracIn and RLVCR fire on a warm-started model): the same task, warm start and feature settings as the
+    synchronous configs whose live runs docs/snapshots.md and docs/rlvcr.md record, so stage 1 teaches the same format;
+    the asynchronous trainer, its server started by the run, and TracIn with gradient checkpointing off."""
+    import dataclasses
+
+    from trl_agentic.cli import make_parser, trainer_kind
+
+    _forbid_model_loading(monkeypatch)
+    argv = ["--config", str(CONFIG.with_name(async_name))]
+    assert trainer_kind(argv) == "async_grpo"
+    task_a, train_a, model_a, _ = make_parser("async_grpo").parse_args_and_config(args=argv)
+    sync_argv = ["--config", str(CONFIG.with_name(sync_name))]
+    task_s, train_s, model_s, _ = make_parser("grpo").parse_args_and_config(args=sync_argv)
+    assert task_a.warmstart_steps > 0 and train_a.vllm_server_start
+    assert train_a.use_cpu and not train_a.bf16 and train_a.report_to == [] and train_a.save_strategy == "no"
+    assert train_a.output_dir.startswith("outputs/")
+    assert dataclasses.asdict(task_a) == dataclasses.asdict(task_s)
+    assert model_a.model_name_or_path == model_s.model_name_or_path and model_a.lora_r == model_s.lora_r
+    assert model_a.lora_target_modules == model_s.lora_target_modules
+    prefixes = ("snapshot", "max_snapshots", "context_stub", "enable_context", "rlvcr_", "advantage_estimator")
+    shared = [f.name for f in dataclasses.fields(train_s) if f.name.startswith(prefixes)]
+    assert {n: getattr(train_a, n) for n in shared} == {n: getattr(train_s, n) for n in shared}
+    assert getattr(train_a, feature) not in (False, "grpo")
+    for name in ("max_completion_length", "max_tool_calling_iterations", "num_generations", "temperature"):
+        assert getattr(train_a, name) == getattr(train_s, name), name
+    assert str(train_a.dtype).removeprefix("torch.") == model_s.dtype == "float32"  # the server's dtype too
+    if train_a.enable_context_snapshots:
+        assert train_a.tracin_enabled and not train_a.gradient_checkpointing

@@ -147,3 +147,39 @@ def test_filter_zeroes_the_rejected_rows_masks(tiny_model_dir, mode):
     # The packed micro-batch trains exactly the kept rows' tokens.
     packed = row.pack()
     assert packed["token_index"].numel() == sum(int(m[1:].sum()) for m, k in zip(masks, keep.tolist()) if k)
+
+
+def test_a_zero_validation_direction_keeps_every_row_unscored(tiny_model_dir):
+    """V = 0 (no validation group had a reward spread, as in a live run on the log search where every validation
+    reward was 0): every score would be 0, which says nothing about a row. Every row with a trained token is kept and
+    its mask untouched, none is scored, as in the synchronous trainer (`direction_is_zero`); not the fallback's
+    lowest-index row alone, which TRL's loss would then weight as the whole micro-batch."""
+    from trl_agentic.async_grpo.compat import trainer_module
+    from trl_agentic.async_grpo.tracin import AsyncTracIn
+    from trl_agentic.tracin.lora_gradient import LoraGradient
+
+    model = _model(tiny_model_dir)
+    samples = _samples()
+    samples[3]["completion_mask"] = np.zeros_like(samples[3]["completion_mask"])  # no trained token: not a row to keep
+    stub = _stub(model, tracin_selection="positive", tracin_min_selected=1)
+    tracin = AsyncTracIn.__new__(AsyncTracIn)
+    zero = {
+        name: LoraGradient(A=torch.zeros_like(g.A), B=torch.zeros_like(g.B)) for name, g in _direction(model).items()
+    }
+    tracin.trainer, tracin.direction, tracin.refreshed_at = stub, zero, 3
+    assert tracin.direction_is_zero
+    tracin.scores = lambda samples: pytest.fail("scored against a zero direction")
+    masks = [s["completion_mask"].copy() for s in samples]
+    row = trainer_module().TreeRow()
+    for s in samples:
+        row.add(s)
+    tracin.filter_rows([row])
+    for s, mask in zip(samples, masks):
+        assert np.array_equal(s["completion_mask"], mask)
+    metrics = stub._metrics["train"]
+    assert metrics["tracin/num_selected"] == [4.0] and metrics["tracin/selected_ratio"] == [1.0]
+    assert tracin.last["selected"].tolist() == [True, True, True, False, True]
+    # One non-zero entry anywhere and the rows are scored and selected again.
+    name = next(iter(zero))
+    zero[name] = LoraGradient(A=zero[name].A.clone().index_fill_(1, torch.tensor([0]), 1.0), B=zero[name].B)
+    assert not tracin.direction_is_zero

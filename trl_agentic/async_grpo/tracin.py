@@ -19,7 +19,8 @@ Per micro-batch (the planner's rows, before TRL's collator packs them):
    log-probs, `N_tokens` the micro-batch's trained tokens), from one forward of the rows unpacked (a padded batch) and
    one backward through the hooks (no parameter gradient is touched).
 3. Selection: `select_rows` with the config's mode, at least one row (`max(tracin_min_selected, 1)`: a micro-batch
-   without a trained token would have no loss term at all).
+   without a trained token would have no loss term at all). When V is exactly zero (no validation group had a reward
+   spread) every valid row is kept and none is scored, as in the synchronous trainer.
 4. Training: the rejected rows' `completion_mask` is zeroed before packing, so TRL's collator counts, and its loss
    normalises by, the selected rows' tokens only: training on the masked micro-batch is training on the selected rows
    alone (the rejected rows' tokens stay in the forward as context of nothing but themselves).
@@ -45,6 +46,7 @@ from ..envs.protocol import tool_methods, with_observation
 from ..rollout.loop import AgenticRolloutLoop, LoopConfig
 from ..rollout.rendering import ChatRenderer
 from ..tracin.hooks import LoraGhostHooks
+from ..tracin.lora_gradient import is_zero
 from ..tracin.schedule import due
 from ..tracin.selection import select_rows
 
@@ -185,6 +187,11 @@ class AsyncTracIn:
         self.refreshed_at, self.refreshes = state["refreshed_at"], state["refreshes"]
 
     # ----------------------------------------------------------------------------------------------- filter
+    @property
+    def direction_is_zero(self) -> bool:
+        """V is exactly zero: no information, so every valid row is selected (and none is scored)."""
+        return self.direction is not None and is_zero(self.direction)
+
     def _model(self):
         return self.trainer.accelerator.unwrap_model(self.trainer.model)
 
@@ -194,16 +201,21 @@ class AsyncTracIn:
         if due(t.state.global_step, self.refreshed_at, args.tracin_val_refresh_steps):
             self.refresh()
         samples = [s for row in rows for s in row.samples]
-        scores = self.scores(samples)
         valid = torch.tensor([bool(np.asarray(s["completion_mask"]).any()) for s in samples])
-        selected = select_rows(
-            scores.detach().cpu().double(),
-            valid,
-            mode=args.tracin_selection,
-            fraction=args.tracin_top_fraction,
-            threshold=args.tracin_threshold,
-            min_selected=max(args.tracin_min_selected, 1),
-        )
+        if self.direction_is_zero:
+            # V = 0 (no validation group had a reward spread): every score is 0 and says nothing about a row, so
+            # every row is trained, as in the synchronous trainer; not the fallback's first row at full weight.
+            scores, selected = torch.zeros(len(samples)), valid.clone()
+        else:
+            scores = self.scores(samples)
+            selected = select_rows(
+                scores.detach().cpu().double(),
+                valid,
+                mode=args.tracin_selection,
+                fraction=args.tracin_top_fraction,
+                threshold=args.tracin_threshold,
+                min_selected=max(args.tracin_min_selected, 1),
+            )
         for s, keep in zip(samples, selected.tolist()):
             if not keep:
                 s["completion_mask"] = np.zeros_like(np.asarray(s["completion_mask"]))

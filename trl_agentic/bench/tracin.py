@@ -172,10 +172,10 @@ def two_pass_step(trainer, batch: dict, val_batch: dict) -> None:
 
 
 def val_refresh(trainer, batch: dict, val_batch: dict) -> None:
-    from ..tracin.trainer_mixin import _is_zero
+    from ..tracin.lora_gradient import is_zero
 
     direction = trainer._tracin_validation_gradient(val_batch)
-    trainer._tracin.direction, trainer._tracin.direction_is_zero = direction, _is_zero(direction)
+    trainer._tracin.direction, trainer._tracin.direction_is_zero = direction, is_zero(direction)
 
 
 class SeedGhost:

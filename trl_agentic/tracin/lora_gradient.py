@@ -40,6 +40,12 @@ def lora_gradient_dot(left: LoraGradients, right: LoraGradients) -> Tensor:
     return torch.stack(terms).sum()
 
 
+def is_zero(grads: LoraGradients) -> bool:
+    """Whether every layer's gradient is exactly zero (a validation direction V without information: every
+    validation group had equal rewards, so every advantage, and V, is 0)."""
+    return all(not grad.A.any() and not grad.B.any() for grad in grads.values())
+
+
 def all_reduce_(
     grads: LoraGradients, op: Literal["sum", "mean"] = "sum", group: torch.distributed.ProcessGroup | None = None
 ) -> LoraGradients:

@@ -44,7 +44,7 @@ from ..loss_weights import ROW_MEAN_LOSSES
 from ..rollout.types import RowKind
 from .hooks import LoraGhostHooks
 from .layers import validate_tracin_model
-from .lora_gradient import LoraGradient, LoraGradients, all_reduce_
+from .lora_gradient import LoraGradient, LoraGradients, all_reduce_, is_zero
 from .schedule import due
 from .selection import select_rows
 
@@ -157,10 +157,6 @@ def _reusable(batch: dict) -> dict:
         for key, value in batch.items()
         if isinstance(value, torch.Tensor) and key != "old_per_token_logps"
     }
-
-
-def _is_zero(direction: LoraGradients) -> bool:
-    return all(not grad.A.any() and not grad.B.any() for grad in direction.values())
 
 
 class TracInMixin:
@@ -524,7 +520,7 @@ class TracInMixin:
             batch = state.val_batch
         direction = self._tracin_validation_gradient(batch)
         state.direction = direction
-        state.direction_is_zero = _is_zero(direction)
+        state.direction_is_zero = is_zero(direction)
         state.refreshed_at = self.state.global_step
         norm = math.sqrt(
             sum(float(g.A.double().square().sum() + g.B.double().square().sum()) for g in direction.values())
