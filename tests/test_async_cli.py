@@ -270,3 +270,35 @@ def test_async_feature_configs_warm_start_as_their_synchronous_twins(monkeypatch
     assert str(train_a.dtype).removeprefix("torch.") == model_s.dtype == "float32"  # the server's dtype too
     if train_a.enable_context_snapshots:
         assert train_a.tracin_enabled and not train_a.gradient_checkpointing
+
+
+def test_the_recorded_live_steps_are_what_docs_async_says():
+    """docs/async.md quotes the first step of the two live runs ("Snapshots, TracIn and RLVCR after a warm start"); the
+    numbers must be the logged metrics kept in docs/bench-data/async-live-2026-11-29.json."""
+    import json
+
+    repo = CONFIG.parents[1]
+    runs = json.loads((repo / "docs" / "bench-data" / "async-live-2026-11-29.json").read_text())["runs"]
+    doc = " ".join((repo / "docs" / "async.md").read_text().split())
+    snap = runs["async_snapshots_logsearch"]["steps"][0]
+    rlvcr = runs["async_rlvcr_textworld"]["steps"][0]
+    assert "loss 1.369 -> 0.076" in runs["async_snapshots_logsearch"]["warm_start"]
+    assert "loss 0.801 -> 0.105" in runs["async_rlvcr_textworld"]["warm_start"]
+    assert (float(snap["snapshots/closed_total"]), float(snap["snapshots/rows_total"])) == (32, 31)
+    assert (float(snap["groups/rows_total"]), float(snap["context/tokens_freed_total"])) == (87, 2135)
+    assert float(snap["tracin/val_grad_norm"]) == 0 and float(snap["tracin/selected_ratio"]) == 0.25
+    assert float(snap["reward"]) == 0 and float(snap["rows/snapshot_frac"]) == 0
+    assert float(snap["tools/call_frequency"]) == 1.5 and float(snap["completions/clipped_ratio"]) == 0.35
+    assert float(rlvcr["rlvcr/expanded_steps"]) == 7 and float(rlvcr["rlvcr/confidence_mean"]) == 0.4981
+    assert float(rlvcr["rlvcr/invalid_format"]) == 2.5 and float(rlvcr["rlvcr/failed_alternatives"]) == 0
+    assert [round(float(rlvcr[f"rlvcr/level_frac_{k}"]), 3) for k in (1, 2, 3, 4)] == [0.375, 0.417, 0.0, 0.208]
+    assert float(rlvcr["reward"]) == 0 and float(rlvcr["perf/rollout_wait_s"]) == 1309
+    for quoted in (
+        "32 segments closed by `delete_context` (2135 context tokens freed), 31 snapshot rows pushed into the queue of 87",
+        "`tracin/selected_ratio` 0.25",
+        "`rlvcr/expanded_steps` 7",
+        "`rlvcr/confidence_mean` 0.498",
+        "1: 0.375, 2: 0.417, 3: 0, 4: 0.208",
+        "`perf/rollout_wait_s`, 1309 s",
+    ):
+        assert quoted in doc, quoted

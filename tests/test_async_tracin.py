@@ -183,3 +183,7 @@ def test_a_zero_validation_direction_keeps_every_row_unscored(tiny_model_dir):
     name = next(iter(zero))
     zero[name] = LoraGradient(A=zero[name].A.clone().index_fill_(1, torch.tensor([0]), 1.0), B=zero[name].B)
     assert not tracin.direction_is_zero
+    scored = []
+    tracin.scores = lambda samples: scored.append(len(samples)) or torch.tensor([-1.0, 2.0, 3.0, 4.0, -5.0])
+    tracin.filter_rows([row])
+    assert scored == [5] and tracin.last["selected"].tolist() == [False, True, True, False, False]  # row 3: no token

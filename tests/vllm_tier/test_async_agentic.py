@@ -431,7 +431,11 @@ def test_a_killed_trainer_takes_its_server_down(calculator_policy_dir, tmp_path)
         """
     )
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    session = int(trainer.stdout.readline())  # the server leads its own session
+    try:
+        session = int(trainer.stdout.readline())  # the server leads its own session
+    except ValueError:  # the server did not start: no pid printed
+        trainer.kill()
+        raise
 
     def members():
         pids = []

@@ -30,10 +30,13 @@ _DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_AD
 
 
 # Run in a fresh interpreter between fork and the server's exec (not a `preexec_fn`, unsafe in a process with threads):
-# PR_SET_PDEATHSIG (1) survives exec; the parent check closes the race with a parent that died before the prctl.
+# PR_SET_PDEATHSIG (1) survives exec; the parent check closes the race with a parent that died before the prctl. A
+# refused prctl (a seccomp sandbox) is said in the server's log, and the server still starts.
 _DIE_WITH_PARENT = (
     "import ctypes, os, signal, sys; "
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0); "
+    "libc = ctypes.CDLL(None, use_errno=True); "
+    "libc.prctl(1, signal.SIGTERM, 0, 0, 0) == 0 or print('trl-agentic: PR_SET_PDEATHSIG failed (errno', "
+    "ctypes.get_errno(), '): this server will not stop if its starter dies without stopping it', file=sys.stderr); "
     "os.getppid() == int(sys.argv[1]) or sys.exit(143); "
     "os.execvp(sys.argv[2], sys.argv[2:])"
 )
