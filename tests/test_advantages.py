@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trl.trainer.utils import nanstd
 
-from trl_agentic.advantages import group_advantages, negative_sample_rewards
+from trl_agentic.advantages import group_advantages, negative_sample_rewards, without_reward_spread
 
 NAN = float("nan")
 
@@ -455,3 +455,36 @@ def test_outside_rows_are_lipschitz_in_their_reward(baseline, r, eps, scale, flo
 def test_std_floor_must_be_positive():
     with pytest.raises(ValueError, match="std_floor"):
         group_advantages(torch.zeros(2), torch.zeros(2, dtype=torch.long), std_floor=0.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_batches())
+def test_without_reward_spread_matches_a_python_loop(batch):
+    rewards, group_ids = batch[0], batch[1]
+    members = {}
+    for r, g in zip(rewards, group_ids):
+        members.setdefault(g, []).append(r)
+    expected = [len({r for r in members[g] if not math.isnan(r)}) <= 1 for g in group_ids]
+    got = without_reward_spread(torch.tensor(rewards, dtype=torch.float64), torch.tensor(group_ids, dtype=torch.long))
+    assert got.dtype == torch.bool and got.tolist() == expected
+
+
+@pytest.mark.parametrize("size", [6, 8, 16])
+def test_equal_rewards_give_rounding_noise_that_without_reward_spread_names(size):
+    """Why consumers decide "no spread" from the rewards: TRL's float32 statistics of equal rewards (0.3, a reward
+    that is not a dyadic fraction) are not exact, so the advantages of a tied group are not all 0; a tiny real spread
+    gives advantages of the same size. `without_reward_spread` tells them apart; the advantages cannot."""
+    tied = torch.full((size,), 0.3, dtype=torch.float32)
+    noise = group_advantages(tied, torch.zeros(size, dtype=torch.long))
+    assert bool((noise != 0).any()) and noise.abs().max() < 2e-3
+    assert without_reward_spread(tied, torch.zeros(size, dtype=torch.long)).all()
+    spread = tied.clone()
+    spread[0] = torch.nextafter(spread[0], torch.tensor(1.0))  # one float32 step apart
+    assert not without_reward_spread(spread, torch.zeros(size, dtype=torch.long)).any()
+    # 0/1 rewards are exact at every size: a tie gives exact zeros.
+    assert torch.equal(group_advantages(torch.ones(size), torch.zeros(size, dtype=torch.long)), torch.zeros(size))
+
+
+def test_without_reward_spread_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="one shape"):
+        without_reward_spread(torch.zeros(3), torch.zeros(2, dtype=torch.long))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["group_advantages", "negative_sample_rewards"]
+__all__ = ["group_advantages", "negative_sample_rewards", "without_reward_spread"]
 
 _SCALES = ("group", "batch", "none")
 # Default smallest divisor of an outside row's reward difference (see `AgenticGRPOConfig.advantage_std_floor`).
@@ -172,6 +172,44 @@ def group_advantages(
     # NaN rows and groups with fewer than two statistics rows carry no learning signal.
     keep = valid & (counts[inverse] >= 2)
     return torch.where(keep, advantages, torch.zeros_like(advantages))
+
+
+def without_reward_spread(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """
+    Which rows belong to a group whose rewards are all equal (NaN rewards ignored): a group without reward spread.
+
+    Every GRPO advantage of such a group is 0 in exact arithmetic, but not always in floating point: TRL's float32
+    mean of equal rewards need not equal them (six rewards of 0.3 give every row 3.0e-4 once divided by `std + 1e-4`,
+    eight of 1.2 give 1.2e-3), so the computed advantages are rounding noise of one sign. Consumers that must tell "no signal" from
+    a small signal (TracIn's validation direction) decide it here, from the rewards, not from the advantages.
+
+    Args:
+        rewards (`Tensor`):
+            `(N,)` floating-point rewards; NaN marks an unscorable row.
+        group_ids (`Tensor`):
+            `(N,)` integer group ids (any values).
+
+    Returns:
+        `Tensor`: `(N,)` bool; True for every row of a group whose non-NaN rewards span nothing (one or no scorable
+        row included: such a group's advantages are exactly 0 already).
+    """
+    if rewards.shape != group_ids.shape or rewards.dim() != 1:
+        raise ValueError(
+            f"`rewards` and `group_ids` must be 1-D of one shape, got {tuple(rewards.shape)} and "
+            f"{tuple(group_ids.shape)}."
+        )
+    if rewards.numel() == 0:
+        return torch.zeros(0, dtype=torch.bool, device=rewards.device)
+    _, inverse = torch.unique(group_ids.to(rewards.device), return_inverse=True)
+    num_groups = int(inverse.max()) + 1
+    valid = ~torch.isnan(rewards)
+    high = rewards.new_full((num_groups,), -torch.inf).scatter_reduce(
+        0, inverse, torch.where(valid, rewards, -torch.inf), "amax"
+    )
+    low = rewards.new_full((num_groups,), torch.inf).scatter_reduce(
+        0, inverse, torch.where(valid, rewards, torch.inf), "amin"
+    )
+    return ~(high > low)[inverse]
 
 
 def _group_table(values: Tensor, inverse: Tensor, num_groups: int) -> Tensor:

@@ -33,7 +33,7 @@ from accelerate.utils import gather, gather_object
 from transformers.utils import logging
 from trl.trainer.utils import use_adapter
 
-from .advantages import negative_sample_rewards
+from .advantages import negative_sample_rewards, without_reward_spread
 from .estimators import AdvantageBatch, EstimatorResult, grpo_estimator
 from .rank_errors import raise_on_every_rank
 from .rollout.types import ExtraRow, RowKind
@@ -218,6 +218,8 @@ class BatchAugmenter:
         args = trainer.args
         self.segment_reward = _import(args.snapshot_reward_func) if args.snapshot_reward_func else None
         self._warned_negative_reward = False
+        # Group ids (global) of the last batch's groups without reward spread (`without_reward_spread`); None for GDPO.
+        self.last_groups_without_spread: torch.Tensor | None = None
 
     def _warn_negative_reward_not_lowest(self, rewards, group_ids, kinds) -> None:
         """Warn once when a negative row's reward is not below every episode of its group: its advantage is clamped
@@ -254,6 +256,7 @@ class BatchAugmenter:
         any process stops every process.
         """
         t, args = self.trainer, self.trainer.args
+        self.last_groups_without_spread = None
         if args.multi_objective_aggregation != "sum_then_normalize":
             return output  # GDPO keeps TRL's advantages (the trainer refuses it with extra rows)
         mode = "train" if t.model.training else "eval"
@@ -263,6 +266,8 @@ class BatchAugmenter:
 
         rewards, infra = self._regular_rewards(rewards_per_func, infra_local)
         rows = self._gather_rows(extras, rewards, inputs, num_local, mode)
+        # The groups whose rewards are all equal (every row, every process), for TracIn's validation direction.
+        self.last_groups_without_spread = rows.groups[without_reward_spread(rows.rewards, rows.groups)].unique()
         if rows.kinds.numel() > num_local * t.accelerator.num_processes:
             _check_mergeable(output)
         baseline = self._baseline(rows.kinds)

@@ -14,6 +14,7 @@ from peft import LoraConfig
 from trl import GRPOTrainer
 
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+from trl_agentic.advantages import group_advantages
 from trl_agentic.tracin.schedule import validation_rollout_steps, window_starts
 from trl_agentic.tracin.selection import select_rows
 
@@ -24,10 +25,21 @@ def letter_fraction(prompts, completions, **kwargs):
     return [sum(c.isalpha() for c in text) / max(len(text), 1) for text in completions]
 
 
-def constant_on_validation(prompts, completions, **kwargs):
-    """1.0 on validation prompts (every validation advantage is 0), the letter fraction elsewhere."""
+def constant_on_validation(prompts, completions, value=1.0, **kwargs):
+    """`value` on validation prompts (no validation group has a reward spread), the letter fraction elsewhere."""
     scores = letter_fraction(prompts, completions)
-    return [1.0 if prompt.startswith("Validate") else score for prompt, score in zip(prompts, scores)]
+    return [value if prompt.startswith("Validate") else score for prompt, score in zip(prompts, scores)]
+
+
+def tied_on_validation(prompts, completions, **kwargs):
+    """0.3 on validation prompts: six equal rewards whose float32 GRPO advantages are rounding noise, not 0."""
+    return constant_on_validation(prompts, completions, value=0.3)
+
+
+def tied_on_one_validation_prompt(prompts, completions, **kwargs):
+    """0.3 on "Validate tie:" (a group without spread), the letter fraction elsewhere."""
+    scores = letter_fraction(prompts, completions)
+    return [0.3 if prompt.startswith("Validate tie") else score for prompt, score in zip(prompts, scores)]
 
 
 TRAIN = Dataset.from_dict({"prompt": [f"Say something about {i}:" for i in range(32)]})
@@ -380,13 +392,53 @@ def test_nothing_selected_leaves_the_weights_unchanged(tiny_model_dir, tmp_path,
     assert logs["tracin/selected_ratio"] == 0.0 and logs["loss"] == 0.0
 
 
-def test_zero_validation_gradient_trains_on_every_row(tiny_model_dir, tmp_path):
-    trainer = make_trainer(tiny_model_dir, tmp_path, reward=constant_on_validation)
+@pytest.mark.parametrize(
+    "reward, group_size",
+    [(constant_on_validation, 2), (tied_on_validation, 6)],
+    ids=["exact-zero-advantages", "rounding-noise-advantages"],
+)
+def test_zero_validation_gradient_trains_on_every_row(tiny_model_dir, tmp_path, reward, group_size):
+    """No validation group has a reward spread: V is exactly 0 and every row is trained. With six rewards of 0.3 TRL's
+    float32 advantages are not 0 (the control below); V must not be built from that noise."""
+    if reward is tied_on_validation:
+        noise = group_advantages(torch.full((group_size,), 0.3), torch.zeros(group_size, dtype=torch.long))
+        assert bool((noise != 0).any())  # the case is real: without the fix V would be this noise's direction
+    trainer = make_trainer(tiny_model_dir, tmp_path, reward=reward, tracin_val_num_generations=group_size)
     trainer.train()
     assert trainer._tracin.direction_is_zero
     assert trainer._tracin.last["selected"].all()
     logs = trainer.state.log_history[0]
     assert logs["tracin/val_grad_norm"] == 0.0 and logs["tracin/selected_ratio"] == 1.0
+
+
+def test_a_validation_group_without_reward_spread_adds_nothing_to_v(tiny_model_dir, tmp_path):
+    """One validation group tied at 0.3, one with a spread: the tied group's rows get advantage 0 (not float32 noise),
+    the other group keeps its GRPO advantages, and V is brute-force autograd of TRL's loss on that batch."""
+    val = Dataset.from_dict({"prompt": ["Validate tie:", "Validate spread:"]})
+    trainer = make_trainer(
+        tiny_model_dir, tmp_path, reward=tied_on_one_validation_prompt, val=val, tracin_val_num_generations=6
+    )
+    recorder = Recorder(trainer)
+    before = trainable(trainer.model)
+    trainer.train()
+    (val_batch,) = recorder.val_batches
+    prompts = [
+        trainer.processing_class.decode(ids[m.bool()])
+        for ids, m in zip(val_batch["prompt_ids"], val_batch["prompt_mask"])
+    ]
+    tied = torch.tensor(["Validate tie" in p for p in prompts])
+    assert int(tied.sum()) == 6 and int((~tied).sum()) == 6
+    assert torch.equal(val_batch["advantages"][tied], torch.zeros(6))
+    rewards = torch.tensor(letter_fraction(None, decoded_completions(trainer.processing_class, val_batch)))[~tied]
+    assert len(set(rewards.tolist())) > 1  # the other group has a spread
+    expected = group_advantages(rewards.float(), torch.zeros(6, dtype=torch.long))
+    torch.testing.assert_close(val_batch["advantages"][~tied], expected, rtol=1e-5, atol=1e-6)
+    assert not trainer._tracin.direction_is_zero
+    # V at the weights of the step, against autograd of TRL's loss on the batch (module order = parameter order).
+    load(trainer.model, before)
+    trainer.model.train()
+    direction = torch.cat([torch.cat([g.A.reshape(-1), g.B.reshape(-1)]) for g in trainer._tracin.direction.values()])
+    assert_close(direction, brute_force_direction(trainer, val_batch))
 
 
 def test_validation_gradient_is_refreshed_on_schedule(tiny_model_dir, tmp_path):

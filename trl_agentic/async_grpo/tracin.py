@@ -12,7 +12,8 @@ Per micro-batch (the planner's rows, before TRL's collator packs them):
 1. V, the validation direction (refreshed every `tracin_val_refresh_steps` optimizer steps): `tracin_val_batch_size`
    validation prompts are rolled out `tracin_val_num_generations` times each with the current policy (the server's
    current adapter, through trl-agentic's rollout loop, tools and environments included), scored with the reward
-   functions, given group advantages (`group_advantages`), and V is the gradient w.r.t. the LoRA weights of TRL's
+   functions, given group advantages (`group_advantages`; exactly 0 in a group without reward spread,
+   `without_reward_spread`, not float32 rounding noise), and V is the gradient w.r.t. the LoRA weights of TRL's
    asynchronous loss on them at ratio 1 (`-sum_b A_b sum_t exp(logp_t - sg(logp_t)) / N_tokens`).
 2. Scores: `score_b = <grad ell_b, V>`, `ell_b` being row b's term of the loss TRL trains the micro-batch with
    (`-sum_t min(r_t A_t, clip(r_t) A_t) / N_tokens / gradient_accumulation_steps`, `r_t` against the row's sampling
@@ -41,7 +42,7 @@ import sys
 import numpy as np
 import torch
 
-from ..advantages import group_advantages
+from ..advantages import group_advantages, without_reward_spread
 from ..envs.protocol import tool_methods, with_observation
 from ..rollout.loop import AgenticRolloutLoop, LoopConfig
 from ..rollout.rendering import ChatRenderer
@@ -275,9 +276,11 @@ class AsyncTracIn:
                 rows.append(sample)
                 rewards.append(reward)
                 groups.append(g)
-        advantages = group_advantages(
-            torch.tensor(rewards, dtype=torch.float32), torch.tensor(groups), scale=args.scale_rewards
-        )
+        reward_t, group_t = torch.tensor(rewards, dtype=torch.float32), torch.tensor(groups)
+        advantages = group_advantages(reward_t, group_t, scale=args.scale_rewards)
+        # A group without reward spread says nothing about a row: its advantages are 0, not float32 rounding noise of
+        # one sign (which would make V a "raise the validation completions' likelihood" direction of arbitrary sign).
+        advantages = advantages.masked_fill(without_reward_spread(reward_t, group_t), 0.0)
         with torch.no_grad():
             for sample, advantage in zip(rows, advantages.tolist()):
                 sample["advantage"] = advantage

@@ -4,7 +4,8 @@ Per generation batch (all processes' rows), with the current policy:
 
 1. Validation direction V (refreshed every `tracin_val_refresh_steps` optimizer steps): validation prompts are rolled
    out `tracin_val_num_generations` times each through the trainer's own rollout path (tools and environments work),
-   scored, given group advantages, and V is the gradient of TRL's loss on that batch w.r.t. the LoRA weights, built
+   scored, given group advantages (exactly 0 in a group without reward spread: `_tracin_zero_groups_without_spread`),
+   and V is the gradient of TRL's loss on that batch w.r.t. the LoRA weights, built
    from the ghost hooks and averaged over processes (`all_reduce_`).
 2. Scores: `score_b = <grad_theta ell_b, V>`, where `ell_b` is row b's term of the loss TRL computes for the training
    micro-batch holding it; computed inside the `lora_B` backward hooks (gradients w.r.t. module outputs only, so
@@ -40,6 +41,7 @@ import torch
 from transformers.utils import logging
 
 from ..batch import counted_rows
+from ..estimators import grpo_estimator
 from ..loss_weights import ROW_MEAN_LOSSES
 from ..rollout.types import RowKind
 from .hooks import LoraGhostHooks
@@ -479,7 +481,29 @@ class TracInMixin:
             self._logs, self.num_generations = saved_logs, saved_generations
             self.state.num_input_tokens_seen = saved_tokens
         rewards = scratch["train"].get("reward", [])
-        return batch, (rewards[-1] if rewards else math.nan)
+        return self._tracin_zero_groups_without_spread(batch), (rewards[-1] if rewards else math.nan)
+
+    def _tracin_zero_groups_without_spread(self, batch: dict) -> dict:
+        """The validation batch with advantage 0 on every row of a group without reward spread.
+
+        GRPO's advantages there are 0 in exact arithmetic but float32 rounding noise of one sign in TRL's computation
+        (e.g. six rewards of 0.3: 3.0e-4 on every row); when no validation group has a spread, that noise *is* V, a
+        "raise (or lower) the validation completions' likelihood" direction whose sign rounding picked, and rows would be
+        selected by it. With the zeros V is exactly 0 there and every row is kept (`direction_is_zero`). Decided from the
+        rewards (`BatchAugmenter.last_groups_without_spread`). Applies to the GRPO advantages and to CoPO's (`A_traj`
+        times a weight); RLVCR's additive rule and custom estimators keep their advantages, which can carry signal
+        without a reward spread.
+        """
+        groups = self._augmenter.last_groups_without_spread
+        args = self.args
+        grpo = self.advantage_estimator is grpo_estimator or (
+            args.advantage_estimator == "rlvcr" and args.rlvcr_mode == "copo"
+        )
+        if groups is None or "group_id" not in batch or not grpo:
+            return batch
+        rows = torch.isin(batch["group_id"], groups.to(batch["group_id"].device))
+        advantages = batch["advantages"]
+        return dict(batch, advantages=advantages.masked_fill(rows if advantages.dim() == 1 else rows[:, None], 0.0))
 
     def _tracin_validation_gradient(self, batch: dict) -> LoraGradients:
         """V: the gradient of TRL's loss on the validation batch, per LoRA layer, averaged over processes."""
