@@ -820,6 +820,23 @@ class LimitedBackend(ScriptBackend):
         return [x[:n] for x, n in zip(ids, limits)], [x[:n] for x, n in zip(lps, limits)]
 
 
+class CallLimitedBackend(ScriptBackend):
+    """A backend whose engine takes one length for the whole call (`takes_call_limit`, as the trainer's): each
+    scripted output is cut at that limit, as `generate` stops at `max_new_tokens`."""
+
+    takes_call_limit = True
+
+    def __init__(self, tokenizer, script):
+        super().__init__(tokenizer, script)
+        self.call_limits: list[int] = []
+
+    def generate(self, contexts, limit=None):
+        self.call_limits.append(limit)
+        ids, lps = super().generate(contexts)
+        rooms = [self.max_model_len - len(c) for c in contexts]
+        return [x[: min(limit, n)] for x, n in zip(ids, rooms)], [x[: min(limit, n)] for x, n in zip(lps, rooms)]
+
+
 @pytest.mark.parametrize(
     ("budget", "room", "feedback"),
     [(70, None, "none"), (90, None, "hint"), (400, None, "none"), (400, 130, "hint"), (400, 130, "none")],
@@ -863,6 +880,18 @@ def test_asking_the_engine_for_what_the_loop_keeps_changes_no_row(tiny_tokenizer
             by_room += limit == limited.max_model_len - len(context) < min(left, cap or left)
     assert by_room == 0 if room is None else (by_room > 0 or cap is not None)  # the room term bound some request
     assert all(len(ids) <= budget for ids in got[2])  # no completion over the budget
+    # One length for the whole call (the trainer's engine): the same rows, and the length is the most any context of
+    # the call can keep (its remaining budget, the cap, the room in the model's context), computed here independently.
+    called, _, got, rows, stats = run(CallLimitedBackend)
+    assert got == expected and rows == expected_rows
+    assert [getattr(stats, c) for c in counters] == [getattr(expected_stats, c) for c in counters]
+    for contexts, limit in zip(called.calls, called.call_limits):
+        keeps = []
+        for context in contexts:
+            prompt = next(len(p) for p in prompt_ids if context[: len(p)] == p)
+            keeps.append(min(budget - (len(context) - prompt), called.max_model_len - len(context), cap or budget))
+        assert limit == max(max(keeps), 1)
+    assert min(called.call_limits) < budget  # some later turn asked for less than the whole budget
 
 
 def test_a_rollback_hint_without_room_is_left_out(tiny_tokenizer):

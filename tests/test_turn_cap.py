@@ -168,3 +168,62 @@ def test_the_cap_reaches_vllm_for_the_call_only():
     with GenerationMixin._turn_cap(trainer):
         seen.append(engine.max_completion_length)
     assert seen == [7, 100] and engine.max_completion_length == 100
+
+
+def test_the_call_limit_reaches_vllm_for_the_call_only():
+    """A later turn's call limit (`_generation_limit`) is vLLM's length during the call, the smaller of it and the cap."""
+    from types import SimpleNamespace
+
+    from trl_agentic.generation import GenerationMixin
+
+    engine = SimpleNamespace(max_completion_length=100)
+    trainer = SimpleNamespace(args=SimpleNamespace(max_turn_tokens=None), use_vllm=True, vllm_generation=engine)
+    seen = []
+    for cap, limit in [(None, 12), (7, 12), (30, 12), (None, None), (None, 400)]:
+        trainer.args.max_turn_tokens = cap
+        with GenerationMixin._generation_limit(trainer, limit), GenerationMixin._turn_cap(trainer):
+            seen.append(engine.max_completion_length)
+        assert engine.max_completion_length == 100 and trainer._call_limit is None
+    assert seen == [12, 7, 12, 100, 100]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_call_limit_asks_the_engine_for_fewer_tokens_and_keeps_the_same_ones(tiny_model_dir, tmp_path, caching):
+    """`TrainerBackend.generate(contexts, limit=k)` (what the loop passes for a later turn: the most any context of the
+    call can keep) generates at most k tokens per context on both transformers paths, and those are the first k tokens
+    the unlimited call samples from the same random state; the trainer's generation config is left as it was."""
+    from trl_agentic.rollout.trl_backend import TrainerBackend
+
+    args = AgenticGRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=40,
+        enable_tool_rollback=True,  # our loop (and its backend) runs
+        transformers_prefix_caching=caching,
+        save_strategy="no",
+    )
+    trainer = AgenticGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]] * 4}),
+        tools=[lookup],
+    )
+    assert (trainer._prefix_cache is not None) == caching
+    eos = trainer._tokenizer.eos_token_id
+    original = trainer.model.generate
+    trainer.model.generate = lambda *a, **k: original(*a, **{**k, "suppress_tokens": [eos]})  # run to the length
+    trainer.model.eval()  # no dropout: prefix caching applies
+    backend = TrainerBackend(trainer)
+    contexts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12]]
+    torch.manual_seed(0)
+    unlimited, _ = backend.generate(contexts)
+    torch.manual_seed(0)
+    limited, _ = backend.generate(contexts, limit=6)
+    assert [len(x) for x in unlimited] == [40, 40, 40]
+    assert limited == [x[:6] for x in unlimited]
+    assert trainer.generation_config.max_new_tokens == 40 and trainer._call_limit is None

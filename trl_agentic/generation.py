@@ -5,6 +5,8 @@
 
 - `max_turn_tokens`: every engine generates at most that many tokens per call (transformers: a copy of the
   trainer's generation config with a smaller `max_new_tokens`; vLLM: its `max_completion_length` for the call);
+- the call limit (`_generation_limit`): a later turn of trl-agentic's loop keeps at most what is left of the
+  rollout's budget, so the engine is asked for no more than the largest such limit of the call, the same way;
 - `transformers_prefix_caching`: when trl-agentic's own loop runs (a feature needs it; with every feature off TRL's
   generation runs untouched), on TRL's regular transformers path, `trl_agentic.rollout.prefix_cache` generates with
   each conversation's kept cache. Inputs, padding, the generation config (temperature, top-p/k, min-p,
@@ -39,6 +41,7 @@ class GenerationMixin:
     def _init_generation(self) -> None:
         """Decide once whether prefix caching applies; log why not when it was asked for and does not."""
         self._prefix_cache: PrefixCache | None = None
+        self._call_limit: int | None = None  # `_generation_limit`
         self._dropout_in_training: str | None = None
         args = self.args
         if not args.transformers_prefix_caching or self.use_vllm or not self.tools:
@@ -79,9 +82,20 @@ class GenerationMixin:
         self._prefix_sharing_is_local = not (zero3_sharded or fsdp)
 
     @contextmanager
+    def _generation_limit(self, limit: int | None):
+        """Within the block, a generation call asks the engine for at most `limit` tokens per context (`_turn_cap`)."""
+        old, self._call_limit = getattr(self, "_call_limit", None), limit
+        try:
+            yield
+        finally:
+            self._call_limit = old
+
+    @contextmanager
     def _turn_cap(self):
-        """Within the block, the trainer's engine generates at most `max_turn_tokens` per call."""
-        cap = self.args.max_turn_tokens
+        """Within the block, the trainer's engine generates at most `max_turn_tokens` per call, and at most the call
+        limit (`_generation_limit`) when one is set."""
+        caps = [c for c in (self.args.max_turn_tokens, getattr(self, "_call_limit", None)) if c is not None]
+        cap = min(caps) if caps else None
         if cap is None:
             yield None
             return

@@ -61,6 +61,8 @@ class RolloutBackend(Protocol):
 
     # A backend with `takes_turn_limits = True` also gets `limits=`: per context, the most tokens the loop will keep
     # of its turn (`_turn_limit`), so that the engine generates no more (the asynchronous worker's vLLM requests).
+    # One with `takes_call_limit = True` gets `limit=`: the largest of those for the whole call (one batched
+    # generation: the trainer's engine); a call that only keeps other processes' collectives matched passes 1.
     def generate(self, contexts: list[list[int]]) -> tuple[list[list[int]], list[list[float]] | None]: ...
 
     # `tools`: the rollout's tools, passed only once a user turn changed them (absent: the row's initial tools).
@@ -700,15 +702,23 @@ class AgenticRolloutLoop:
 
     def _generate(self, rollouts: list[_Rollout], queued: list[int]) -> None:
         backend, stats = self.backend, self._stats
+        call_limit = getattr(backend, "takes_call_limit", False)
         if not queued:  # another rank has work: keep collective generation calls matched
             stats.dummy_generation_calls += 1
-            backend.generate([list(rollouts[0].prompt_ids)] if rollouts else [[0]])
+            dummy = [list(rollouts[0].prompt_ids)] if rollouts else [[0]]
+            if call_limit:
+                backend.generate(dummy, limit=1)
+            else:
+                backend.generate(dummy)
             return
         contexts = [rollouts[i].context for i in queued]
         stats.generation_calls += 1
         started = time.perf_counter()
         if getattr(backend, "takes_turn_limits", False):  # one request per context: each asks for what it can keep
             new_ids, new_logprobs = self._generate_limited(backend, contexts, [rollouts[i].prompt_ids for i in queued])
+        elif call_limit:  # one batched call: no more than the context that can keep the most (a later turn's budget)
+            limit = max(self._turn_limit(rollouts[i].prompt_ids, c) for i, c in zip(queued, contexts))
+            new_ids, new_logprobs = backend.generate(contexts, limit=max(limit, 1))
         else:
             new_ids, new_logprobs = backend.generate(contexts)
         stats.generate_seconds += time.perf_counter() - started

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from trl.chat_template_utils import parse_response
 
@@ -26,12 +28,18 @@ def needs_equal_counts(trainer) -> bool:
     return trainer.accelerator.num_processes > 1 and bool(getattr(trainer, "use_vllm", False))
 
 
-def generate_single_turn(trainer, contexts: list[list[int]]) -> tuple[list[list[int]], list[list[float]] | None]:
+def generate_single_turn(
+    trainer, contexts: list[list[int]], limit: int | None = None
+) -> tuple[list[list[int]], list[list[float]] | None]:
     """`trainer._generate_single_turn(contexts, num_generations=1)` for a per-process number of contexts.
 
     Every process must make this call together (generation can be a collective), each with its own contexts, possibly
     a different number of them. When TRL needs equal counts (`needs_equal_counts`), the calls are padded to the
     largest count with copies of the first context and the extra outputs dropped.
+
+    `limit`: the most tokens any context of the call can keep; the engine is asked for no more
+    (`GenerationMixin._generation_limit`). With several processes every one passes a limit and the largest is used
+    by all: TRL's vLLM generation sends every process's prompts in one request with the main process's length.
 
     Returns:
         `(completion_ids, logprobs)`, one entry per context (`logprobs` is None without vLLM).
@@ -42,7 +50,12 @@ def generate_single_turn(trainer, contexts: list[list[int]]) -> tuple[list[list[
         most = int(accelerator.reduce(torch.tensor([n], device=accelerator.device), reduction="max").item())
         filler = list(contexts[0]) if contexts else [trainer._tokenizer.eos_token_id]
         contexts = list(contexts) + [filler] * (most - n)
-    ids, logprobs = trainer._generate_single_turn(contexts, None, {}, num_generations=1)
+    if limit is not None and trainer.accelerator.num_processes > 1:
+        accelerator = trainer.accelerator
+        limit = int(accelerator.reduce(torch.tensor([limit], device=accelerator.device), reduction="max").item())
+    scope = trainer._generation_limit(limit) if hasattr(trainer, "_generation_limit") else nullcontext()
+    with scope:
+        ids, logprobs = trainer._generate_single_turn(contexts, None, {}, num_generations=1)
     return ids[:n], (logprobs[:n] if logprobs is not None else None)
 
 
@@ -75,9 +88,12 @@ class TrainerBackend:
             return t._env_tools[t._batch_environments[row]]
         return t.tools
 
-    def generate(self, contexts):
+    # One call for every queued context: the loop passes the most tokens any of them can keep (`limit=`).
+    takes_call_limit = True
+
+    def generate(self, contexts, limit=None):
         # One batched call for every queued rollout; num_generations=1 because each context is its own history.
-        return generate_single_turn(self.trainer, contexts)
+        return generate_single_turn(self.trainer, contexts, limit=limit)
 
     def parse(self, ids, prefix, row, tools=None):
         if _has_response_parser(self.tokenizer):
