@@ -103,11 +103,8 @@ def lookup(query: str) -> str:
     return query
 
 
-@pytest.mark.parametrize("caching", [True, False])
-def test_the_trainer_generates_at_most_the_cap_and_masks_cut_turns(tiny_model_dir, tmp_path, caching):
-    """Both transformers paths (prefix caching and TRL's own) stop a turn at the cap; with
-    `mask_truncated_completions` TRL masks such a rollout, as it masks one cut by `max_completion_length`."""
-    prompts = [[{"role": "user", "content": "hi" * n}] for n in (1, 1, 4, 4)]
+def tool_trainer(model_dir, tmp_path, prompts, caching: bool, **overrides) -> AgenticGRPOTrainer:
+    """The tiny model with one tool, a zero reward and a 40-token budget, on the transformers paths."""
     args = AgenticGRPOConfig(
         output_dir=str(tmp_path),
         use_cpu=True,
@@ -116,17 +113,26 @@ def test_the_trainer_generates_at_most_the_cap_and_masks_cut_turns(tiny_model_di
         per_device_train_batch_size=4,
         num_generations=2,
         max_completion_length=40,
-        max_turn_tokens=5,
-        mask_truncated_completions=True,
         transformers_prefix_caching=caching,
         save_strategy="no",
+        **overrides,
     )
-    trainer = AgenticGRPOTrainer(
-        model=tiny_model_dir,
+    return AgenticGRPOTrainer(
+        model=model_dir,
         reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
         args=args,
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         tools=[lookup],
+    )
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_the_trainer_generates_at_most_the_cap_and_masks_cut_turns(tiny_model_dir, tmp_path, caching):
+    """Both transformers paths (prefix caching and TRL's own) stop a turn at the cap; with
+    `mask_truncated_completions` TRL masks such a rollout, as it masks one cut by `max_completion_length`."""
+    prompts = [[{"role": "user", "content": "hi" * n}] for n in (1, 1, 4, 4)]
+    trainer = tool_trainer(
+        tiny_model_dir, tmp_path, prompts, max_turn_tokens=5, mask_truncated_completions=True, caching=caching
     )
     assert (trainer._prefix_cache is not None) == caching
     eos = trainer._tokenizer.eos_token_id
@@ -194,25 +200,8 @@ def test_a_call_limit_asks_the_engine_for_fewer_tokens_and_keeps_the_same_ones(t
     the unlimited call samples from the same random state; the trainer's generation config is left as it was."""
     from trl_agentic.rollout.trl_backend import TrainerBackend
 
-    args = AgenticGRPOConfig(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=40,
-        enable_tool_rollback=True,  # our loop (and its backend) runs
-        transformers_prefix_caching=caching,
-        save_strategy="no",
-    )
-    trainer = AgenticGRPOTrainer(
-        model=tiny_model_dir,
-        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}]] * 4}),
-        tools=[lookup],
-    )
+    prompts = [[{"role": "user", "content": "hi"}]] * 4
+    trainer = tool_trainer(tiny_model_dir, tmp_path, prompts, enable_tool_rollback=True, caching=caching)  # our loop
     assert (trainer._prefix_cache is not None) == caching
     eos = trainer._tokenizer.eos_token_id
     original = trainer.model.generate
