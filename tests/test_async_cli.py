@@ -302,3 +302,31 @@ def test_the_recorded_live_steps_are_what_docs_async_says():
         "`perf/rollout_wait_s`, 1309 s",
     ):
         assert quoted in doc, quoted
+
+
+def test_the_recorded_tracin_step_is_what_docs_async_says():
+    """docs/async.md quotes step 1 of the asynchronous TracIn run with a non-zero V ("TracIn with a validation direction
+    that is not zero"); the numbers must be the logged metrics kept in docs/bench-data."""
+    import json
+
+    repo = CONFIG.parents[1]
+    data = json.loads((repo / "docs" / "bench-data" / "async-live-tracin-2026-11-29.json").read_text())
+    (step,) = data["runs"]["async_tracin_calculator"]["steps"]
+    doc = " ".join((repo / "docs" / "async.md").read_text().split())
+    assert float(step["tracin/val_grad_norm"]) == 0.1394 and float(step["tracin/val_reward"]) == 0.875
+    assert float(step["tracin/score_pos_frac"]) == 1 and float(step["tracin/selected_ratio"]) == 1
+    assert float(step["tracin/score_mean"]) == 0.003589 and float(step["tracin/num_selected"]) == 8
+    assert float(step["reward"]) == 0.75 and float(step["loss"]) == -0.1802
+    assert (float(step["perf/fwd_bwd_s"]), float(step["perf/fwd_s"]), float(step["perf/rollout_wait_s"])) == (
+        60.26,
+        21.37,
+        101.2,
+    )
+    for quoted in (
+        "`tracin/val_grad_norm` 0.1394",
+        "`tracin/score_pos_frac` 1, `tracin/score_mean` 0.003589",
+        "`tracin/selected_ratio` 1",
+        "training reward 0.75, loss −0.1802",
+        "`perf/fwd_bwd_s` 60, `perf/fwd_s` 21, `perf/rollout_wait_s` 101",
+    ):
+        assert quoted in doc, quoted
