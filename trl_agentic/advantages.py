@@ -198,18 +198,24 @@ def without_reward_spread(rewards: Tensor, group_ids: Tensor) -> Tensor:
             f"`rewards` and `group_ids` must be 1-D of one shape, got {tuple(rewards.shape)} and "
             f"{tuple(group_ids.shape)}."
         )
+    return ~(group_reward_range(rewards, group_ids, ~torch.isnan(rewards)) > 0)
+
+
+def group_reward_range(rewards: Tensor, group_ids: Tensor, included: Tensor) -> Tensor:
+    """Per row, the range (max - min) of the `included` rewards of its group: `-inf` for a group without an included
+    row, 0 for one with a single included reward. `(N,)` in, `(N,)` out, in `rewards`' dtype."""
     if rewards.numel() == 0:
-        return torch.zeros(0, dtype=torch.bool, device=rewards.device)
+        return rewards.new_empty(0)
     _, inverse = torch.unique(group_ids.to(rewards.device), return_inverse=True)
     num_groups = int(inverse.max()) + 1
-    valid = ~torch.isnan(rewards)
+    included = included.to(rewards.device)
     high = rewards.new_full((num_groups,), -torch.inf).scatter_reduce(
-        0, inverse, torch.where(valid, rewards, -torch.inf), "amax"
+        0, inverse, torch.where(included, rewards, -torch.inf), "amax"
     )
     low = rewards.new_full((num_groups,), torch.inf).scatter_reduce(
-        0, inverse, torch.where(valid, rewards, torch.inf), "amin"
+        0, inverse, torch.where(included, rewards, torch.inf), "amin"
     )
-    return ~(high > low)[inverse]
+    return (high - low)[inverse]
 
 
 def _group_table(values: Tensor, inverse: Tensor, num_groups: int) -> Tensor:

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..advantages import group_reward_range
 from ..estimators import AdvantageBatch, EstimatorResult, grpo_estimator
 from ..rank_errors import raise_on_every_rank
 from ..rollout.types import ExtraRow, RowKind
@@ -294,15 +295,9 @@ def expandable_rows(batch: AdvantageBatch, policy: str) -> Tensor:
         candidate |= kinds == kind
     ok = finite & candidate
     if policy != "all":
-        _, inverse = torch.unique(batch.group_ids, return_inverse=True)
         stats = finite & batch.baseline_mask.bool()
-        num_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
-        high = torch.full((num_groups,), -math.inf, dtype=rewards.dtype, device=rewards.device)
-        low = torch.full((num_groups,), math.inf, dtype=rewards.dtype, device=rewards.device)
-        high = high.scatter_reduce(0, inverse, torch.where(stats, rewards, -math.inf), "amax")
-        low = low.scatter_reduce(0, inverse, torch.where(stats, rewards, math.inf), "amin")
-        varied = (high - low) > _RANGE_EPS  # groups with < 2 baseline rows: -inf - inf, never varied
-        ok = ok & varied[inverse]
+        # Groups with < 2 baseline rows: a range of -inf or 0, never varied.
+        ok = ok & (group_reward_range(rewards, batch.group_ids, stats) > _RANGE_EPS)
         if policy == "successful_varied":
             ok = ok & (torch.nan_to_num(rewards, nan=-math.inf) > SUCCESS_THRESHOLD)
     return ok[batch.local_index]
