@@ -441,6 +441,47 @@ def test_a_validation_group_without_reward_spread_adds_nothing_to_v(tiny_model_d
     assert_close(direction, brute_force_direction(trainer, val_batch))
 
 
+def _custom_estimator(batch, trainer):  # a user's estimator: its advantages are its own, ties or not
+    return batch.rewards
+
+
+@pytest.mark.parametrize(
+    ("estimator", "mode", "zeroed"),
+    [
+        ("grpo", "copo", True),
+        ("rlvcr", "copo", True),  # CoPO: A_traj x a weight, so GRPO's tie noise times a weight
+        ("trl_agentic.rlvcr.estimator:rlvcr_estimator", "copo", True),  # the same estimator by its import path
+        ("rlvcr", "additive", False),  # RLVCR's additive rule can carry signal without a reward spread
+        (_custom_estimator, "copo", False),  # a callable passed to the trainer, whatever the config's string says
+    ],
+)
+@pytest.mark.parametrize("token_level", [False, True])
+def test_groups_without_spread_are_zeroed_by_the_estimator_that_ran(estimator, mode, zeroed, token_level):
+    """The validation batch's tied groups (here group 0) get advantage 0 on every row and token when the estimator
+    that ran is GRPO or CoPO, recognised by identity rather than by the config's string; otherwise the batch is
+    unchanged. (B,) and (B, T) advantages alike."""
+    from types import SimpleNamespace
+
+    from trl_agentic.estimators import resolve_estimator
+    from trl_agentic.tracin.trainer_mixin import TracInMixin
+
+    advantages = torch.tensor([3e-4, 3e-4, 0.7, -0.7])
+    if token_level:
+        advantages = advantages[:, None] * torch.tensor([1.0, 0.5, 2.0])
+    batch = {"group_id": torch.tensor([0, 0, 1, 1]), "advantages": advantages}
+    stub = SimpleNamespace(
+        _augmenter=SimpleNamespace(last_groups_without_spread=torch.tensor([0])),
+        args=SimpleNamespace(advantage_estimator="rlvcr" if callable(estimator) else estimator, rlvcr_mode=mode),
+        advantage_estimator=resolve_estimator(estimator),
+    )
+    out = TracInMixin._tracin_zero_groups_without_spread(stub, batch)
+    expected = advantages.clone()
+    if zeroed:
+        expected[:2] = 0.0
+    assert torch.equal(out["advantages"], expected)
+    assert torch.equal(batch["advantages"], advantages)  # the input batch is not modified
+
+
 def test_validation_gradient_is_refreshed_on_schedule(tiny_model_dir, tmp_path):
     trainer = make_trainer(
         tiny_model_dir, tmp_path, max_steps=3, tracin_val_refresh_steps=2, tracin_val_rollout_steps=1

@@ -41,7 +41,7 @@ import torch
 from transformers.utils import logging
 
 from ..batch import counted_rows
-from ..estimators import grpo_estimator
+from ..estimators import grpo_estimator, resolve_estimator
 from ..loss_weights import ROW_MEAN_LOSSES
 from ..rollout.types import RowKind
 from .hooks import LoraGhostHooks
@@ -495,9 +495,11 @@ class TracInMixin:
         without a reward spread.
         """
         groups = self._augmenter.last_groups_without_spread
-        args = self.args
-        grpo = self.advantage_estimator is grpo_estimator or (
-            args.advantage_estimator == "rlvcr" and args.rlvcr_mode == "copo"
+        # By the estimator that ran, not the config's string: a callable passed to the trainer while the config says
+        # "rlvcr" is a custom estimator, and RLVCR named by its import path is RLVCR.
+        estimator = self.advantage_estimator
+        grpo = estimator is grpo_estimator or (
+            self.args.rlvcr_mode == "copo" and estimator is resolve_estimator("rlvcr")
         )
         if groups is None or "group_id" not in batch or not grpo:
             return batch
