@@ -11,18 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
-
-def _model(tiny_model_dir):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager", dtype=torch.float64)
-    config = LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False
-    )
-    return get_peft_model(base, config).double()
+from async_tracin_helpers import lora_model
 
 
 def _samples(n=5, seed=0):
@@ -58,7 +47,7 @@ def _stub(model, **args):
     defaults.update(args)
     metrics = {"train": __import__("collections").defaultdict(list)}
     return SimpleNamespace(
-        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m, device=torch.device("cpu")),
         model=model,
         temperature=0.7,
         epsilon_low=0.2,
@@ -112,7 +101,7 @@ def _expected_scores(model, samples, direction, stub):
 def test_scores_are_row_loss_gradients_dotted_with_v(tiny_model_dir):
     from trl_agentic.async_grpo.tracin import AsyncTracIn
 
-    model = _model(tiny_model_dir)
+    model = lora_model(tiny_model_dir)
     samples = _samples()
     stub = _stub(model)
     tracin = AsyncTracIn.__new__(AsyncTracIn)
@@ -129,7 +118,7 @@ def test_filter_zeroes_the_rejected_rows_masks(tiny_model_dir, mode):
     from trl_agentic.async_grpo.tracin import AsyncTracIn
     from trl_agentic.tracin.selection import select_rows
 
-    model = _model(tiny_model_dir)
+    model = lora_model(tiny_model_dir)
     samples = _samples()
     stub = _stub(model, tracin_selection=mode)
     tracin = AsyncTracIn.__new__(AsyncTracIn)
@@ -158,7 +147,7 @@ def test_a_zero_validation_direction_keeps_every_row_unscored(tiny_model_dir):
     from trl_agentic.async_grpo.tracin import AsyncTracIn
     from trl_agentic.tracin.lora_gradient import LoraGradient
 
-    model = _model(tiny_model_dir)
+    model = lora_model(tiny_model_dir)
     samples = _samples()
     samples[3]["completion_mask"] = np.zeros_like(samples[3]["completion_mask"])  # no trained token: not a row to keep
     stub = _stub(model, tracin_selection="positive", tracin_min_selected=1)
@@ -187,57 +176,3 @@ def test_a_zero_validation_direction_keeps_every_row_unscored(tiny_model_dir):
     tracin.scores = lambda samples: scored.append(len(samples)) or torch.tensor([-1.0, 2.0, 3.0, 4.0, -5.0])
     tracin.filter_rows([row])
     assert scored == [5] and tracin.last["selected"].tolist() == [False, True, True, False, False]  # row 3: no token
-
-
-def test_a_validation_group_without_reward_spread_adds_nothing_to_v(tiny_model_dir):
-    """Validation groups tied at 0.3 (six equal rewards: TRL's float32 advantages are rounding noise of one sign, the
-    control below) get advantage 0 and add nothing to V; a group with a spread keeps its GRPO advantages. With every
-    group tied V is exactly 0, so every row is kept (the test above), not selected by the noise's direction."""
-    from trl_agentic.advantages import group_advantages
-    from trl_agentic.async_grpo.tracin import AsyncTracIn
-
-    noise = group_advantages(torch.full((6,), 0.3), torch.zeros(6, dtype=torch.long))
-    assert bool((noise != 0).any())  # the case is real
-
-    model = _model(tiny_model_dir)
-    pool = _samples(n=6)
-    rewards = {"tie": [0.3] * 6, "spread": [0.3, 0.5, 0.3, 0.9, 0.1, 0.3]}
-
-    def refreshed(prompts):
-        stub = _stub(model, seed=0, tracin_val_batch_size=len(prompts), tracin_val_num_generations=6)
-        stub.args.scale_rewards = "group"
-        stub.vllm_client = SimpleNamespace(get_max_model_len=lambda: 64)
-        tracin = AsyncTracIn.__new__(AsyncTracIn)
-        tracin.trainer, tracin.refreshes = stub, 0
-        tracin.dataset = [{"prompt": p} for p in prompts]
-        trajectories = iter(range(10**6))
-
-        def rollout(row, max_model_len):
-            k = next(trajectories) % 6
-            sample = {key: np.copy(value) for key, value in pool[k].items() if key not in ("advantage", "group_id")}
-            return [{"role": "assistant", "content": "..."}], dict(sample, env_reward=None, tag=row["prompt"])
-
-        tracin._rollout = rollout
-        tracin._rewards = lambda row, completions, env: rewards[row["prompt"]]
-        captured = []
-        original = AsyncTracIn._validation_rollouts
-
-        def keep(self=tracin):
-            rows, values = original(self)
-            captured.append(rows)
-            return rows, values
-
-        tracin._validation_rollouts = keep
-        tracin.refresh()
-        return tracin, captured[0]
-
-    tracin, rows = refreshed(["tie", "spread"])
-    advantages = {tag: [row["advantage"] for row in rows if row["tag"] == tag] for tag in rewards}
-    assert advantages["tie"] == [0.0] * 6
-    expected = group_advantages(torch.tensor(rewards["spread"]), torch.zeros(6, dtype=torch.long))
-    assert advantages["spread"] == expected.tolist() and expected.abs().min() > 0.1
-    assert not tracin.direction_is_zero
-
-    tracin, rows = refreshed(["tie"])
-    assert [row["advantage"] for row in rows] == [0.0] * 6
-    assert tracin.direction_is_zero

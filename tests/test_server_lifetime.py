@@ -100,3 +100,84 @@ def test_a_parent_gone_before_the_signal_was_armed_stops_the_command():
         [sys.executable, "-c", _DIE_WITH_PARENT, wrong_parent, "echo", "ran"], capture_output=True, text=True
     )
     assert out.returncode == 143 and "ran" not in out.stdout
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_the_rollout_workers_child_dies_with_the_trainer(tmp_path, how):
+    """TRL's rollout worker child is a daemon process spawned by multiprocessing, stopped only by a normal exit of the
+    trainer. A child that calls `die_with_trainer` (both loop classes the trainer spawns do, first thing) exits once
+    its parent is killed without any cleanup; the control child, spawned alike without it, outlives its parent."""
+    (tmp_path / "children.py").write_text(
+        textwrap.dedent(
+            """
+            import time
+
+            def armed():
+                from trl_agentic.async_grpo.worker import die_with_trainer
+
+                die_with_trainer()
+                print("ready", flush=True)
+                time.sleep(1000)
+
+            def plain():
+                print("ready", flush=True)
+                time.sleep(1000)
+            """
+        )
+    )
+    (tmp_path / "parent.py").write_text(
+        textwrap.dedent(
+            """
+            import multiprocessing, sys, time
+            import children
+
+            if __name__ == "__main__":
+                target = getattr(children, sys.argv[1])
+                child = multiprocessing.get_context("spawn").Process(target=target, daemon=True)
+                child.start()
+                print(child.pid, flush=True)
+                time.sleep(1000)
+            """
+        )
+    )
+    pids = {}
+    for mode in ("armed", "plain"):
+        parent = subprocess.Popen([sys.executable, "parent.py", mode], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+        pids[mode] = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "ready"  # the child armed its signal (or, plain, did not)
+        parent.send_signal(how)
+        parent.wait()
+    try:
+        assert _wait_gone(pids["armed"])
+        assert _alive(pids["plain"])
+    finally:
+        for pid in pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_both_loop_classes_arm_the_signal_first(monkeypatch):
+    """`TRLRolloutLoop` (every feature off) and `AgenticAsyncRolloutLoop` call `die_with_trainer` before TRL's
+    `__init__` runs: the child is covered before it opens any connection."""
+    from trl_agentic.async_grpo import worker
+    from trl_agentic.async_grpo.compat import worker_module
+
+    order = []
+    monkeypatch.setattr(worker, "die_with_trainer", lambda: order.append("armed"))
+
+    def trl_init(self, **kwargs):
+        order.append("trl")
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(worker_module()._AsyncRolloutLoop, "__init__", trl_init)
+    for cls in (worker.TRLRolloutLoop, worker.AgenticAsyncRolloutLoop):
+        order.clear()
+        with pytest.raises(RuntimeError, match="stop here"):
+            cls()
+        assert order == ["armed", "trl"], cls
+    # TRLRolloutLoop changes nothing else of TRL's loop.
+    assert (
+        set(vars(worker.TRLRolloutLoop))
+        - {"__module__", "__qualname__", "__doc__", "__init__", "__firstlineno__", "__static_attributes__"}
+        == set()
+    )

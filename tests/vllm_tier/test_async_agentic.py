@@ -200,9 +200,11 @@ def test_tracin_filtered_step_in_an_async_run(server, calculator_policy_dir, tmp
         tmp_path / "out",
         server.url,
         tracin_enabled=True,
-        tracin_val_batch_size=1,
-        tracin_val_num_generations=4,
-        tracin_val_refresh_steps=2,  # V at step 0 only: validation rollouts are sequential (seconds each)
+        # 2 x 8 validation trajectories, run together: with the tiny policy's ~30 % tool bonus a group without
+        # reward spread is likely at 4 rollouts (0.7^4 = 0.24, and V would be 0), at 8 it is 0.06 per group.
+        tracin_val_batch_size=2,
+        tracin_val_num_generations=8,
+        tracin_val_refresh_steps=2,  # V at step 0 only
         tracin_selection="top_fraction",
         tracin_top_fraction=0.5,
         **rollback_overrides(),
@@ -212,7 +214,12 @@ def test_tracin_filtered_step_in_an_async_run(server, calculator_policy_dir, tmp
     assert trainer.state.global_step == 2
     selected = logged(trainer, "tracin/num_selected")
     assert len(selected) == 2 and all(1 <= n <= 4 for n in selected)  # half of each micro-batch of 8 rows
-    assert len(logged(trainer, "tracin/val_grad_norm")) == 1
+    (norm,) = logged(trainer, "tracin/val_grad_norm")
+    assert norm > 0  # V is not zero: the selection below is TracIn's, not the keep-everything rule
+    assert len(logged(trainer, "perf/tracin_refresh_s")) == len(logged(trainer, "perf/tracin_val_rollout_s")) == 1
+    kinds = [row["kind"] for row in trainer._tracin.val_rows]
+    assert kinds.count(0) == 16  # a regular row per validation trajectory (2 x 8, run together) ...
+    assert set(kinds) <= {0, 1}  # ... and the negative rows of their rolled-back turns, as in training
     last = trainer._tracin.last
     assert int(last["selected"].sum()) == 4 and last["scores"].shape == (8,)
 
@@ -459,3 +466,78 @@ def test_a_killed_trainer_takes_its_server_down(calculator_policy_dir, tmp_path)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"server processes outlived the trainer: {left}"
+
+
+def test_a_sigtermed_trainer_takes_its_rollout_worker_and_server_down(calculator_policy_dir, tmp_path):
+    """A real asynchronous run (every feature off: TRL's loop in `TRLRolloutLoop`) against a server it started,
+    stopped by SIGTERM mid-training, which runs no `finally`: TRL's rollout worker child exits with it
+    (`worker.die_with_trainer`), and so the server's graceful shutdown, which waits for the worker's connections,
+    completes and its whole session exits. Before, the worker and the server kept running (seen live)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    here = os.path.dirname(__file__)
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {here!r})
+        from async_helpers import async_config, build
+        from trl_agentic.async_grpo.server import VLLMServer
+
+        server = VLLMServer({str(calculator_policy_dir)!r}, max_lora_rank=8, max_loras=6,
+                            log_path={str(tmp_path / "s.log")!r})
+        server.start()
+        print(server.process.pid, flush=True)
+        args = async_config({str(tmp_path / "out")!r}, server.url, max_steps=10_000)
+        build({str(calculator_policy_dir)!r}, args).train()
+        """
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+
+    def stat(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, ValueError):
+            return None
+        return None if fields[0] == "Z" else fields
+
+    def pids(where):
+        return [int(p) for p in os.listdir("/proc") if p.isdigit() and (s := stat(p)) is not None and where(s)]
+
+    def spawned(pid):  # a multiprocessing spawn child (TRL's worker), not its resource tracker
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return b"spawn_main" in f.read()
+        except OSError:
+            return False
+
+    session, workers = None, []
+    try:
+        session = int(trainer.stdout.readline())  # the server leads its own session
+        deadline = time.monotonic() + 600  # hang guards, not speeds
+        while not workers and time.monotonic() < deadline:  # TRL's worker child, spawned by `train()`
+            assert trainer.poll() is None, "the trainer exited before its rollout worker started"
+            workers = [w for w in pids(lambda s: int(s[1]) == trainer.pid and int(s[3]) != session) if spawned(w)]
+            time.sleep(0.5)
+        assert workers, "no rollout worker child appeared"
+        time.sleep(20)  # the worker has started generating: its connections to the server are open
+        trainer.send_signal(signal.SIGTERM)
+        trainer.wait(timeout=120)
+        deadline = time.monotonic() + 180  # vLLM shuts its engine down on SIGTERM
+        while (pids(lambda s: int(s[3]) == session) or any(stat(w) for w in workers)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left_workers = [w for w in workers if stat(w)]
+        left_server = pids(lambda s: int(s[3]) == session)
+        assert not left_workers, f"the rollout worker outlived the trainer: {left_workers}"
+        assert not left_server, f"server processes outlived the trainer: {left_server}"
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        for pid in workers + (pids(lambda s: int(s[3]) == session) if session else []):
+            if stat(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -18,6 +18,7 @@ as the synchronous loop does); the baseline is `group_baseline` /
 from __future__ import annotations
 
 import math
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +38,9 @@ __all__ = [
     "pushed_rows",
     "row_from_tokens",
     "score_group_rows",
+    "segment_info",
     "sequences_from_loop",
+    "trajectory_rows",
     "trained_rows",
 ]
 
@@ -125,6 +128,40 @@ def sequences_from_loop(
             )
         )
     return rows
+
+
+def trajectory_rows(prompt_ids: list[int], trl_tuple: tuple, result, stop_token_ids) -> list[AgenticSequence]:
+    """The rows of one trajectory run by trl-agentic's loop (one rollout): `sequences_from_loop` on the loop's TRL
+    tuple and `LoopResult`, the regular row marked `lost` (an infrastructure failure) and `truncated` (TRL's rule on
+    the whole completion)."""
+    tool_mask, _, completion_ids, logprobs, *_ = trl_tuple
+    rows = sequences_from_loop(
+        prompt_ids,
+        completion_ids[0],
+        tool_mask[0],
+        logprobs[0],
+        result.extra_rows,
+        uuid.uuid4().hex,
+        last_segment=result.num_segments[0] - 1,
+    )
+    rows[0].lost = bool(result.infra_failed[0])
+    rows[0].truncated = is_truncated(completion_ids[0], stop_token_ids)
+    return rows
+
+
+def segment_info(row: AgenticSequence, dataset_row: dict) -> dict:
+    """What `snapshot_reward_func` gets for a snapshot row, as the synchronous trainer passes it (`segment_info`):
+    the segment's prompt and completion ids, its tool mask, index and freed tokens, and the dataset row (with the
+    prompt the model saw)."""
+    start = next((k for k, m in enumerate(row.completion_mask) if m), len(row.input_ids))
+    return {
+        "prompt_ids": row.input_ids[:start],
+        "completion_ids": row.input_ids[start:],
+        "tool_mask": row.completion_mask[start:],
+        "segment_index": row.segment_index,
+        "tokens_freed": row.tokens_freed,
+        "row": dataset_row,
+    }
 
 
 def advantage_batch(

@@ -24,8 +24,10 @@ Estimators run on the main process, one group at a time; their collectives see o
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import math
 import random
+import time
 
 import numpy as np
 import torch
@@ -36,6 +38,11 @@ from .compat import trainer_module
 from .rows import advantage_batch, baseline_mask, clamp_negatives, row_from_tokens
 
 __all__ = ["AgenticRolloutQueue", "EstimatorHost", "pack_with_token_advantages", "token_advantage_collate"]
+
+# Generation requests an `EstimatorHost` keeps in flight at once (the server queues what it cannot batch).
+MAX_CONCURRENT_REQUESTS = 64
+# Attempts of a generation request (TRL's worker: 30 for its completions).
+REQUEST_ATTEMPTS = 30
 
 KIND_NAMES = {
     int(RowKind.REGULAR): "regular",
@@ -93,31 +100,68 @@ class EstimatorHost:
         self, prompt_ids, images=None, multimodal_fields=None, num_generations=1, max_tokens=None, **kwargs
     ):
         """One sampled turn per prompt from the vLLM server, with the adapter of the current policy version."""
-        import requests
+        args = self.args
+        limit = max_tokens or getattr(args, "rlvcr_max_thinking_tokens", args.max_completion_length)
+        return self.complete(prompt_ids, [limit] * len(prompt_ids))
 
+    def complete(self, prompts, max_tokens: list[int], rng: random.Random | None = None):
+        """One sampled turn per prompt (`max_tokens[k]` tokens at most for prompt k) from the vLLM server, with the
+        current policy's adapter. The requests are sent together, so that the server batches them (one at a time,
+        each waits for the last: a refresh of TracIn's V took most of a 945 s step); the results are in the prompts'
+        order. Each request's sampling seed is drawn from `rng` (default: the `random` module) in that order before
+        any is sent, so the seeds do not depend on which request returns first.
+
+        Returns:
+            `(ids, logprobs)`: per prompt, the generated token ids and their log-probs.
+        """
         t, args = self._trainer, self.args
-        ids, logprobs = [], []
-        for prompt in prompt_ids:
-            payload = {
+        rng = rng if rng is not None else random
+        payloads = [
+            {
                 "model": t._request_model_name(),
                 "prompt": list(prompt),
-                "max_tokens": max_tokens or getattr(args, "rlvcr_max_thinking_tokens", args.max_completion_length),
+                "max_tokens": int(limit),
                 "temperature": args.temperature,
                 "top_p": args.top_p,
                 "top_k": args.top_k,
+                "repetition_penalty": args.repetition_penalty,
                 "n": 1,
                 "return_token_ids": True,
                 "logprobs": 0,
-                "seed": random.getrandbits(63),
+                "seed": rng.getrandbits(63),
+                # Sampled as TRL's worker samples the training rollouts (its `_generate_one_turn`'s request).
+                **({} if args.min_p is None else {"min_p": args.min_p}),
             }
-            response = requests.post(
-                f"{args.vllm_server_base_url.rstrip('/')}/v1/completions", json=payload, timeout=args.request_timeout
-            )
-            response.raise_for_status()
-            choice = response.json()["choices"][0]
-            ids.append(choice["token_ids"])
-            logprobs.append(choice["logprobs"]["token_logprobs"])
-        return ids, logprobs
+            for prompt, limit in zip(prompts, max_tokens, strict=True)
+        ]
+        if len(payloads) <= 1:
+            choices = [self._post(p) for p in payloads]
+        else:
+            with concurrent.futures.ThreadPoolExecutor(
+                max_workers=min(len(payloads), MAX_CONCURRENT_REQUESTS)
+            ) as pool:
+                choices = list(pool.map(self._post, payloads))
+        return [c["token_ids"] for c in choices], [c["logprobs"]["token_logprobs"] for c in choices]
+
+    def _post(self, payload: dict) -> dict:
+        """One completion request, retried as TRL's worker retries its own (up to `REQUEST_ATTEMPTS` attempts, waits
+        of 1, 2, 4, 8, then 16 s) when the server is unreachable, times out or answers 5xx; a 4xx answer (a bad
+        request) is not retried."""
+        import requests
+
+        args = self.args
+        url = f"{args.vllm_server_base_url.rstrip('/')}/v1/completions"
+        for attempt in range(REQUEST_ATTEMPTS):
+            try:
+                response = requests.post(url, json=payload, timeout=args.request_timeout)
+                if response.status_code < 500 or attempt == REQUEST_ATTEMPTS - 1:
+                    response.raise_for_status()
+                    return response.json()["choices"][0]
+            except (requests.ConnectionError, requests.Timeout):
+                if attempt == REQUEST_ATTEMPTS - 1:
+                    raise
+            time.sleep(min(2 ** min(attempt, 4), 16))
+        raise AssertionError("unreachable")
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **_

@@ -10,11 +10,14 @@ and trl-agentic's rollout loop for the validation rollouts.
 Per micro-batch (the planner's rows, before TRL's collator packs them):
 
 1. V, the validation direction (refreshed every `tracin_val_refresh_steps` optimizer steps): `tracin_val_batch_size`
-   validation prompts are rolled out `tracin_val_num_generations` times each with the current policy (the server's
-   current adapter, through trl-agentic's rollout loop, tools and environments included), scored with the reward
-   functions, given group advantages (`group_advantages`; exactly 0 in a group without reward spread,
-   `without_reward_spread`, not float32 rounding noise), and V is the gradient w.r.t. the LoRA weights of TRL's
-   asynchronous loss on them at ratio 1 (`-sum_b A_b sum_t exp(logp_t - sg(logp_t)) / N_tokens`).
+   validation prompts are rolled out `tracin_val_num_generations` times each with the current policy and made into
+   rows as the worker makes training rows (`validation.ValidationRollouts`: the server's current adapter,
+   trl-agentic's rollout loop, tools and environments, the trajectories of a refresh at once; negative and snapshot
+   rows, the worker's group advantages, exactly 0 in a group without reward spread), and V is the gradient w.r.t.
+   the LoRA weights of TRL's asynchronous loss on them at ratio 1 (`-sum_b A_b sum_t exp(logp_t - sg(logp_t)) /
+   N_tokens`, one forward). New rollouts are drawn every `tracin_val_rollout_steps` optimizer steps, as in the
+   synchronous trainer; a refresh in between recomputes V at the current weights on the stored rows and advantages.
+   Without a validation row to train (every rollout lost, say) V is zero.
 2. Scores: `score_b = <grad ell_b, V>`, `ell_b` being row b's term of the loss TRL trains the micro-batch with
    (`-sum_t min(r_t A_t, clip(r_t) A_t) / N_tokens / gradient_accumulation_steps`, `r_t` against the row's sampling
    log-probs, `N_tokens` the micro-batch's trained tokens), from one forward of the rows unpacked (a padded batch) and
@@ -27,38 +30,44 @@ Per micro-batch (the planner's rows, before TRL's collator packs them):
    alone (the rejected rows' tokens stay in the forward as context of nothing but themselves).
 
 Metrics: `tracin/selected_ratio`, `tracin/num_selected`, `tracin/score_mean`, `tracin/score_pos_frac`,
-`tracin/val_reward`, `tracin/val_grad_norm`.
+`tracin/val_reward` and `perf/tracin_val_rollout_s` (at new validation rollouts), `tracin/val_grad_norm` and
+`perf/tracin_refresh_s` (at refreshes: the wall seconds the refresh held the step up, rollouts included).
 """
 
 from __future__ import annotations
 
-import copy
-import inspect
 import math
 import os
-import random
-import sys
+import time
 
 import numpy as np
 import torch
 
-from ..advantages import group_advantages, without_reward_spread
-from ..envs.protocol import tool_methods, with_observation
-from ..rollout.loop import AgenticRolloutLoop, LoopConfig
-from ..rollout.rendering import ChatRenderer
 from ..tracin.hooks import LoraGhostHooks
-from ..tracin.lora_gradient import is_zero
+from ..tracin.layers import find_lora_layers
+from ..tracin.lora_gradient import LoraGradient, is_zero
 from ..tracin.schedule import due
 from ..tracin.selection import select_rows
+from .validation import ValidationRollouts
 
 __all__ = ["AsyncTracIn", "async_row_losses"]
 
 STATE_FILE = "tracin_async_state.pt"
 
 
-def async_row_losses(model, samples: list[dict], *, temperature: float, epsilon_low: float, epsilon_high: float):
+def async_row_losses(
+    model,
+    samples: list[dict],
+    *,
+    temperature: float,
+    epsilon_low: float,
+    epsilon_high: float,
+    ratio_one: bool = False,
+):
     """Per-row terms of TRL's asynchronous loss, from one padded forward of the rows (sum over the row's trained
-    tokens of `-min(r A, clip(r) A)`, not yet normalised). Returns `(losses (B,), trained token count)`."""
+    tokens of `-min(r A, clip(r) A)`, not yet normalised). With `ratio_one` the old log-probs are this forward's own,
+    detached (`r = exp(logp - sg(logp))`: exactly 1, its gradient that of `logp`), and `samples` need none. Returns
+    `(losses (B,), trained token count)`."""
     device = next(model.parameters()).device
     width = max(len(s["input_ids"]) for s in samples)
     ids = torch.zeros(len(samples), width, dtype=torch.long, device=device)
@@ -71,69 +80,18 @@ def async_row_losses(model, samples: list[dict], *, temperature: float, epsilon_
         ids[b, :n] = torch.as_tensor(np.asarray(s["input_ids"]), device=device)
         attention[b, :n] = 1
         mask[b, :n] = torch.as_tensor(np.asarray(s["completion_mask"]), dtype=torch.float32, device=device)
-        old[b, :n] = torch.as_tensor(np.asarray(s["old_log_probs"]), dtype=torch.float32, device=device)
+        if not ratio_one:
+            old[b, :n] = torch.as_tensor(np.asarray(s["old_log_probs"]), dtype=torch.float32, device=device)
         a = s["advantage"]
         adv[b, :n] = (
             torch.as_tensor(np.asarray(a, dtype=np.float32), device=device) if isinstance(a, np.ndarray) else a
         )
     logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float() / temperature
     logps = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    target_mask, old, adv = mask[:, 1:], old[:, 1:], adv[:, 1:]
+    target_mask, old, adv = mask[:, 1:], (logps.detach() if ratio_one else old[:, 1:]), adv[:, 1:]
     ratio = torch.exp(logps - old)
     per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
     return (per_token * target_mask).sum(dim=1), target_mask.sum()
-
-
-class _HTTPBackend:
-    """`RolloutBackend` generating through the vLLM server with the current policy's adapter (trainer process)."""
-
-    multi_process = False
-
-    def __init__(self, trainer, tools, max_model_len):
-        from ..async_grpo.stage import EstimatorHost
-
-        self._host = EstimatorHost(trainer)
-        self.tools = tools
-        self.tokenizer = trainer.processing_class
-        self.renderer = ChatRenderer(self.tokenizer)
-        args = trainer.args
-        self.max_completion_length = args.max_completion_length
-        self.max_model_len = max_model_len
-        self.max_iterations = (
-            sys.maxsize if args.max_tool_calling_iterations is None else args.max_tool_calling_iterations
-        )
-        self.stop_token_ids = {*trainer.eos_token_ids, self.tokenizer.pad_token_id} - {None}
-
-    def generate(self, contexts):
-        return self._host._generate_single_turn(contexts, max_tokens=self.max_completion_length)
-
-    def parse(self, ids, prefix, row, tools=None):
-        from trl.chat_template_utils import parse_response
-
-        return parse_response(self.tokenizer, ids, prefix=prefix, tools=self.tools if tools is None else tools)
-
-    def decode(self, ids):
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def tool_suffix_ids(self, tool_messages):
-        return self.renderer.tool_suffix_ids(tool_messages)
-
-    def hint_ids(self, hint):
-        return self.renderer.hint_ids(hint)
-
-    def user_turn_ids(self, content):
-        return self.renderer.user_turn_ids(content)
-
-    def render_prompt(self, messages, row, tools=None):
-        return self.renderer.prompt_ids(messages, tools=self.tools if tools is None else tools)
-
-    def new_environment(self, row, old):
-        raise NotImplementedError("tool_timeout is not supported by the asynchronous trainer")
-
-    def any_rank(self, flag, error=None):
-        if error is not None:
-            raise error
-        return flag
 
 
 class AsyncTracIn:
@@ -153,8 +111,11 @@ class AsyncTracIn:
         self.dataset = dataset
         self.direction = None
         self.refreshed_at: int | None = None
-        self.refreshes = 0
+        self.refreshes = 0  # validation rollouts so far (they seed the validation prompts' order)
+        self.val_rows: list[dict] | None = None  # the last validation rollouts, reused until new ones are due
+        self.rolled_out_at: int | None = None
         self.last: dict = {}
+        self.validation = ValidationRollouts(trainer)
         from trl.chat_template_utils import add_response_schema
 
         tokenizer = trainer.processing_class
@@ -169,7 +130,23 @@ class AsyncTracIn:
         direction = None
         if self.direction is not None:
             direction = {name: {"A": g.A.cpu(), "B": g.B.cpu()} for name, g in self.direction.items()}
-        state = {"direction": direction, "refreshed_at": self.refreshed_at, "refreshes": self.refreshes}
+        rows = None
+        if self.val_rows is not None:
+            rows = [
+                {
+                    "input_ids": torch.as_tensor(np.asarray(r["input_ids"]), dtype=torch.long),
+                    "completion_mask": torch.as_tensor(np.asarray(r["completion_mask"]), dtype=torch.long),
+                    "advantage": float(r["advantage"]),
+                }
+                for r in self.val_rows
+            ]
+        state = {
+            "direction": direction,
+            "refreshed_at": self.refreshed_at,
+            "refreshes": self.refreshes,
+            "val_rows": rows,
+            "rolled_out_at": self.rolled_out_at,
+        }
         os.makedirs(folder, exist_ok=True)
         torch.save(state, os.path.join(folder, STATE_FILE))
 
@@ -186,6 +163,19 @@ class AsyncTracIn:
                 name: LoraGradient(A=g["A"].to(device), B=g["B"].to(device)) for name, g in state["direction"].items()
             }
         self.refreshed_at, self.refreshes = state["refreshed_at"], state["refreshes"]
+        # A checkpoint written before validation rollouts were reused has none: the next refresh rolls out.
+        self.rolled_out_at = state.get("rolled_out_at")
+        rows = state.get("val_rows")
+        self.val_rows = None
+        if rows is not None:
+            self.val_rows = [
+                {
+                    "input_ids": r["input_ids"].numpy(),
+                    "completion_mask": r["completion_mask"].numpy(),
+                    "advantage": r["advantage"],
+                }
+                for r in rows
+            ]
 
     # ----------------------------------------------------------------------------------------------- filter
     @property
@@ -243,109 +233,59 @@ class AsyncTracIn:
 
     # ----------------------------------------------------------------------------------------------- validation
     def refresh(self) -> None:
-        """Roll out validation prompts with the current policy and recompute V (module docstring, step 1)."""
+        """Recompute V at the current weights (module docstring, step 1), on new validation rollouts when they are due
+        (every `tracin_val_rollout_steps` optimizer steps, as in the synchronous trainer), else on the stored ones:
+        the same rows and advantages, their old log-probs the current policy's (ratio 1)."""
         t = self.trainer
-        samples, rewards = self._validation_rollouts()
+        started = time.perf_counter()
+        metrics = t._metrics["train"]
+        if self.val_rows is None or due(t.state.global_step, self.rolled_out_at, t.args.tracin_val_rollout_steps):
+            self.val_rows, rewards = self._validation_rollouts()
+            self.rolled_out_at = t.state.global_step
+            self.refreshes += 1
+            scored = [r for r in rewards if not math.isnan(r)]
+            metrics["tracin/val_reward"].append(sum(scored) / len(scored) if scored else math.nan)
+            metrics["perf/tracin_val_rollout_s"].append(time.perf_counter() - started)
         model = self._model()
-        with LoraGhostHooks(model) as hooks, hooks.record():
-            losses, tokens = async_row_losses(
-                model, samples, temperature=t.temperature, epsilon_low=t.epsilon_low, epsilon_high=t.epsilon_high
-            )
-            self.direction = hooks.accumulate_gradient(losses.sum() / tokens.clamp(min=1.0))
+        if not self.val_rows:  # nothing to train on: no information, so every row is kept (`direction_is_zero`)
+            self.direction = {
+                ref.name: LoraGradient(A=torch.zeros_like(ref.lora_A.weight), B=torch.zeros_like(ref.lora_B.weight))
+                for ref in find_lora_layers(model)
+            }
+        else:
+            self.direction = self._validation_direction(model)
         self.refreshed_at = t.state.global_step
-        self.refreshes += 1
         norm = math.sqrt(
             sum(float(g.A.double().square().sum() + g.B.double().square().sum()) for g in self.direction.values())
         )
-        t._metrics["train"]["tracin/val_grad_norm"].append(norm)
-        t._metrics["train"]["tracin/val_reward"].append(float(np.nanmean(rewards)) if len(rewards) else math.nan)
+        metrics["tracin/val_grad_norm"].append(norm)
+        # Wall seconds of the refresh (validation rollouts when due, the rows' forward and V's backward), logged at the
+        # step that paid them: the refresh runs in the training process and holds the step up.
+        metrics["perf/tracin_refresh_s"].append(time.perf_counter() - started)
+
+    def _validation_direction(self, model):
+        t = self.trainer
+        with LoraGhostHooks(model) as hooks, hooks.record():
+            losses, tokens = async_row_losses(
+                model,
+                self.val_rows,
+                temperature=t.temperature,
+                epsilon_low=t.epsilon_low,
+                epsilon_high=t.epsilon_high,
+                ratio_one=True,  # at the current weights, whenever the rows were rolled out
+            )
+            return hooks.accumulate_gradient(losses.sum() / tokens.clamp(min=1.0))
 
     def _validation_rollouts(self):
-        """Validation rows with their old log-probs set to the current ones (ratio 1) and group advantages."""
-        t, args = self.trainer, self.trainer.args
-        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + self.refreshes)
+        """New validation rows (`input_ids`, `completion_mask`, `advantage`) and each conversation's reward
+        (`validation.ValidationRollouts`)."""
+        args = self.trainer.args
+        seed = args.seed * 1_000_003 + self.refreshes
+        generator = torch.Generator().manual_seed(seed)
         order = torch.randperm(len(self.dataset), generator=generator).tolist()
         prompts = [dict(self.dataset[order[i % len(order)]]) for i in range(args.tracin_val_batch_size)]
-        max_model_len = t.vllm_client.get_max_model_len()
-        rows, rewards, groups = [], [], []
-        for g, row in enumerate(prompts):
-            trajectories = [self._rollout(row, max_model_len) for _ in range(args.tracin_val_num_generations)]
-            completions = [c for c, _ in trajectories]
-            group_rewards = self._rewards(row, completions, [s.pop("env_reward") for _, s in trajectories])
-            for (_, sample), reward in zip(trajectories, group_rewards):
-                rows.append(sample)
-                rewards.append(reward)
-                groups.append(g)
-        reward_t, group_t = torch.tensor(rewards, dtype=torch.float32), torch.tensor(groups)
-        advantages = group_advantages(reward_t, group_t, scale=args.scale_rewards)
-        # A group without reward spread says nothing about a row: its advantages are 0, not float32 rounding noise of
-        # one sign (which would make V a "raise the validation completions' likelihood" direction of arbitrary sign).
-        advantages = advantages.masked_fill(without_reward_spread(reward_t, group_t), 0.0)
-        with torch.no_grad():
-            for sample, advantage in zip(rows, advantages.tolist()):
-                sample["advantage"] = advantage
-            # Ratio 1 at the current weights: the rows' old log-probs are the current policy's.
-            model = self._model()
-            for sample in rows:
-                sample["old_log_probs"] = self._current_logps(model, sample)
-        return rows, rewards
+        return self.validation.run(prompts, seed)
 
-    def _current_logps(self, model, sample) -> np.ndarray:
-        ids = torch.as_tensor(np.asarray(sample["input_ids"]))[None].to(next(model.parameters()).device)
-        logits = model(input_ids=ids).logits[0, :-1].float() / self.trainer.temperature
-        logps = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
-        return np.concatenate([[0.0], logps.cpu().numpy()]).astype(np.float32)
-
-    def _rollout(self, row: dict, max_model_len: int):
-        """One validation trajectory through trl-agentic's rollout loop; returns (completion messages, row)."""
-        t, args = self.trainer, self.trainer.args
-        environment = t._environment_factory() if t._environment_factory is not None else None
-        observation = environment.reset(**row) if environment is not None else None
-        tool_dict = {f.__name__: f for f in (t._tools_list or [])}
-        if environment is not None:
-            tool_dict.update(tool_methods(environment))
-        tools = list(tool_dict.values())
-        backend = _HTTPBackend(t, tools, max_model_len)
-        prompt = with_observation(copy.deepcopy(row["prompt"]), observation)
-        prompt_ids = backend.render_prompt(prompt, 0)
-        (ids,), (lps,) = backend.generate([prompt_ids])
-        message = backend.parse(ids, prompt_ids, 0)
-        loop = AgenticRolloutLoop(
-            backend,
-            LoopConfig(**{name: getattr(args, name) for name in LoopConfig.__dataclass_fields__}),
-            rng=random.Random(args.seed),
-        )
-        prompts, prompt_lists = [prompt], [prompt_ids]
-        sync = {n: f for n, f in tool_dict.items() if not inspect.iscoroutinefunction(f)}
-        trl_tuple, _ = loop.run(
-            prompts,
-            prompt_lists,
-            [list(ids)],
-            [[message]],
-            [list(lps)],
-            [sync],
-            [{}],
-            [environment] if environment is not None else None,
-        )
-        tool_mask, completions, completion_ids, logprobs, *_ = trl_tuple
-        input_ids = list(prompt_lists[0]) + list(completion_ids[0])
-        mask = [0] * len(prompt_lists[0]) + list(tool_mask[0])
-        reward = environment.get_reward() if hasattr(environment, "get_reward") else None
-        sample = {"input_ids": np.asarray(input_ids), "completion_mask": np.asarray(mask), "env_reward": reward}
-        return completions[0], sample
-
-    def _rewards(self, row: dict, completions: list, env_rewards: list) -> list[float]:
-        """The reward functions' sum (weight 1 each, as TRL's worker) plus an environment's `get_reward`."""
-        t = self.trainer
-        n = len(completions)
-        kwargs = {key: [value] * n for key, value in row.items() if key not in ("prompt", "completion")}
-        columns = []
-        for func in t._reward_funcs_list:
-            values = func(prompts=[row["prompt"]] * n, completions=completions, completion_ids=[[]] * n, **kwargs)
-            columns.append([np.nan if v is None else float(v) for v in values])
-        if any(r is not None for r in env_rewards):
-            columns.append([np.nan if r is None else float(r) for r in env_rewards])
-        values = np.array(columns, dtype=float).reshape(len(columns), n)
-        total = np.nansum(values, axis=0)
-        total[np.all(np.isnan(values), axis=0)] = np.nan
-        return total.tolist()
+    def close(self) -> None:
+        """Stop the validation rollouts' event loop (the trainer calls it when `train()` ends)."""
+        self.validation.close()

@@ -2,7 +2,8 @@
 
 Built on TRL's `AsyncGRPOTrainer` (`trl.experimental.async_grpo` in TRL 1.16, top-level `trl` from 1.18; see
 `compat.py`). With every feature of `AsyncAgenticGRPOConfig` off it is `AsyncGRPOTrainer` unchanged (plus the two CPU
-fixes of `compat.py`, which change nothing on a GPU). `mask_truncated_completions`, which TRL's asynchronous config
+fixes of `compat.py`, which change nothing on a GPU, and TRL's rollout loop spawned as `worker.TRLRolloutLoop`, which
+only makes the worker's child die with the trainer). `mask_truncated_completions`, which TRL's asynchronous config
 lacks, masks a truncated conversation's rows as `GRPOTrainer` does (`worker.AgenticAsyncRolloutLoop`, also with every
 feature off). With a feature on:
 
@@ -40,7 +41,7 @@ from .compat import (
     worker_module,
 )
 from .config import AsyncAgenticGRPOConfig
-from .worker import AgenticAsyncRolloutLoop
+from .worker import AgenticAsyncRolloutLoop, TRLRolloutLoop
 
 __all__ = ["AsyncAgenticGRPOTrainer"]
 
@@ -62,7 +63,7 @@ def _use_agentic_loop(worker, what: str) -> None:
     """Make TRL's rollout worker spawn `AgenticAsyncRolloutLoop` (its `start()` reads `_loop_cls`): only in place of
     TRL's own loop, not of a subclass with other arguments (the OpenEnv harness's)."""
     loop_cls = worker._loop_cls
-    if loop_cls is not AgenticAsyncRolloutLoop and loop_cls is not worker_module()._AsyncRolloutLoop:
+    if loop_cls not in (AgenticAsyncRolloutLoop, TRLRolloutLoop, worker_module()._AsyncRolloutLoop):
         raise ValueError(
             f"{what} run in TRL's own asynchronous rollout loop, but this rollout worker runs "
             f"{loop_cls.__name__} ({type(worker).__name__}). Use TRL's AsyncRolloutWorker, or switch them off."
@@ -185,6 +186,8 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
         is_trl_worker = isinstance(worker, trainer_module().AsyncRolloutWorker)
         if is_trl_worker:
             install_stop(worker)  # TRL's stop() hangs when the child has already died (compat docstring)
+            if worker._loop_cls is worker_module()._AsyncRolloutLoop:
+                worker._loop_cls = TRLRolloutLoop  # TRL's loop in a child that dies with the trainer
         if self._lora_sync and is_trl_worker:
             # TRL's fixed name would collide with a previous run's adapters on the same server (module docstring).
             self._lora_name = f"trl-policy-{uuid.uuid4().hex[:8]}"
@@ -286,6 +289,13 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
             target = getattr(dataloader, "base_dataloader", dataloader)
             target.collate_fn = token_advantage_collate(target.collate_fn, before=before)
         return dataloader
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if getattr(self, "_tracin", None) is not None:
+                self._tracin.close()  # the validation rollouts' event loop (a later `train()` starts another)
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)

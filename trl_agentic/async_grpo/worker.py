@@ -46,7 +46,6 @@ import random
 import sys
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -55,7 +54,7 @@ from ..rollout.loop import AgenticRolloutLoop, LoopConfig
 from ..rollout.rendering import ChatRenderer
 from ..rollout.types import RowKind
 from .compat import worker_module
-from .rows import is_truncated, pushed_rows, score_group_rows, sequences_from_loop
+from .rows import is_truncated, pushed_rows, score_group_rows, segment_info, trajectory_rows
 
 __all__ = ["AgenticAsyncRolloutLoop", "AgenticRolloutSample", "WorkerBackend"]
 
@@ -200,6 +199,48 @@ def _import(path: str):
     return getattr(importlib.import_module(module), attr)
 
 
+def die_with_trainer() -> None:
+    """In the rollout worker's child process: have the kernel send it SIGTERM when the trainer process, which spawned
+    it, dies, however it dies (Linux; elsewhere nothing).
+
+    TRL's worker child is a daemon process, which multiprocessing stops only at a normal exit of the trainer: a trainer
+    stopped by SIGTERM (a scheduler's cancel or preemption), which runs no `finally` and no exit handler, left it
+    running, and the vLLM server, whose graceful shutdown waits for the child's open connections, kept running with it
+    (seen live, docs/async.md). The kernel ties the signal to the thread that spawned the child: the trainer's
+    `train()` thread (TRL stops the child itself when `train()` returns). A trainer that died before the prctl is
+    caught by the parent check. A refused prctl (a seccomp sandbox) is said on stderr, and the worker runs on."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if not sys.platform.startswith("linux") or parent is None:  # not a spawned child: a custom in-process worker
+        return
+    import ctypes
+    import os
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        print(
+            f"trl-agentic: PR_SET_PDEATHSIG failed (errno {ctypes.get_errno()}): this rollout worker will not stop if "
+            "the trainer dies without stopping it",
+            file=sys.stderr,
+        )
+    if os.getppid() != parent.pid:  # the trainer is already gone
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+class TRLRolloutLoop(_worker._AsyncRolloutLoop):
+    """TRL's asynchronous rollout loop, unchanged, in a child that dies with the trainer (`die_with_trainer`): what
+    TRL's worker spawns when every feature is off."""
+
+    def __init__(self, *args, **kwargs):
+        die_with_trainer()
+        super().__init__(*args, **kwargs)
+
+
 class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
     """TRL's asynchronous rollout loop with trl-agentic's trajectory loop and group advantages (module docstring).
 
@@ -217,6 +258,7 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
     """
 
     def __init__(self, *, agentic: dict | None = None, mask_truncated_completions: bool = False, **kwargs):
+        die_with_trainer()
         super().__init__(**kwargs)
         self._agentic = agentic
         self._mask_truncated = mask_truncated_completions
@@ -325,21 +367,10 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
             group_ids=[group_id],
         )
         tool_mask, completions, completion_ids, logprobs, n_calls, n_failures, _ = trl_tuple
-        rows = sequences_from_loop(
-            prompt_id_lists[0],
-            completion_ids[0],
-            tool_mask[0],
-            logprobs[0],
-            result.extra_rows,
-            uuid.uuid4().hex,
-            last_segment=result.num_segments[0] - 1,
-        )
+        rows = trajectory_rows(prompt_id_lists[0], trl_tuple, result, backend.stop_token_ids)
         versions = (min(backend.versions), max(backend.versions))
         for row in rows:
             row.policy_versions = versions
-        if result.infra_failed[0]:
-            rows[0].lost = True
-        rows[0].truncated = is_truncated(completion_ids[0], backend.stop_token_ids)
         s = result.stats
         stats = {
             "rollback/attempts_total": s.rollback_attempts,
@@ -425,13 +456,4 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
         # `row` is the dataset row, as the synchronous trainer passes it: TRL keeps its columns but the prompt.
         dataset_row = {key: values[conversation] for key, values in group.reward_kwargs.items()}
         dataset_row["prompt"] = group.prompts[conversation]
-        start = next((k for k, m in enumerate(row.completion_mask) if m), len(row.input_ids))
-        info = {
-            "prompt_ids": row.input_ids[:start],
-            "completion_ids": row.input_ids[start:],
-            "tool_mask": row.completion_mask[start:],
-            "segment_index": row.segment_index,
-            "tokens_freed": row.tokens_freed,
-            "row": dataset_row,
-        }
-        return float(self._segment_reward(info))
+        return float(self._segment_reward(segment_info(row, dataset_row)))

@@ -15,6 +15,8 @@ Runs the benchmarks and writes one markdown report, opening with the goals side 
   integration tiers of `make test` use;
 - `async`: steps per hour and tokens per second of the asynchronous trainer against the synchronous one, features off
   and on (`async_vs_sync.py`, run with the vLLM venv's interpreter).
+- `async-tracin`: the asynchronous TracIn refresh's validation trajectories one at a time vs all at once
+  (`async_tracin_refresh.py`, run with the vLLM venv's interpreter).
 - `multiturn`: whole GRPO steps of the log search, the text world and BFCL with prefix caching off / on / on with the
   per-turn cap (`multiturn.py`; about 1.5 h, resumable through `outputs/bench-multiturn.json`).
 
@@ -31,7 +33,18 @@ import sys
 import tempfile
 import time
 
-SECTIONS = ("tracin-e2e", "tracin-memory", "vllm", "overhead", "tracin", "rlvcr", "cpu", "multiturn", "async")
+SECTIONS = (
+    "tracin-e2e",
+    "tracin-memory",
+    "vllm",
+    "overhead",
+    "tracin",
+    "rlvcr",
+    "cpu",
+    "multiturn",
+    "async",
+    "async-tracin",
+)
 
 
 def _log(message: str) -> None:
@@ -144,23 +157,30 @@ def _vllm_section(python: str, quick: bool, summary: list) -> str:
     return "## vLLM weight sync and decode cost\n\n" + section.strip() + "\n"
 
 
+def _vllm_module(python: str, module: str, argv: list[str]) -> tuple[dict | None, str]:
+    """Run `python -m trl_agentic.bench.<module> --json FILE ...` (the vLLM venv's interpreter); returns `(its JSON,
+    "")`, or `(None, the tail of its output)` when it failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "out.json")
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        cmd = [python, "-m", f"trl_agentic.bench.{module}", "--json", path, *argv]
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if run.returncode != 0 or not os.path.exists(path):
+            return None, (run.stdout + run.stderr)[-3000:]
+        with open(path) as f:
+            return json.load(f), ""
+
+
 def _async_section(python: str, quick: bool, summary: list) -> str:
     title = "## Asynchronous vs synchronous trainer"
     if not os.path.exists(python):
         return f"{title}\n\nNot run: no vLLM interpreter at `{python}` (`make install-vllm` builds it).\n"
     parts = [title, ""]
     for policy in ("smollm2", "tiny"):
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "async.json")
-            argv = [python, "-m", "trl_agentic.bench.async_vs_sync", "--json", path, "--policy", policy]
-            argv += ["--steps", "3" if quick else "6"]
-            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-            run = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
-            if run.returncode != 0 or not os.path.exists(path):
-                parts.append(f"{policy}: failed:\n\n```\n{(run.stdout + run.stderr)[-3000:]}\n```\n")
-                continue
-            with open(path) as f:
-                data = json.load(f)
+        data, failure = _vllm_module(python, "async_vs_sync", ["--policy", policy, "--steps", "3" if quick else "6"])
+        if data is None:
+            parts.append(f"{policy}: failed:\n\n```\n{failure}\n```\n")
+            continue
         runs = {(r["trainer"], r["features"]): r for r in data["runs"]}
         for features in ("off", "rollback + negatives"):
             sync, asyn = runs.get(("sync", features)), runs.get(("async", features))
@@ -173,6 +193,31 @@ def _async_section(python: str, quick: bool, summary: list) -> str:
                         None,
                     )
                 )
+        parts.append(data["section"])
+    return "\n".join(parts)
+
+
+def _async_tracin_section(python: str, quick: bool, summary: list) -> str:
+    from .async_tracin_refresh import speedup
+
+    title = "## Asynchronous TracIn refresh: validation trajectories one at a time vs all at once"
+    if not os.path.exists(python):
+        return f"{title}\n\nNot run: no vLLM interpreter at `{python}` (`make install-vllm` builds it).\n"
+    parts = [title, ""]
+    for policy in ("smollm2", "tiny"):
+        argv = ["--policy", policy, "--repeats", "1" if quick else "3"]
+        data, failure = _vllm_module(python, "async_tracin_refresh", argv)
+        if data is None:
+            parts.append(f"{policy}: failed:\n\n```\n{failure}\n```\n")
+            continue
+        summary.append(
+            (
+                f"Async TracIn refresh, validation rollouts one at a time / all at once, {policy}",
+                f"{speedup(data):.2f}",
+                "measured",
+                None,
+            )
+        )
         parts.append(data["section"])
     return "\n".join(parts)
 
@@ -259,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             sections.append(_multiturn_section(args.quick, summary, args.vllm_python))
         elif name == "async":
             sections.append(_async_section(args.vllm_python, args.quick, summary))
+        elif name == "async-tracin":
+            sections.append(_async_tracin_section(args.vllm_python, args.quick, summary))
         else:
             from .rlvcr import report as rlvcr_report
 

@@ -1,0 +1,356 @@
+"""Validation rollouts of the asynchronous TracIn filter (trainer process), made as TRL's worker makes training rows.
+
+A refresh's trajectories (`tracin_val_num_generations` per validation prompt) run at once, each in a thread of its
+own as the worker runs its trajectories, so that their requests reach the vLLM server together (it batches them);
+each request asks for what its trajectory can keep of the completion budget, with the training requests' sampling
+settings and the current policy's adapter (`stage.EstimatorHost.complete`). What a trajectory is and how its rows are
+scored are the worker's (`worker.AgenticAsyncRolloutLoop._run_trajectory` and `_score_group`):
+
+- trl-agentic's rollout loop, the prompt rendered with the worker's chat template and `chat_template_kwargs`, sync
+  tools in the trajectory's thread, async tools on one event loop kept for the filter's lifetime (as the worker's
+  loop is: an async tool or reward may cache objects bound to it);
+- the rows are the worker's (`rows.sequences_from_loop`): the regular row and the loop's extra rows (negative
+  samples, earlier snapshot segments), a rollout lost to the infrastructure marked lost, a truncated one truncated;
+- rewards: the reward functions (awaited when async) with TRL's worker's arguments (the prompt the model saw, the
+  completion messages, the model's token ids, the dataset columns) plus an environment's `get_reward`; then
+  `rows.score_group_rows` with the config (negative rewards and cap, `group_baseline`, `snapshot_advantage`,
+  `snapshot_reward_func`, `mask_truncated_completions`), and the rows it trains are the validation rows;
+- a group whose rewards are all equal (its kept rows', NaN ignored) gets advantage exactly 0
+  (`advantages.without_reward_spread`), not float32 rounding noise of one sign.
+
+A trainer-side advantage estimator (`advantage_estimator != "grpo"`) is not applied: validation rows carry the
+worker's group advantages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import importlib
+import inspect
+import math
+import random
+import sys
+import threading
+
+import numpy as np
+import torch
+from transformers.utils import logging
+
+from ..advantages import without_reward_spread
+from ..envs.protocol import tool_methods, with_observation
+from ..rollout.loop import AgenticRolloutLoop, LoopConfig
+from ..rollout.rendering import ChatRenderer
+from ..rollout.types import RowKind
+from .rows import score_group_rows, segment_info, trajectory_rows
+
+__all__ = ["ValidationRollouts"]
+
+logger = logging.get_logger(__name__)
+
+# Trajectories of one refresh run at once when `max_inflight_tasks` is not set (TRL's auto value is computed for
+# training rollouts).
+DEFAULT_PARALLEL_TRAJECTORIES = 64
+
+
+def worker_chat_template(tokenizer, has_tools: bool):
+    """The chat template TRL's asynchronous worker renders with: a training-safe one when there are tools and the
+    tokenizer's own template does not preserve prefixes, else the tokenizer's (`_AsyncRolloutLoop.__init__`)."""
+    from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
+
+    if has_tools and not is_chat_template_prefix_preserving(tokenizer):
+        return get_training_chat_template(tokenizer)
+    return None
+
+
+class _HTTPBackend:
+    """`RolloutBackend` of one validation trajectory: generation through the vLLM server with the current policy's
+    adapter. Each request asks for what the trajectory can keep of its turn (`takes_turn_limits`, as the worker's
+    requests do), with sampling seeds from the trajectory's own `rng`."""
+
+    multi_process = False
+    takes_turn_limits = True
+
+    def __init__(self, host, renderer: ChatRenderer, tools, max_model_len, rng: random.Random):
+        trainer = host._trainer
+        self._host = host
+        self._rng = rng
+        self.tools = tools
+        self.tokenizer = trainer.processing_class
+        self.renderer = renderer
+        args = trainer.args
+        self.max_completion_length = args.max_completion_length
+        self.max_model_len = max_model_len
+        self.max_iterations = (
+            sys.maxsize if args.max_tool_calling_iterations is None else args.max_tool_calling_iterations
+        )
+        self.stop_token_ids = {*trainer.eos_token_ids, self.tokenizer.pad_token_id} - {None}
+
+    def generate(self, contexts, limits=None):
+        limits = [self.max_completion_length] * len(contexts) if limits is None else limits
+        return self._host.complete(contexts, limits, rng=self._rng)
+
+    def parse(self, ids, prefix, row, tools=None):
+        from trl.chat_template_utils import parse_response
+
+        return parse_response(self.tokenizer, ids, prefix=prefix, tools=self.tools if tools is None else tools)
+
+    def decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def tool_suffix_ids(self, tool_messages):
+        return self.renderer.tool_suffix_ids(tool_messages)
+
+    def hint_ids(self, hint):
+        return self.renderer.hint_ids(hint)
+
+    def user_turn_ids(self, content):
+        return self.renderer.user_turn_ids(content)
+
+    def render_prompt(self, messages, row, tools=None):
+        return self.renderer.prompt_ids(messages, tools=self.tools if tools is None else tools)
+
+    def new_environment(self, row, old):
+        raise NotImplementedError("tool_timeout is not supported by the asynchronous trainer")
+
+    def any_rank(self, flag, error=None):
+        if error is not None:
+            raise error
+        return flag
+
+
+class ValidationRollouts:
+    """Makes the validation rows of `AsyncTracIn` (module docstring).
+
+    Args:
+        trainer: The `AsyncAgenticGRPOTrainer` (or an object with its attributes: `args`, `processing_class`,
+            `eos_token_ids`, `_environment_factory`, `_tools_list`, `_reward_funcs_list`, `_request_model_name`).
+
+    Attributes:
+        max_parallel: Trajectories run at once (default: `max_inflight_tasks` when set, else
+            `DEFAULT_PARALLEL_TRAJECTORIES`); `bench/async_tracin_refresh.py` sets 1 to measure one after another.
+    """
+
+    def __init__(self, trainer):
+        from ..async_grpo.stage import EstimatorHost
+
+        self.trainer = trainer
+        args = trainer.args
+        inflight = getattr(args, "max_inflight_tasks", -1)
+        self.max_parallel = inflight if inflight and inflight > 0 else DEFAULT_PARALLEL_TRAJECTORIES
+        self._host = EstimatorHost(trainer)
+        self._renderer: ChatRenderer | None = None  # chosen at the first refresh, from its environments' tools
+        path = getattr(args, "snapshot_reward_func", None)
+        module, _, name = (path or "").partition(":")
+        self._segment_reward = getattr(importlib.import_module(module), name) if path else None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._pool: dict[int, list] = {}  # idle environments, by the id of the factory that built them
+        self._origin: dict[int, int] = {}  # environment id -> its factory's
+
+    # ----------------------------------------------------------------------------------------------- event loop
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop of async tools and rewards, started on first use and kept until `close`."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="tracin-validation-loop", daemon=True)
+            self._thread.start()
+        return self._loop
+
+    def close(self) -> None:
+        """Stop the event loop: cancel what still runs on it, finish its async generators, join its thread."""
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+
+        async def shutdown():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await loop.shutdown_asyncgens()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(timeout=60)
+        except Exception as error:  # noqa: BLE001 - closing must not hide what ended training
+            logger.warning(f"TracIn's validation event loop did not shut down cleanly: {error!r}")
+        loop.call_soon_threadsafe(loop.stop)
+        self._thread.join(timeout=60)
+        if not self._thread.is_alive():
+            loop.close()
+
+    def call(self, func, **kwargs):
+        """`func(**kwargs)`, awaited on the event loop when it is async (TRL's worker awaits async reward functions
+        and an async `get_reward`)."""
+        from trl.trainer.utils import is_async_callable
+
+        if not is_async_callable(func):
+            return func(**kwargs)
+        return asyncio.run_coroutine_threadsafe(func(**kwargs), self.event_loop()).result()
+
+    # ----------------------------------------------------------------------------------------------- a refresh
+    def run(self, prompts: list[dict], seed: int) -> tuple[list[dict], list[float]]:
+        """Roll out `prompts` (`tracin_val_num_generations` times each) and score them.
+
+        Returns:
+            `(rows, rewards)`: the trained rows of every group (`input_ids`, `completion_mask`, `advantage`, `kind`),
+            and each conversation's reward (NaN for a lost one).
+        """
+        t, args = self.trainer, self.trainer.args
+        n = args.tracin_val_num_generations
+        max_model_len = t.vllm_client.get_max_model_len()
+        # One seed per trajectory, drawn before any runs: the same samples are asked for however the threads
+        # interleave. Environments are built here, one after another (a constructor need not be thread-safe).
+        seeds = random.Random(seed).sample(range(2**62), len(prompts) * n)
+        jobs = [(row, self._environment(row), seeds[g * n + k]) for g, row in enumerate(prompts) for k in range(n)]
+        taken = [environment for _, (environment, _), _ in jobs if environment is not None]
+        if self._renderer is None:
+            # TRL's worker picks its template once, from every tool it can expose (its environments probed).
+            tools = bool(t._tools_list) or any(env is not None and tool_methods(env) for _, (env, _), _ in jobs)
+            template = worker_chat_template(t.processing_class, tools)
+            self._renderer = ChatRenderer(t.processing_class, template, getattr(args, "chat_template_kwargs", None))
+        self.event_loop()
+        workers = max(1, min(len(jobs), self.max_parallel or len(jobs)))
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracin-val") as pool:
+                done = list(pool.map(lambda job: self._trajectory(*job, max_model_len), jobs))
+        finally:
+            for environment in taken:  # reset by the next trajectory that draws it, as in TRL's environment pool
+                self._pool.setdefault(self._origin[id(environment)], []).append(environment)
+        out, rewards = [], []
+        for g, row in enumerate(prompts):
+            group = done[g * n : (g + 1) * n]
+            group_rewards = self._rewards(row, group)
+            out += self._score(row, group, group_rewards)
+            rewards += [math.nan if rows[0].lost else r for (_, rows, _), r in zip(group, group_rewards)]
+        return out, rewards
+
+    def _environment(self, row: dict):
+        """`(environment, reset kwargs)` of a validation example: the example's `environment` field picks the factory
+        when `environment_factory` is a dict, as in TRL's worker. Environments are built once and reused across
+        refreshes (TRL's "construct once, reset often": a sandbox is not started again for every trajectory)."""
+        factory = self.trainer._environment_factory
+        if factory is None:
+            return None, row
+        kwargs = row
+        if isinstance(factory, dict):
+            name = row.get("environment")
+            if name not in factory:
+                raise ValueError(
+                    f"Validation example has `environment={name!r}`, which is not among the environments passed to "
+                    f"`environment_factory`. Expected one of: {list(factory)}."
+                )
+            factory, kwargs = factory[name], {k: v for k, v in row.items() if k != "environment"}
+        pool = self._pool.get(id(factory), [])
+        environment = pool.pop() if pool else factory()
+        self._origin[id(environment)] = id(factory)
+        return environment, kwargs
+
+    def _trajectory(self, row: dict, environment_and_kwargs, seed: int, max_model_len: int):
+        """One trajectory: `(completion messages, its rows, what its rewards are computed from)`."""
+        t, args = self.trainer, self.trainer.args
+        environment, reset_kwargs = environment_and_kwargs
+        observation = environment.reset(**reset_kwargs) if environment is not None else None
+        tool_dict = {f.__name__: f for f in (t._tools_list or [])}
+        if environment is not None:
+            tool_dict.update(tool_methods(environment))
+        tools = list(tool_dict.values())
+        backend = _HTTPBackend(self._host, self._renderer, tools, max_model_len, random.Random(seed))
+        prompt = row["prompt"] if "prompt" in row or environment is None else [{"role": "user", "content": ""}]
+        prompt = with_observation(copy.deepcopy(prompt), observation)
+        seen_prompt = copy.deepcopy(prompt)  # the loop extends its prompts in place
+        prompt_ids = backend.render_prompt(prompt, 0)
+        loop = AgenticRolloutLoop(
+            backend,
+            LoopConfig(**{name: getattr(args, name) for name in LoopConfig.__dataclass_fields__}),
+            async_loop=self.event_loop(),
+            rng=random.Random(seed),
+        )
+        # The first turn is asked for as the loop asks for later ones (at least one token, as the worker asks).
+        (ids,), (lps,) = backend.generate([prompt_ids], limits=[max(1, loop._turn_limit(prompt_ids, prompt_ids))])
+        message = backend.parse(ids, prompt_ids, 0)
+        prompt_lists = [prompt_ids]
+        sync = {n: f for n, f in tool_dict.items() if not inspect.iscoroutinefunction(f)}
+        asynchronous = {n: f for n, f in tool_dict.items() if inspect.iscoroutinefunction(f)}
+        trl_tuple, result = loop.run(
+            [prompt],
+            prompt_lists,
+            [list(ids)],
+            [[message]],
+            [list(lps)],
+            [sync],
+            [asynchronous],
+            [environment] if environment is not None else None,
+        )
+        tool_mask, completions, completion_ids, *_ = trl_tuple
+        rows = trajectory_rows(prompt_lists[0], trl_tuple, result, backend.stop_token_ids)
+        # TRL's environment-reward rule: `get_reward` defined on the environment's class.
+        owns_reward = environment is not None and inspect.isfunction(getattr(type(environment), "get_reward", None))
+        inputs = {
+            "prompt": seen_prompt,
+            # The model's tokens, as TRL's worker passes `completion_ids` (the tools' tokens are not the model's).
+            "completion_ids": [tok for tok, m in zip(completion_ids[0], tool_mask[0]) if m],
+            "env_reward": self.call(environment.get_reward) if owns_reward else None,
+        }
+        return completions[0], rows, inputs
+
+    def _rewards(self, row: dict, group: list) -> list[float]:
+        """Per conversation: the reward functions' sum (weight 1 each, as TRL's worker) plus an environment's
+        `get_reward`; NaN where every source gave None."""
+        t = self.trainer
+        n = len(group)
+        kwargs = {k: [v] * n for k, v in row.items() if k not in ("prompt", "completion", "completion_ids")}
+        inputs = [i for _, _, i in group]
+        columns = []
+        for func in t._reward_funcs_list:
+            values = self.call(
+                func,
+                prompts=[i["prompt"] for i in inputs],
+                completions=[c for c, _, _ in group],
+                completion_ids=[i["completion_ids"] for i in inputs],
+                **kwargs,
+            )
+            columns.append([np.nan if v is None else float(v) for v in values])
+        env_rewards = [i["env_reward"] for i in inputs]
+        if any(r is not None for r in env_rewards):
+            columns.append([np.nan if r is None else float(r) for r in env_rewards])
+        values = np.array(columns, dtype=float).reshape(len(columns), n)
+        total = np.nansum(values, axis=0)
+        total[np.all(np.isnan(values), axis=0)] = np.nan
+        return total.tolist()
+
+    def _score(self, row: dict, group: list, conversation_rewards: list[float]) -> list[dict]:
+        """The group's rows as the worker scores and trains them (`score_group_rows`), advantage 0 without a spread."""
+        args = self.trainer.args
+        rows = [r for _, trajectory_rows, _ in group for r in trajectory_rows]
+        conversation = [c for c, (_, trajectory_rows, _) in enumerate(group) for _ in trajectory_rows]
+        terms = None
+        if self._segment_reward is not None:
+            terms = []
+            for r, c in zip(rows, conversation):
+                if r.kind != RowKind.SNAPSHOT:
+                    terms.append(0.0)
+                    continue
+                dataset_row = {k: v for k, v in row.items() if k not in ("prompt", "completion", "completion_ids")}
+                dataset_row["prompt"] = group[c][2]["prompt"]
+                terms.append(float(self._segment_reward(segment_info(r, dataset_row))))
+        scored, trained = score_group_rows(
+            rows,
+            conversation,
+            [conversation_rewards[c] for c in conversation],
+            len(group),
+            args,
+            terms,
+            mask_truncated=bool(getattr(args, "mask_truncated_completions", False)),
+        )
+        tied = bool(without_reward_spread(scored.rewards, torch.zeros(len(scored.rewards), dtype=torch.long)).all())
+        return [
+            {
+                "input_ids": np.asarray(rows[k].input_ids),
+                "completion_mask": np.asarray(rows[k].completion_mask),
+                "advantage": 0.0 if tied else float(scored.advantages[j]),
+                "kind": int(rows[k].kind),
+            }
+            for k, j in trained
+        ]
