@@ -96,7 +96,7 @@ def _measure(tracin, mode: str) -> dict:
     return {
         "mode": mode,
         "seconds": seconds,
-        "trajectories": len(rows),
+        "rows": len(rows),  # validation rows: a regular row per trajectory and its negative and snapshot rows
         "tokens": tokens,
         "mean_reward": float(np.nanmean(rewards)),
     }
@@ -112,7 +112,7 @@ def run(policy: str = "smollm2", repeats: int = 3, log=print) -> dict:
     tmp = tempfile.mkdtemp(prefix="trl-agentic-tracin-refresh-bench-")
     model = build_tool_policy(os.path.join(tmp, "tiny")) if policy == "tiny" else resolve_model_path("smollm2-135m")
     measurements = []
-    with VLLMServer(model, max_lora_rank=8, max_loras=4, log_path=os.path.join(tmp, "server.log")) as server:
+    with VLLMServer(model, max_lora_rank=8, max_loras=6, log_path=os.path.join(tmp, "server.log")) as server:
         tracin = _trainer(model, server.url, os.path.join(tmp, "out"))._tracin
         _measure(tracin, "all at once")  # warm-up (first requests, adapter load), not recorded
         for _ in range(repeats):
