@@ -83,8 +83,10 @@ def _row(ids, mask, kind=RowKind.REGULAR, **fields):
 
 
 def _script(tracin, plan):
-    """Replace the trajectories: `plan(prompt text, k-th trajectory of the refresh)` gives `(reward text, rows)`."""
+    """Replace the trajectories: `plan(prompt text, k-th trajectory of the refresh)` gives `(reward text, rows)`. They
+    run one after another (`max_parallel = 1`), so that the k-th is the refresh's k-th job."""
     made = itertools.count()
+    tracin.validation.max_parallel = 1
 
     def trajectory(row, environment_and_kwargs, seed, max_model_len):
         k = next(made)
@@ -94,6 +96,10 @@ def _script(tracin, plan):
 
     tracin.validation._trajectory = trajectory
     return made
+
+
+def _inputs():
+    return {"prompt": "p", "completion_ids": [2], "env_reward": None}
 
 
 def _pool(n=6, seed=0):
@@ -152,15 +158,22 @@ def test_a_validation_group_without_reward_spread_adds_nothing_to_v(tiny_model_d
     def refreshed(prompts):
         trainer = _trainer(model, tracin_val_batch_size=len(prompts), tracin_val_num_generations=6)
         tracin = _tracin(trainer, prompts)
-        _script(tracin, lambda prompt, k: (rewards[prompt][k % 6], [_row(*pool[k % 6])]))
+        tracin.order = []  # the prompt of each job, in job order
+
+        def plan(prompt, k):
+            tracin.order.append(prompt)
+            return rewards[prompt][k % 6], [_row(*pool[k % 6])]
+
+        _script(tracin, plan)
         tracin.refresh()
         return tracin
 
     tracin = refreshed(["tie", "spread"])
-    tied_first = tracin.val_rows[0]["input_ids"].tolist() == pool[0][0]
-    by_group = [[r["advantage"] for r in tracin.val_rows[:6]], [r["advantage"] for r in tracin.val_rows[6:]]]
-    tie, spread = (by_group[0], by_group[1]) if tracin.dataset[0]["prompt"] == "tie" else (by_group[1], by_group[0])
-    assert tied_first and tie == [0.0] * 6
+    assert sorted(tracin.order[::6]) == ["spread", "tie"]  # one group per prompt, in the refresh's order
+    advantages = [r["advantage"] for r in tracin.val_rows]
+    tie = [a for a, prompt in zip(advantages, tracin.order) if prompt == "tie"]
+    spread = [a for a, prompt in zip(advantages, tracin.order) if prompt == "spread"]
+    assert tie == [0.0] * 6
     expected = group_advantages(torch.tensor(rewards["spread"]), torch.zeros(6, dtype=torch.long))
     assert spread == pytest.approx(expected.tolist(), abs=1e-6) and expected.abs().min() > 0.1
     assert not tracin.direction_is_zero
@@ -241,10 +254,18 @@ def test_an_example_picks_its_environment_and_an_unknown_one_is_named():
     trainer = _trainer(None)
     trainer._environment_factory = {"a": A, "b": B}
     validation = ValidationRollouts(trainer)
-    environment, kwargs = validation._environment({"environment": "b", "prompt": "x", "level": 3})
-    assert type(environment) is B and kwargs == {"prompt": "x", "level": 3}
+    drawn = []
+
+    def trajectory(row, environment_and_kwargs, seed, max_model_len):
+        drawn.append(environment_and_kwargs)
+        return [{"role": "assistant", "content": "reward: 1"}], [_row([1, 2], [0, 1])], _inputs()
+
+    validation._trajectory = trajectory
+    validation.run([{"environment": "b", "prompt": "x", "level": 3}], seed=0)
+    assert all(type(environment) is B and kwargs == {"prompt": "x", "level": 3} for environment, kwargs in drawn)
     with pytest.raises(ValueError, match=r"environment='c'.*\['a', 'b'\]"):
-        validation._environment({"environment": "c", "prompt": "x"})
+        validation.run([{"environment": "c", "prompt": "x"}], seed=0)
+    validation.close()
 
 
 def test_an_error_in_one_trajectory_fails_the_refresh_after_the_others():
@@ -270,7 +291,6 @@ def test_an_error_in_one_trajectory_fails_the_refresh_after_the_others():
         validation.run([{"prompt": "p"}], seed=0)
     assert finished == ["ok", "failed", "ok"]
     validation.close()
-    assert validation._loop is None
 
 
 def test_async_rewards_run_on_one_event_loop_across_refreshes():
@@ -351,15 +371,21 @@ def test_validation_rollouts_are_reused_until_due_and_survive_a_checkpoint(tiny_
     assert len(metrics["perf/tracin_refresh_s"]) == len(metrics["tracin/val_grad_norm"]) == 4  # the resumed one too
 
 
-def test_a_checkpoint_without_stored_rows_loads_and_rolls_out_next(tmp_path):
+def test_a_checkpoint_without_stored_rows_loads_and_rolls_out_next(tiny_model_dir, tmp_path):
     """A checkpoint written before validation rollouts were stored (V, its step and the rollout count only) loads,
     and the next refresh rolls out."""
     from trl_agentic.async_grpo.tracin import STATE_FILE
 
     torch.save({"direction": None, "refreshed_at": 4, "refreshes": 2}, tmp_path / STATE_FILE)
-    tracin = _tracin(_trainer(None), ["p"])
+    trainer = _trainer(lora_model(tiny_model_dir))
+    trainer.state.global_step = 5
+    tracin = _tracin(trainer, ["p"])
     tracin.load(str(tmp_path))
     assert (tracin.refreshed_at, tracin.refreshes, tracin.val_rows, tracin.rolled_out_at) == (4, 2, None, None)
+    rolled = []
+    tracin._validation_rollouts = lambda: rolled.append(tracin.refreshes) or ([], [])
+    tracin.refresh()
+    assert rolled == [2] and tracin.rolled_out_at == 5  # rolled out, prompts drawn from the restored count
 
 
 # ----------------------------------------------------------------------------------------------------------- live
@@ -523,6 +549,8 @@ def test_a_refresh_runs_its_validation_trajectories_together_with_async_tools_an
 def test_environments_are_built_once_and_reused_across_refreshes():
     """TRL's "construct once, reset often": a refresh draws idle environments before building new ones, so two
     refreshes of 3 trajectories build 3 environments, each reset at every trajectory it runs."""
+    import threading
+
     from trl_agentic.async_grpo.validation import ValidationRollouts
 
     built = []
@@ -538,14 +566,75 @@ def test_environments_are_built_once_and_reused_across_refreshes():
     trainer._environment_factory = Counted
     validation = ValidationRollouts(trainer)
     used = []
+    together = threading.Barrier(3, timeout=60)  # a hang guard: the three trajectories of a refresh run at once
 
     def trajectory(row, environment_and_kwargs, seed, max_model_len):
         used.append(environment_and_kwargs[0])
-        inputs = {"prompt": "p", "completion_ids": [2], "env_reward": None}
-        return [{"role": "assistant", "content": "reward: 1"}], [_row([1, 2], [0, 1])], inputs
+        together.wait()
+        return [{"role": "assistant", "content": "reward: 1"}], [_row([1, 2], [0, 1])], _inputs()
 
     validation._trajectory = trajectory
-    for _ in range(2):
+    for refresh in range(2):
         validation.run([{"prompt": "p"}], seed=0)
+        assert len({id(e) for e in used[3 * refresh :]}) == 3  # no environment shared by running trajectories
     assert len(built) == 3 and {id(e) for e in used} == {id(e) for e in built} and len(used) == 6
     validation.close()
+
+
+def test_the_template_is_chosen_from_every_environment_and_renders_with_the_template_kwargs(monkeypatch):
+    """TRL's worker picks its chat template once, from every tool it can expose: with a dict `environment_factory`
+    whose first environment has no tool and the second has one, the training-safe template is chosen (the decision
+    seen through `worker_chat_template`), one instance of each environment probed and kept for the trajectories; the
+    renderer applies `chat_template_kwargs`."""
+    from trl_agentic.async_grpo import validation as module
+
+    class Plain:
+        def reset(self, **kwargs):
+            pass
+
+    class WithTool(Plain):
+        def look(self, key: str) -> str:
+            """
+            Look.
+
+            Args:
+                key: The key.
+            """
+            return key
+
+    decided = []
+    monkeypatch.setattr(module, "worker_chat_template", lambda tok, tools: decided.append(tools) or "TEMPLATE")
+    trainer = _trainer(None, chat_template_kwargs={"enable_thinking": False})
+    trainer._environment_factory = {"plain": Plain, "tool": WithTool}
+    validation = module.ValidationRollouts(trainer)
+    renderer = validation._choose_renderer()
+    assert decided == [True] and renderer.chat_template == "TEMPLATE"
+    assert renderer.template_kwargs == {"enable_thinking": False}
+    assert [type(e) for e in validation._pool["plain"] + validation._pool["tool"]] == [Plain, WithTool]
+
+
+@pytest.mark.parametrize(("statuses", "requests_made", "ok"), [([503, 503, 200], 3, True), ([400], 1, False)])
+def test_a_request_is_retried_on_5xx_and_not_on_4xx(monkeypatch, statuses, requests_made, ok):
+    """`EstimatorHost._post` (every validation and estimator request): a 5xx answer is retried after waits of 1, 2, ...
+    s (TRL's backoff); a 4xx answer fails at once with its HTTP error."""
+    import requests
+
+    from trl_agentic.async_grpo import stage
+
+    waits, answers = [], list(statuses)
+    monkeypatch.setattr(stage.time, "sleep", waits.append)
+
+    def post(url, json, timeout):
+        response = requests.Response()
+        response.status_code = answers.pop(0)
+        response._content = b'{"choices": [{"token_ids": [1], "logprobs": {"token_logprobs": [-0.1]}}]}'
+        return response
+
+    monkeypatch.setattr(requests, "post", post)
+    host = stage.EstimatorHost(_trainer(None))
+    if ok:
+        assert host._post({"prompt": [1]}) == {"token_ids": [1], "logprobs": {"token_logprobs": [-0.1]}}
+    else:
+        with pytest.raises(requests.HTTPError):
+            host._post({"prompt": [1]})
+    assert len(statuses) - len(answers) == requests_made and waits == [1, 2][: requests_made - 1]

@@ -144,9 +144,10 @@ class EstimatorHost:
         return [c["token_ids"] for c in choices], [c["logprobs"]["token_logprobs"] for c in choices]
 
     def _post(self, payload: dict) -> dict:
-        """One completion request, retried as TRL's worker retries its own (up to `REQUEST_ATTEMPTS` attempts, waits
-        of 1, 2, 4, 8, then 16 s) when the server is unreachable, times out or answers 5xx; a 4xx answer (a bad
-        request) is not retried."""
+        """One completion request, retried when the server is unreachable or answers 5xx (up to `REQUEST_ATTEMPTS`
+        attempts, waits of 1, 2, 4, 8, then 16 s, as TRL's worker waits). Unlike TRL's worker, a 4xx answer (a bad
+        request: retrying cannot help) and a request that timed out (it already waited `request_timeout`; 30 of them
+        would hold the training process for hours) are not retried: the error reaches the caller."""
         import requests
 
         args = self.args
@@ -157,7 +158,7 @@ class EstimatorHost:
                 if response.status_code < 500 or attempt == REQUEST_ATTEMPTS - 1:
                     response.raise_for_status()
                     return response.json()["choices"][0]
-            except (requests.ConnectionError, requests.Timeout):
+            except requests.ConnectionError:
                 if attempt == REQUEST_ATTEMPTS - 1:
                     raise
             time.sleep(min(2 ** min(attempt, 4), 16))

@@ -137,6 +137,7 @@ class AsyncTracIn:
                     "input_ids": torch.as_tensor(np.asarray(r["input_ids"]), dtype=torch.long),
                     "completion_mask": torch.as_tensor(np.asarray(r["completion_mask"]), dtype=torch.long),
                     "advantage": float(r["advantage"]),
+                    "kind": int(r.get("kind", 0)),
                 }
                 for r in self.val_rows
             ]
@@ -173,6 +174,7 @@ class AsyncTracIn:
                     "input_ids": r["input_ids"].numpy(),
                     "completion_mask": r["completion_mask"].numpy(),
                     "advantage": r["advantage"],
+                    "kind": r.get("kind", 0),
                 }
                 for r in rows
             ]
@@ -239,7 +241,8 @@ class AsyncTracIn:
         t = self.trainer
         started = time.perf_counter()
         metrics = t._metrics["train"]
-        if self.val_rows is None or due(t.state.global_step, self.rolled_out_at, t.args.tracin_val_rollout_steps):
+        # No stored row (none yet, or a refresh whose every rollout was lost): roll out, rather than keep V at 0.
+        if not self.val_rows or due(t.state.global_step, self.rolled_out_at, t.args.tracin_val_rollout_steps):
             self.val_rows, rewards = self._validation_rollouts()
             self.rolled_out_at = t.state.global_step
             self.refreshes += 1

@@ -44,13 +44,14 @@ from ..rollout.loop import AgenticRolloutLoop, LoopConfig
 from ..rollout.rendering import ChatRenderer
 from ..rollout.types import RowKind
 from .rows import score_group_rows, segment_info, trajectory_rows
+from .worker import environment_of
 
 __all__ = ["ValidationRollouts"]
 
 logger = logging.get_logger(__name__)
 
-# Trajectories of one refresh run at once when `max_inflight_tasks` is not set (TRL's auto value is computed for
-# training rollouts).
+# Trajectories of one refresh run at once, at most (`ValidationRollouts.max_parallel`). Not TRL's
+# `max_inflight_tasks`: TRL sizes it for the training rollouts (`max_staleness` steps of rows), often below a refresh.
 DEFAULT_PARALLEL_TRAJECTORIES = 64
 
 
@@ -128,8 +129,8 @@ class ValidationRollouts:
             `eos_token_ids`, `_environment_factory`, `_tools_list`, `_reward_funcs_list`, `_request_model_name`).
 
     Attributes:
-        max_parallel: Trajectories run at once (default: `max_inflight_tasks` when set, else
-            `DEFAULT_PARALLEL_TRAJECTORIES`); `bench/async_tracin_refresh.py` sets 1 to measure one after another.
+        max_parallel: Trajectories run at once (default `DEFAULT_PARALLEL_TRAJECTORIES`);
+            `bench/async_tracin_refresh.py` sets 1 to measure one after another.
     """
 
     def __init__(self, trainer):
@@ -137,8 +138,7 @@ class ValidationRollouts:
 
         self.trainer = trainer
         args = trainer.args
-        inflight = getattr(args, "max_inflight_tasks", -1)
-        self.max_parallel = inflight if inflight and inflight > 0 else DEFAULT_PARALLEL_TRAJECTORIES
+        self.max_parallel = DEFAULT_PARALLEL_TRAJECTORIES
         self._host = EstimatorHost(trainer)
         self._renderer: ChatRenderer | None = None  # chosen at the first refresh, from its environments' tools
         path = getattr(args, "snapshot_reward_func", None)
@@ -146,8 +146,11 @@ class ValidationRollouts:
         self._segment_reward = getattr(importlib.import_module(module), name) if path else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._pool: dict[int, list] = {}  # idle environments, by the id of the factory that built them
-        self._origin: dict[int, int] = {}  # environment id -> its factory's
+        # Idle environments by environment name (None: a single factory), as TRL's worker pools them; drawn and
+        # returned by the trajectories' threads under the lock, built under it too (a constructor need not be
+        # thread-safe).
+        self._pool: dict[str | None, list] = {}
+        self._pool_lock = threading.Lock()
 
     # ----------------------------------------------------------------------------------------------- event loop
     def event_loop(self) -> asyncio.AbstractEventLoop:
@@ -200,24 +203,16 @@ class ValidationRollouts:
         t, args = self.trainer, self.trainer.args
         n = args.tracin_val_num_generations
         max_model_len = t.vllm_client.get_max_model_len()
-        # One seed per trajectory, drawn before any runs: the same samples are asked for however the threads
-        # interleave. Environments are built here, one after another (a constructor need not be thread-safe).
-        seeds = random.Random(seed).sample(range(2**62), len(prompts) * n)
-        jobs = [(row, self._environment(row), seeds[g * n + k]) for g, row in enumerate(prompts) for k in range(n)]
-        taken = [environment for _, (environment, _), _ in jobs if environment is not None]
         if self._renderer is None:
-            # TRL's worker picks its template once, from every tool it can expose (its environments probed).
-            tools = bool(t._tools_list) or any(env is not None and tool_methods(env) for _, (env, _), _ in jobs)
-            template = worker_chat_template(t.processing_class, tools)
-            self._renderer = ChatRenderer(t.processing_class, template, getattr(args, "chat_template_kwargs", None))
+            self._renderer = self._choose_renderer()
+        # One seed per trajectory, drawn before any runs: the same samples are asked for however the threads
+        # interleave.
+        seeds = random.Random(seed).sample(range(2**62), len(prompts) * n)
+        jobs = [(row, seeds[g * n + k]) for g, row in enumerate(prompts) for k in range(n)]
         self.event_loop()
         workers = max(1, min(len(jobs), self.max_parallel or len(jobs)))
-        try:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracin-val") as pool:
-                done = list(pool.map(lambda job: self._trajectory(*job, max_model_len), jobs))
-        finally:
-            for environment in taken:  # reset by the next trajectory that draws it, as in TRL's environment pool
-                self._pool.setdefault(self._origin[id(environment)], []).append(environment)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tracin-val") as pool:
+            done = list(pool.map(lambda job: self._job(*job, max_model_len), jobs))
         out, rewards = [], []
         for g, row in enumerate(prompts):
             group = done[g * n : (g + 1) * n]
@@ -226,26 +221,57 @@ class ValidationRollouts:
             rewards += [math.nan if rows[0].lost else r for (_, rows, _), r in zip(group, group_rewards)]
         return out, rewards
 
-    def _environment(self, row: dict):
-        """`(environment, reset kwargs)` of a validation example: the example's `environment` field picks the factory
-        when `environment_factory` is a dict, as in TRL's worker. Environments are built once and reused across
-        refreshes (TRL's "construct once, reset often": a sandbox is not started again for every trajectory)."""
+    def _job(self, row: dict, seed: int, max_model_len: int):
+        """One trajectory in its thread, with an environment drawn from the pool and returned to it afterwards."""
+        name, kwargs = self._environment_name(row)
+        environment = self._draw(name)
+        try:
+            return self._trajectory(row, (environment, kwargs), seed, max_model_len)
+        finally:
+            if environment is not None:
+                with self._pool_lock:
+                    self._pool.setdefault(name, []).append(environment)
+
+    def _environment_name(self, row: dict):
+        """`(environment name, reset kwargs)` of a validation example: with a dict `environment_factory` the example's
+        `environment` field names it (and is not passed to `reset`), as in TRL's worker; else None and the row."""
+        factory = self.trainer._environment_factory
+        if not isinstance(factory, dict):
+            return None, row
+        name = row.get("environment")
+        if name not in factory:
+            raise ValueError(
+                f"Validation example has `environment={name!r}`, which is not among the environments passed to "
+                f"`environment_factory`. Expected one of: {list(factory)}."
+            )
+        return name, {k: v for k, v in row.items() if k != "environment"}
+
+    def _draw(self, name):
+        """An idle environment of `name` from the pool, or a new one (TRL's "construct once, reset often": a
+        sandbox is not started again for every trajectory). None without an `environment_factory`."""
         factory = self.trainer._environment_factory
         if factory is None:
-            return None, row
-        kwargs = row
-        if isinstance(factory, dict):
-            name = row.get("environment")
-            if name not in factory:
-                raise ValueError(
-                    f"Validation example has `environment={name!r}`, which is not among the environments passed to "
-                    f"`environment_factory`. Expected one of: {list(factory)}."
-                )
-            factory, kwargs = factory[name], {k: v for k, v in row.items() if k != "environment"}
-        pool = self._pool.get(id(factory), [])
-        environment = pool.pop() if pool else factory()
-        self._origin[id(environment)] = id(factory)
-        return environment, kwargs
+            return None
+        with self._pool_lock:
+            idle = self._pool.get(name)
+            if idle:
+                return idle.pop()
+            return (factory[name] if isinstance(factory, dict) else factory)()
+
+    def _choose_renderer(self) -> ChatRenderer:
+        """The worker's template, decided once as TRL's worker decides it: from every tool it can expose, one
+        instance of each environment probed (and kept in the pool)."""
+        t = self.trainer
+        factory = t._environment_factory
+        names = list(factory) if isinstance(factory, dict) else ([None] if factory is not None else [])
+        tools = bool(t._tools_list)
+        for name in names:
+            environment = self._draw(name)
+            tools = tools or bool(tool_methods(environment))
+            with self._pool_lock:
+                self._pool.setdefault(name, []).append(environment)
+        template = worker_chat_template(t.processing_class, tools)
+        return ChatRenderer(t.processing_class, template, getattr(t.args, "chat_template_kwargs", None))
 
     def _trajectory(self, row: dict, environment_and_kwargs, seed: int, max_model_len: int):
         """One trajectory: `(completion messages, its rows, what its rewards are computed from)`."""
@@ -256,7 +282,9 @@ class ValidationRollouts:
         if environment is not None:
             tool_dict.update(tool_methods(environment))
         tools = list(tool_dict.values())
-        backend = _HTTPBackend(self._host, self._renderer, tools, max_model_len, random.Random(seed))
+        # Two streams of one seed: the requests' sampling seeds, and the loop's own draws (snapshot downsampling).
+        seeds = random.Random(seed)
+        backend = _HTTPBackend(self._host, self._renderer, tools, max_model_len, random.Random(seeds.getrandbits(64)))
         prompt = row["prompt"] if "prompt" in row or environment is None else [{"role": "user", "content": ""}]
         prompt = with_observation(copy.deepcopy(prompt), observation)
         seen_prompt = copy.deepcopy(prompt)  # the loop extends its prompts in place
@@ -265,7 +293,7 @@ class ValidationRollouts:
             backend,
             LoopConfig(**{name: getattr(args, name) for name in LoopConfig.__dataclass_fields__}),
             async_loop=self.event_loop(),
-            rng=random.Random(seed),
+            rng=random.Random(seeds.getrandbits(64)),
         )
         # The first turn is asked for as the loop asks for later ones (at least one token, as the worker asks).
         (ids,), (lps,) = backend.generate([prompt_ids], limits=[max(1, loop._turn_limit(prompt_ids, prompt_ids))])
@@ -281,7 +309,8 @@ class ValidationRollouts:
             [list(lps)],
             [sync],
             [asynchronous],
-            [environment] if environment is not None else None,
+            # The environment the worker's loop gets: the owner of the rollout's tool methods (`environment_of`).
+            [loop_environment] if (loop_environment := environment_of(tool_dict)) is not None else None,
         )
         tool_mask, completions, completion_ids, *_ = trl_tuple
         rows = trajectory_rows(prompt_lists[0], trl_tuple, result, backend.stop_token_ids)

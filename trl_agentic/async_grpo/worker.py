@@ -96,8 +96,9 @@ class _Stopping(Exception):
     """A trajectory abandoned because the worker is stopping."""
 
 
-def _environment_of(tool_dict: dict):
-    """The environment instance whose bound methods are this rollout's tools (TRL does not pass it on)."""
+def environment_of(tool_dict: dict):
+    """The environment instance whose bound methods are this rollout's tools (TRL does not pass it on): what the
+    rollout loop gets as the trajectory's environment (checkpoints, user turns)."""
     for tool in tool_dict.values():
         owner = getattr(tool, "__self__", None)
         if owner is not None and not inspect.ismodule(owner):
@@ -342,7 +343,7 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
     def _run_trajectory(self, prompt, tool_dict, tools, group_id, event_loop, seed):
         """One trajectory through trl-agentic's loop (in a worker thread). Returns TRL's 6-tuple and counters."""
         backend = WorkerBackend(self, tools, event_loop)
-        environment = _environment_of(tool_dict)
+        environment = environment_of(tool_dict)
         prompt_msgs = copy.deepcopy(list(prompt))
         prompt_ids = self._renderer.prompt_ids(prompt_msgs, tools=tools)
         loop = AgenticRolloutLoop(backend, self._loop_config, async_loop=event_loop, rng=random.Random(seed))
