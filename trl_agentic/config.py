@@ -698,8 +698,9 @@ class AgenticGRPOConfig(GRPOConfig):
         if self.advantage_estimator == "rlvcr" and copo_all:
             warnings.warn(
                 "`rlvcr_expand_steps='all'` with `rlvcr_mode='copo'` and no `rlvcr_expand` gives the advantages of "
-                "'varied': a group without reward spread has episode advantage 0 on every token, so expanding its "
-                "steps costs generation and scoring for no gradient.",
+                "'varied' (but in groups whose rewards differ by at most 1e-6): a group without reward spread has "
+                "episode advantage 0 on every token, so expanding its steps costs generation and scoring for no "
+                "gradient.",
                 UserWarning,
                 stacklevel=3,
             )

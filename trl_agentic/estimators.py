@@ -117,3 +117,17 @@ def resolve_estimator(spec: str | Callable) -> Estimator:
         f"`advantage_estimator` must be one of {sorted(BUILTIN_ESTIMATORS)} or an import path "
         f"'package.module:function', got {spec!r}."
     )
+
+
+def zero_without_reward_spread(estimator: Estimator | None, args) -> bool:
+    """Whether a group without reward spread gets advantage exactly 0 from `estimator` (None: GRPO).
+
+    GRPO's advantages (and CoPO's, `A_traj` times a weight: `rlvcr_mode="copo"`) are 0 in exact arithmetic there, so
+    the float32 rounding noise TRL's computation leaves (e.g. six rewards of 0.3: 3.0e-4 on every row) is replaced by
+    0. RLVCR's additive rule and custom estimators keep their advantages, which can carry signal without a reward
+    spread. Decided by the estimator that runs, not the config's string: a callable passed to a trainer while the
+    config says `"rlvcr"` is a custom estimator, and RLVCR named by its import path is RLVCR.
+    """
+    if estimator is None or estimator is grpo_estimator:
+        return True
+    return getattr(args, "rlvcr_mode", None) == "copo" and estimator is resolve_estimator("rlvcr")

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from trl_agentic.advantages import group_advantages
 from trl_agentic.config import AgenticGRPOConfig
 from trl_agentic.estimators import AdvantageBatch, EstimatorResult
 from trl_agentic.rlvcr.estimator import (
@@ -474,6 +475,32 @@ def test_additive_degenerate_groups(tiny_tokenizer):
     trainer = FakeTrainer(tok, args)
     adv = rlvcr_estimator(make_batch(tok, rows, [1.0], [0]), trainer)
     close(adv[0, 0].item(), 0.8 - 0.5)
+
+
+@pytest.mark.parametrize("mode", ["copo", "additive"])
+def test_a_group_without_reward_spread_has_episode_advantage_exactly_zero(tiny_tokenizer, mode):
+    # Six rollouts rewarded 0.3: TRL's float32 group advantages are noise of one sign (the control). The episode
+    # advantage RLVCR builds on is exactly 0 instead, so under "all" (every step expanded, tied groups included) the
+    # tokens carry CoPO's 0 or the additive rule's w * A_think alone: the advantages of six rollouts rewarded 0, whose
+    # statistics are exact, bit for bit. A group with a spread beside it keeps its GRPO advantages.
+    tok = tiny_tokenizer
+    noise = group_advantages(torch.full((6,), 0.3), torch.zeros(6, dtype=torch.long))
+    assert bool((noise != 0).all())
+    rows = [[(STEP_LOOK, True), (TOOL, False), (STEP_TAKE, True)], [(STEP_FAIL, True)]] * 3 + [[(STEP_TAKE, True)]] * 2
+    args = rlvcr_args(rlvcr_mode=mode, rlvcr_expand_steps="all", rlvcr_step_advantage_w=0.7)
+    found = {}
+    for tie in (0.3, 0.0):
+        rewards = [tie] * 6 + [1.0, 0.0]
+        found[tie] = rlvcr_estimator(make_batch(tok, rows, rewards, [0] * 6 + [1, 1]), FakeTrainer(tok, args))
+    assert torch.equal(found[0.3], found[0.0])
+    adv = found[0.3]
+    if mode == "copo":
+        close(adv[6, 0].item(), A_PAIR * copo_w(CONF["take apple"], 3))
+        close(adv[7, 0].item(), -A_PAIR * copo_w(CONF["take apple"], 3))
+        assert torch.count_nonzero(adv[:6]) == 0
+    else:  # the same step in both rows: the same thinking advantage, episode advantages +-A_PAIR
+        close(adv[6, 0].item() - adv[7, 0].item(), 2 * A_PAIR)
+        assert torch.count_nonzero(adv[:6]) > 0  # the thinking advantages of the tied group's steps
 
 
 # ---- expansion rows ----

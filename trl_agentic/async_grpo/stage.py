@@ -37,7 +37,13 @@ from ..rollout.types import RowKind
 from .compat import trainer_module
 from .rows import advantage_batch, baseline_mask, clamp_negatives, row_from_tokens
 
-__all__ = ["AgenticRolloutQueue", "EstimatorHost", "pack_with_token_advantages", "token_advantage_collate"]
+__all__ = [
+    "AgenticRolloutQueue",
+    "EstimatorHost",
+    "estimate_group",
+    "pack_with_token_advantages",
+    "token_advantage_collate",
+]
 
 # Generation requests an `EstimatorHost` keeps in flight at once (the server queues what it cannot batch).
 MAX_CONCURRENT_REQUESTS = 64
@@ -91,6 +97,9 @@ class EstimatorHost:
         self._metrics = trainer._metrics
         self.accelerator = _OneProcess(trainer.accelerator.device)
         self.temperature = trainer.args.temperature
+        # Where an estimator's requests (`_generate_single_turn`) draw their sampling seeds: None, the `random`
+        # module; TracIn's validation sets a stream of the refresh's seed per group.
+        self.rng: random.Random | None = None
 
     @property
     def model(self):
@@ -102,7 +111,7 @@ class EstimatorHost:
         """One sampled turn per prompt from the vLLM server, with the adapter of the current policy version."""
         args = self.args
         limit = max_tokens or getattr(args, "rlvcr_max_thinking_tokens", args.max_completion_length)
-        return self.complete(prompt_ids, [limit] * len(prompt_ids))
+        return self.complete(prompt_ids, [limit] * len(prompt_ids), rng=self.rng)
 
     def complete(self, prompts, max_tokens: list[int], rng: random.Random | None = None):
         """One sampled turn per prompt (`max_tokens[k]` tokens at most for prompt k) from the vLLM server, with the
@@ -240,71 +249,79 @@ class AgenticRolloutQueue:
         )
 
     def _estimate(self, group: list) -> list:
-        args = self._trainer.args
-        kinds = torch.tensor([int(s.row_kind) for s in group], dtype=torch.long)
-        rewards = torch.tensor([float(s.reward) for s in group], dtype=torch.float32)
-        rows = [{"input_ids": s.input_ids, "completion_mask": s.completion_mask} for s in group]
-        batch = advantage_batch(
-            rows,
-            rewards,
-            [0] * len(group),
-            baseline_mask(kinds, args),
-            kinds,
-            [s.episode for s in group],
-            args.scale_rewards,
-            args.advantage_std_floor,
-        )
-        untrained = torch.tensor([not getattr(s, "trained", True) for s in group], dtype=torch.bool)
-        batch.tool_mask[untrained] = 0  # as the synchronous trainer masks its untrained rows before the estimator
-        batch.loss_mask[untrained] = 0
-        model = self._host.model
-        if not model.training:
-            # Only training rows come here. TRL reads the first step's rows before `Trainer` puts the model in
-            # training mode (a full model comes from `from_pretrained` in eval mode), and an estimator may take eval
-            # mode for an evaluation batch (RLVCR then returns episode advantages).
-            model.train()
-        result = self._estimator(batch, self._host)
-        if isinstance(result, EstimatorResult):
-            advantages, extra, extra_adv = result.advantages, list(result.extra_rows), result.extra_advantages
+        return estimate_group(group, self._estimator, self._host)
+
+
+def estimate_group(group: list, estimator, host: EstimatorHost) -> list:
+    """Run `estimator` on one group's pushed rows (`AgenticRolloutSample`s, the untrained ones included) as the
+    synchronous trainer runs it on a batch (module docstring): each row's `advantage` becomes the estimator's (a float,
+    or an array over its `input_ids`, 0 on the prompt; a negative row's clamped at 0), and the rows it adds follow as
+    `RowKind.EXPANSION` rows of the parent's type. Returns the group's rows, then the added ones."""
+    args = host.args
+    kinds = torch.tensor([int(s.row_kind) for s in group], dtype=torch.long)
+    rewards = torch.tensor([float(s.reward) for s in group], dtype=torch.float32)
+    rows = [{"input_ids": s.input_ids, "completion_mask": s.completion_mask} for s in group]
+    batch = advantage_batch(
+        rows,
+        rewards,
+        [0] * len(group),
+        baseline_mask(kinds, args),
+        kinds,
+        [s.episode for s in group],
+        args.scale_rewards,
+        args.advantage_std_floor,
+    )
+    untrained = torch.tensor([not getattr(s, "trained", True) for s in group], dtype=torch.bool)
+    batch.tool_mask[untrained] = 0  # as the synchronous trainer masks its untrained rows before the estimator
+    batch.loss_mask[untrained] = 0
+    model = host.model
+    if not model.training:
+        # Only training rows (and TracIn's validation rows, during a step) come here. TRL reads the first step's
+        # rows before `Trainer` puts the model in training mode (a full model comes from `from_pretrained` in eval
+        # mode), and an estimator may take eval mode for an evaluation batch (RLVCR then returns episode advantages).
+        model.train()
+    result = estimator(batch, host)
+    if isinstance(result, EstimatorResult):
+        advantages, extra, extra_adv = result.advantages, list(result.extra_rows), result.extra_advantages
+    else:
+        advantages, extra, extra_adv = result, [], None
+    advantages = clamp_negatives(advantages.detach().float().cpu(), kinds)
+    for k, s in enumerate(group):
+        s.advantage = _row_advantage(advantages[k], batch.prompt_ids.size(1), batch.prompt_mask[k], s)
+    out = list(group)
+    pushed = len(group) - sum(not getattr(s, "trained", True) for s in group)  # what `get` passes on
+    for s in group:
+        s.group_rows = pushed
+    for k, row in enumerate(extra):
+        parent = group[row.parent]
+        ids, mask, lps = row_from_tokens(row.prompt_ids, row.completion_ids, row.tool_mask, row.logprobs)
+        value = extra_adv[k].detach().float().cpu()
+        if value.dim() == 1:  # token-level over the row's completion
+            value = np.concatenate([np.zeros(len(row.prompt_ids)), value[: len(row.completion_ids)].numpy()])
+            value = np.pad(value, (0, len(ids) - len(value)))
         else:
-            advantages, extra, extra_adv = result, [], None
-        advantages = clamp_negatives(advantages.detach().float().cpu(), kinds)
-        for k, s in enumerate(group):
-            s.advantage = _row_advantage(advantages[k], batch.prompt_ids.size(1), batch.prompt_mask[k], s)
-        out = list(group)
-        pushed = len(group) - sum(not getattr(s, "trained", True) for s in group)  # what `get` passes on
-        for s in group:
-            s.group_rows = pushed
-        for k, row in enumerate(extra):
-            parent = group[row.parent]
-            ids, mask, lps = row_from_tokens(row.prompt_ids, row.completion_ids, row.tool_mask, row.logprobs)
-            value = extra_adv[k].detach().float().cpu()
-            if value.dim() == 1:  # token-level over the row's completion
-                value = np.concatenate([np.zeros(len(row.prompt_ids)), value[: len(row.completion_ids)].numpy()])
-                value = np.pad(value, (0, len(ids) - len(value)))
-            else:
-                value = float(value)
-            out.append(
-                type(parent)(
-                    prompt=parent.prompt,
-                    completion=parent.completion,
-                    input_ids=np.asarray(ids, dtype=np.int64),
-                    completion_mask=np.asarray(mask, dtype=np.int64),
-                    old_log_probs=np.asarray(lps, dtype=np.float32),
-                    advantage=value,
-                    model_version=parent.model_version,
-                    group_id=parent.group_id,
-                    metrics={**parent.metrics, "rows/expansion_frac": 1.0},
-                    row_kind=int(RowKind.EXPANSION),
-                    reward=parent.reward,
-                    episode=parent.episode,
-                    group_rows=pushed + len(extra),
-                    policy_versions=parent.policy_versions,
-                )
+            value = float(value)
+        out.append(
+            type(parent)(
+                prompt=parent.prompt,
+                completion=parent.completion,
+                input_ids=np.asarray(ids, dtype=np.int64),
+                completion_mask=np.asarray(mask, dtype=np.int64),
+                old_log_probs=np.asarray(lps, dtype=np.float32),
+                advantage=value,
+                model_version=parent.model_version,
+                group_id=parent.group_id,
+                metrics={**parent.metrics, "rows/expansion_frac": 1.0},
+                row_kind=int(RowKind.EXPANSION),
+                reward=parent.reward,
+                episode=parent.episode,
+                group_rows=pushed + len(extra),
+                policy_versions=parent.policy_versions,
             )
-        for s in out[: len(group)]:
-            s.metrics = {**s.metrics, "rows/expansion_frac": 0.0}
-        return out
+        )
+    for s in out[: len(group)]:
+        s.metrics = {**s.metrics, "rows/expansion_frac": 0.0}
+    return out
 
 
 def _row_advantage(value: torch.Tensor, prompt_width: int, prompt_mask: torch.Tensor, sample):

@@ -13,9 +13,9 @@ Per micro-batch (the planner's rows, before TRL's collator packs them):
    validation prompts are rolled out `tracin_val_num_generations` times each with the current policy and made into
    rows as the worker makes training rows (`validation.ValidationRollouts`: the server's current adapter,
    trl-agentic's rollout loop, tools and environments, the trajectories of a refresh at once; negative and snapshot
-   rows, the worker's group advantages, exactly 0 in a group without reward spread), and V is the gradient w.r.t.
-   the LoRA weights of TRL's asynchronous loss on them at ratio 1 (`-sum_b A_b sum_t exp(logp_t - sg(logp_t)) /
-   N_tokens`, one forward). New rollouts are drawn every `tracin_val_rollout_steps` optimizer steps, as in the
+   rows, the worker's group advantages or the trainer-side estimator's, exactly 0 in a group without reward spread
+   under GRPO and CoPO), and V is the gradient w.r.t. the LoRA weights of TRL's asynchronous loss on them at ratio 1
+   (`-sum_b sum_t A_bt exp(logp_t - sg(logp_t)) / N_tokens`, one forward). New rollouts are drawn every `tracin_val_rollout_steps` optimizer steps, as in the
    synchronous trainer; a refresh in between recomputes V at the current weights on the stored rows and advantages.
    Without a validation row to train (every rollout lost, say) V is zero.
 2. Scores: `score_b = <grad ell_b, V>`, `ell_b` being row b's term of the loss TRL trains the micro-batch with
@@ -136,7 +136,10 @@ class AsyncTracIn:
                 {
                     "input_ids": torch.as_tensor(np.asarray(r["input_ids"]), dtype=torch.long),
                     "completion_mask": torch.as_tensor(np.asarray(r["completion_mask"]), dtype=torch.long),
-                    "advantage": float(r["advantage"]),
+                    # A float, or an array over `input_ids` (a trainer-side estimator's token-level advantages).
+                    "advantage": torch.as_tensor(r["advantage"], dtype=torch.float32)
+                    if isinstance(r["advantage"], np.ndarray)
+                    else float(r["advantage"]),
                     "kind": int(r.get("kind", 0)),
                 }
                 for r in self.val_rows
@@ -173,7 +176,7 @@ class AsyncTracIn:
                 {
                     "input_ids": r["input_ids"].numpy(),
                     "completion_mask": r["completion_mask"].numpy(),
-                    "advantage": r["advantage"],
+                    "advantage": r["advantage"].numpy() if torch.is_tensor(r["advantage"]) else r["advantage"],
                     "kind": r.get("kind", 0),
                 }
                 for r in rows

@@ -16,15 +16,20 @@ scored are the worker's (`worker.AgenticAsyncRolloutLoop._run_trajectory` and `_
   `rows.score_group_rows` with the config (negative rewards and cap, `group_baseline`, `snapshot_advantage`,
   `snapshot_reward_func`, `mask_truncated_completions`), and the rows it trains are the validation rows;
 - a group whose rewards are all equal (its kept rows', NaN ignored) gets advantage exactly 0
-  (`advantages.without_reward_spread`), not float32 rounding noise of one sign.
+  (`advantages.without_reward_spread`), not float32 rounding noise of one sign;
 
-A trainer-side advantage estimator (`advantage_estimator != "grpo"`) is not applied: validation rows carry the
-worker's group advantages.
+- a trainer-side advantage estimator (`advantage_estimator != "grpo"`, RLVCR) runs on each validation group as the
+  trainer's stage runs it on a training group (`stage.estimate_group`: every kept row, the untrained ones with a zero
+  loss mask; token-level advantages as arrays over a row's `input_ids`; the rows it adds, RLVCR's expansions, are
+  validation rows too), its metrics discarded, as the synchronous trainer computes validation advantages with its
+  estimator. The zeroing of tied groups follows the synchronous trainer's rule
+  (`estimators.zero_without_reward_spread`: GRPO and CoPO; RLVCR's additive rule and custom estimators keep theirs).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import copy
 import importlib
@@ -40,11 +45,13 @@ from transformers.utils import logging
 
 from ..advantages import without_reward_spread
 from ..envs.protocol import tool_methods, with_observation
+from ..estimators import zero_without_reward_spread
 from ..rollout.loop import AgenticRolloutLoop, LoopConfig
 from ..rollout.rendering import ChatRenderer
 from ..rollout.types import RowKind
-from .rows import score_group_rows, segment_info, trajectory_rows
-from .worker import environment_of
+from .rows import pushed_rows, score_group_rows, segment_info, trajectory_rows
+from .stage import EstimatorHost, estimate_group
+from .worker import AgenticRolloutSample, environment_of
 
 __all__ = ["ValidationRollouts"]
 
@@ -134,12 +141,14 @@ class ValidationRollouts:
     """
 
     def __init__(self, trainer):
-        from ..async_grpo.stage import EstimatorHost
-
         self.trainer = trainer
         args = trainer.args
         self.max_parallel = DEFAULT_PARALLEL_TRAJECTORIES
         self._host = EstimatorHost(trainer)
+        # The trainer-side estimator (None: the worker's GRPO advantages), run through a host of its own whose
+        # metrics are discarded: validation is not training (the synchronous trainer keeps them out too).
+        self._estimator = getattr(trainer, "advantage_estimator", None)
+        self._estimator_host = EstimatorHost(trainer) if self._estimator is not None else None
         self._renderer: ChatRenderer | None = None  # chosen at the first refresh, from its environments' tools
         path = getattr(args, "snapshot_reward_func", None)
         module, _, name = (path or "").partition(":")
@@ -217,7 +226,8 @@ class ValidationRollouts:
         for g, row in enumerate(prompts):
             group = done[g * n : (g + 1) * n]
             group_rewards = self._rewards(row, group)
-            out += self._score(row, group, group_rewards)
+            # An estimator's requests (RLVCR's alternative thinking) draw their seeds from the refresh's seed too.
+            out += self._score(row, group, group_rewards, random.Random(f"{seed}/estimator/{g}"))
             rewards += [math.nan if rows[0].lost else r for (_, rows, _), r in zip(group, group_rewards)]
         return out, rewards
 
@@ -349,8 +359,9 @@ class ValidationRollouts:
         total[np.all(np.isnan(values), axis=0)] = np.nan
         return total.tolist()
 
-    def _score(self, row: dict, group: list, conversation_rewards: list[float]) -> list[dict]:
-        """The group's rows as the worker scores and trains them (`score_group_rows`), advantage 0 without a spread."""
+    def _score(self, row: dict, group: list, conversation_rewards: list[float], rng: random.Random) -> list[dict]:
+        """The group's rows as the worker scores and trains them (`score_group_rows`), then the trainer-side
+        estimator's advantages (its requests seeded from `rng`), 0 without a spread under GRPO and CoPO."""
         args = self.trainer.args
         rows = [r for _, trajectory_rows, _ in group for r in trajectory_rows]
         conversation = [c for c, (_, trajectory_rows, _) in enumerate(group) for _ in trajectory_rows]
@@ -374,12 +385,50 @@ class ValidationRollouts:
             mask_truncated=bool(getattr(args, "mask_truncated_completions", False)),
         )
         tied = bool(without_reward_spread(scored.rewards, torch.zeros(len(scored.rewards), dtype=torch.long)).all())
+        zero = tied and zero_without_reward_spread(self._estimator, args)
+        if self._estimator is None:
+            return [
+                {
+                    "input_ids": np.asarray(rows[k].input_ids),
+                    "completion_mask": np.asarray(rows[k].completion_mask),
+                    "advantage": 0.0 if zero else float(scored.advantages[j]),
+                    "kind": int(rows[k].kind),
+                }
+                for k, j in trained
+            ]
+        samples = [
+            AgenticRolloutSample(
+                prompt=None,
+                completion=None,
+                input_ids=np.asarray(rows[k].input_ids),
+                completion_mask=np.asarray(rows[k].completion_mask),
+                old_log_probs=np.zeros(len(rows[k].input_ids), dtype=np.float32),  # unused: V's ratio is 1
+                advantage=float(scored.advantages[j]),
+                model_version=0,
+                group_id=0,
+                metrics={},
+                row_kind=int(rows[k].kind),
+                reward=float(scored.rewards[j]),
+                episode=conversation[k],
+                trained=is_trained,
+            )
+            for k, j, is_trained in pushed_rows(scored.keep, trained, untrained=True)
+        ]
+        if not samples:
+            return []
+        host = self._estimator_host
+        host._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
+        host.rng = rng
+        estimated = estimate_group(samples, self._estimator, host)
         return [
             {
-                "input_ids": np.asarray(rows[k].input_ids),
-                "completion_mask": np.asarray(rows[k].completion_mask),
-                "advantage": 0.0 if tied else float(scored.advantages[j]),
-                "kind": int(rows[k].kind),
+                "input_ids": s.input_ids,
+                "completion_mask": s.completion_mask,
+                "advantage": (np.zeros_like(s.advantage) if isinstance(s.advantage, np.ndarray) else 0.0)
+                if zero
+                else s.advantage,
+                "kind": int(s.row_kind),
             }
-            for k, j in trained
+            for s in estimated
+            if s.trained
         ]

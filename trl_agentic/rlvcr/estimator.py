@@ -7,7 +7,9 @@ that makes the taken action most likely gets more credit.
 
 Per generation batch (`rlvcr_estimator` is called once per batch on every process, see `trl_agentic.batch`):
 
-1. **Episode advantages**: `grpo_estimator` on the gathered rewards (group statistics over the batch's baseline rows).
+1. **Episode advantages**: `grpo_estimator` on the gathered rewards (group statistics over the batch's baseline rows),
+   exactly 0 for the rows of a group without reward spread (`advantages.without_reward_spread`; float32 statistics
+   leave rounding noise of one sign there).
 2. **Steps**: a step is one assistant turn, i.e. a maximal run of model tokens (`completion_mask * tool_mask == 1`).
    Each run is decoded and parsed with `parse_step` (strict: only whitespace around the step); the original action's
    character span is mapped to token positions with `decode_with_offsets` (byte-level tokenizers included). Only rows
@@ -55,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..advantages import group_reward_range
+from ..advantages import group_reward_range, without_reward_spread
 from ..estimators import AdvantageBatch, EstimatorResult, grpo_estimator
 from ..rank_errors import raise_on_every_rank
 from ..rollout.types import ExtraRow, RowKind
@@ -420,6 +422,11 @@ def rlvcr_estimator(batch: AdvantageBatch, trainer) -> Tensor | EstimatorResult:
     """
     args = trainer.args
     episode = grpo_estimator(batch, trainer).to(torch.float32)
+    # 0 in a group without reward spread, as in exact arithmetic: TRL's float32 statistics leave rounding noise of one
+    # sign there (six rewards of 0.3: 3.0e-4 on every row), which CoPO's weights and the additive rule would carry
+    # onto every token of the group (and TracIn's validation direction would follow).
+    tied = without_reward_spread(batch.rewards, batch.group_ids)[batch.local_index]
+    episode = episode.masked_fill(tied.to(episode.device), 0.0)
     if not trainer.model.training:
         return episode
     # Every local step that can fail on one process ends at a synchronisation point before the next collective

@@ -41,7 +41,7 @@ import torch
 from transformers.utils import logging
 
 from ..batch import counted_rows
-from ..estimators import grpo_estimator, resolve_estimator
+from ..estimators import zero_without_reward_spread
 from ..loss_weights import ROW_MEAN_LOSSES
 from ..rollout.types import RowKind
 from .hooks import LoraGhostHooks
@@ -495,13 +495,9 @@ class TracInMixin:
         without a reward spread.
         """
         groups = self._augmenter.last_groups_without_spread
-        # By the estimator that ran, not the config's string: a callable passed to the trainer while the config says
-        # "rlvcr" is a custom estimator, and RLVCR named by its import path is RLVCR.
-        estimator = self.advantage_estimator
-        grpo = estimator is grpo_estimator or (
-            self.args.rlvcr_mode == "copo" and estimator is resolve_estimator("rlvcr")
-        )
-        if groups is None or "group_id" not in batch or not grpo:
+        if groups is None or "group_id" not in batch:
+            return batch
+        if not zero_without_reward_spread(self.advantage_estimator, self.args):
             return batch
         rows = torch.isin(batch["group_id"], groups.to(batch["group_id"].device))
         advantages = batch["advantages"]
