@@ -152,15 +152,13 @@ def test_a_warm_start_is_merged_into_the_folder_the_server_serves_and_the_traine
         main([*argv, "--output_dir", str(tmp_path / "other"), "--resume_from_checkpoint", "x"])
 
 
-def test_tracin_needs_gradient_checkpointing_off():
+def test_tracin_takes_trls_default_gradient_checkpointing():
+    """TracIn with `AsyncGRPOConfig`'s default `gradient_checkpointing=True` (it was refused; the filter's passes now
+    run checkpointed, `tests/test_async_tracin.py::test_scores_and_v_under_gradient_checkpointing`)."""
     from trl_agentic.async_grpo import AsyncAgenticGRPOConfig
 
-    with pytest.raises(ValueError, match="`tracin_enabled=True` needs `gradient_checkpointing=False`"):
-        AsyncAgenticGRPOConfig(output_dir="x", tracin_enabled=True)
-    ok = AsyncAgenticGRPOConfig(
-        output_dir="x", tracin_enabled=True, gradient_checkpointing=False, use_cpu=True, bf16=False
-    )
-    assert ok.tracin_enabled
+    config = AsyncAgenticGRPOConfig(output_dir="x", tracin_enabled=True, use_cpu=True, bf16=False)
+    assert config.tracin_enabled and config.gradient_checkpointing
 
 
 def test_a_reward_function_taking_environments_is_refused_before_a_model_loads(monkeypatch, tmp_path):
@@ -244,7 +242,8 @@ def test_async_feature_configs_warm_start_as_their_synchronous_twins(monkeypatch
     """configs/async_snapshots_logsearch.yaml and configs/async_rlvcr_textworld.yaml (the runs in docs/async.md where
     snapshots, TracIn and RLVCR fire on a warm-started model): the same task, warm start and feature settings as the
     synchronous configs whose live runs docs/snapshots.md and docs/rlvcr.md record, so stage 1 teaches the same format;
-    the asynchronous trainer, its server started by the run, and TracIn with gradient checkpointing off."""
+    the asynchronous trainer, its server started by the run, and TracIn with gradient checkpointing off (as the
+    recorded run was)."""
     import dataclasses
 
     from trl_agentic.cli import make_parser, trainer_kind

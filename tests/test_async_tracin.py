@@ -176,3 +176,159 @@ def test_a_zero_validation_direction_keeps_every_row_unscored(tiny_model_dir):
     tracin.scores = lambda samples: scored.append(len(samples)) or torch.tensor([-1.0, 2.0, 3.0, 4.0, -5.0])
     tracin.filter_rows([row])
     assert scored == [5] and tracin.last["selected"].tolist() == [False, True, True, False, False]  # row 3: no token
+
+
+# ----------------------------------------------------------------------------------------------- gradient checkpointing
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_scores_and_v_under_gradient_checkpointing(tiny_model_dir, reentrant):
+    """Gradient checkpointing is on by default in TRL's asynchronous config. Non-reentrant, the scoring forward and
+    V's run checkpointed (each decoder layer runs twice: the backward's recompute) and the hooks take a region's
+    inputs from the recompute; reentrant (its first forward without autograd), the two passes run without it (each
+    layer once) and checkpointing is back on afterwards. Either way the scores equal the uncheckpointed by-hand ones
+    and V equals the uncheckpointed V."""
+    from trl_agentic.async_grpo.tracin import AsyncTracIn
+
+    model = lora_model(tiny_model_dir)
+    model.train()
+    samples = _samples()
+    stub = _stub(model)
+    tracin = AsyncTracIn.__new__(AsyncTracIn)
+    tracin.trainer, tracin.direction = stub, _direction(model)
+    tracin.val_rows = [dict(s, advantage=float(k) - 1.5) for k, s in enumerate(samples)]
+    expected = _expected_scores(model, samples, tracin.direction, stub)
+    plain_v = tracin._validation_direction(model)
+
+    kwargs = {"use_reentrant": reentrant}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    stub.args.gradient_checkpointing, stub.args.gradient_checkpointing_kwargs = True, kwargs
+    tracin.disable_checkpointing = reentrant  # as `__init__` decides (`reentrant_checkpointing`, tested below)
+    layer = model.base_model.model.model.layers[0]
+    calls = []
+    probe = layer.register_forward_pre_hook(lambda *args: calls.append(1))  # (a recompute may stop early)
+    got = tracin.scores(samples).double()
+    scored_calls = len(calls)
+    v = tracin._validation_direction(model)
+    probe.remove()
+    assert (scored_calls, len(calls)) == ((1, 2) if reentrant else (2, 4))
+    assert model.is_gradient_checkpointing  # restored after the reentrant case's passes
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-10)
+    for name, g in plain_v.items():
+        torch.testing.assert_close(v[name].A, g.A, rtol=1e-9, atol=1e-14)
+        torch.testing.assert_close(v[name].B, g.B, rtol=1e-9, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "kwargs, reentrant",
+    [
+        (None, False),
+        ({}, False),
+        ({"use_reentrant": False}, False),
+        ({"use_reentrant": True}, True),
+        ({"every_n_layers": 2}, False),
+        ({"preserve_rng_state": True}, True),
+        ({"use_reentrant": None}, True),
+    ],
+)
+def test_reentrant_checkpointing_is_decided_as_transformers_enables_it(tiny_model_dir, kwargs, reentrant):
+    """`reentrant_checkpointing(args)` against what the model does once `transformers.Trainer` has enabled
+    checkpointing from those args (its own keys taken out, `None` when nothing is left): a recorded forward raises the
+    hooks' no-autograd error exactly when checkpointing is reentrant."""
+    import warnings
+
+    from trl_agentic.tracin.hooks import LoraGhostHooks, reentrant_checkpointing
+
+    args = SimpleNamespace(gradient_checkpointing=True, gradient_checkpointing_kwargs=kwargs)
+    assert reentrant_checkpointing(args) is reentrant
+    off = SimpleNamespace(gradient_checkpointing=False, gradient_checkpointing_kwargs=kwargs)
+    assert reentrant_checkpointing(off) is False
+
+    model = lora_model(tiny_model_dir)
+    model.train()
+    given = dict(kwargs or {})
+    every = given.pop("every_n_layers", 1)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=given or None, every_n_layers=every)
+    ids = torch.as_tensor(_samples()[0]["input_ids"])[None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "pass use_reentrant explicitly"
+        with LoraGhostHooks(model) as hooks:
+            try:
+                with hooks.record():
+                    model(input_ids=ids).logits.sum()
+                raised = False
+            except RuntimeError as error:
+                assert "autograd disabled" in str(error)
+                raised = True
+    assert raised is reentrant
+
+
+@pytest.mark.parametrize("kwargs, warns", [(None, False), ({"use_reentrant": True}, True)])
+def test_the_filter_says_at_start_up_when_its_passes_run_without_checkpointing(tiny_tokenizer, kwargs, warns):
+    """The filter built with TRL's default checkpointing (non-reentrant) keeps it in its passes, silently; with
+    reentrant checkpointing it turns it off there and says so once, at start-up."""
+    import warnings
+
+    from test_async_tracin_validation import _trainer
+
+    from trl_agentic.async_grpo.tracin import AsyncTracIn
+
+    trainer = _trainer(None, tiny_tokenizer, gradient_checkpointing=True, gradient_checkpointing_kwargs=kwargs)
+    trainer.accelerator.num_processes = 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracin = AsyncTracIn(trainer, [{"prompt": "p"}])
+    said = [str(w.message) for w in caught if "reentrant gradient checkpointing" in str(w.message)]
+    assert tracin.disable_checkpointing is warns and len(said) == int(warns)
+
+
+def test_pausing_reentrant_checkpointing_keeps_what_the_trainer_enabled(tiny_model_dir):
+    """Reentrant checkpointing on every second layer (`every_n_layers=2`, a transformers key the Trainer takes out of
+    `gradient_checkpointing_kwargs`): after the filter's passes every layer's flag is what it was and no input hook was
+    added, and training's next forward and backward run (TRL's `disable_gradient_checkpointing` re-enabled every
+    layer with `every_n_layers` handed to torch, which rejects it, and added an embedding hook per call)."""
+    from trl_agentic.async_grpo.tracin import AsyncTracIn
+
+    model = lora_model(tiny_model_dir)
+    model.train()
+    samples = _samples()
+    direction = _direction(model)
+    expected = _expected_scores(model, samples, direction, _stub(model))  # by hand, before checkpointing is on
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True}, every_n_layers=2)
+    layers = model.base_model.model.model.layers
+    flags = [layer.gradient_checkpointing for layer in layers]
+    assert True in flags and False in flags
+    embed = model.get_input_embeddings()
+    hooks_before = len(embed._forward_hooks)
+    stub = _stub(model, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+    tracin = AsyncTracIn.__new__(AsyncTracIn)
+    tracin.trainer, tracin.direction, tracin.disable_checkpointing = stub, direction, True
+    tracin.val_rows = [dict(s, advantage=1.0) for s in samples]
+    torch.testing.assert_close(tracin.scores(samples).double(), expected, rtol=1e-6, atol=1e-10)
+    tracin._validation_direction(model)
+    assert [layer.gradient_checkpointing for layer in layers] == flags
+    assert len(embed._forward_hooks) == hooks_before
+    ids = torch.as_tensor(samples[0]["input_ids"])[None]
+    model(input_ids=ids).logits.sum().backward()  # training's next step, checkpointed as before
+
+
+def test_the_filter_runs_in_training_mode_from_step_0(tiny_model_dir):
+    """TRL reads step 0's rows before `Trainer` puts the model in training mode: the filter puts it there first, so
+    its passes run as training runs, checkpointed (non-reentrant: each layer twice in the scoring pass)."""
+    from trl_agentic.async_grpo.compat import trainer_module
+    from trl_agentic.async_grpo.tracin import AsyncTracIn
+
+    model = lora_model(tiny_model_dir)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.eval()
+    stub = _stub(model)
+    tracin = AsyncTracIn.__new__(AsyncTracIn)
+    tracin.trainer, tracin.direction, tracin.refreshed_at = stub, _direction(model), 3
+    row = trainer_module().TreeRow()
+    for s in _samples(n=2):
+        row.add(s)
+    calls = []
+    probe = model.base_model.model.model.layers[0].register_forward_pre_hook(lambda *args: calls.append(1))
+    tracin.filter_rows([row])
+    probe.remove()
+    assert model.training and len(calls) == 2

@@ -2,7 +2,7 @@
 "grpo"`): the estimator runs on each validation group as on a training group, its token-level advantages and added
 rows reach V, and ties are zeroed by the synchronous trainer's rule. Trajectories are scripted
 (`test_async_tracin_validation._script`); the estimator here is a plain function whose output is written out, and V
-is checked against autograd of the token-level loss by hand. RLVCR itself: `tests/rlvcr/test_async_validation.py`."""
+is checked against autograd of the token-level loss by hand (`_brute_force_direction`). RLVCR itself: `tests/rlvcr/test_async_validation.py`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from async_tracin_helpers import lora_model
-from test_async_tracin_validation import _flat, _pool, _row, _script, _tracin, _trainer
+from test_async_tracin_validation import _brute_force_direction, _flat, _pool, _row, _script, _tracin, _trainer
 
 from trl_agentic.estimators import EstimatorResult
 from trl_agentic.rollout.types import ExtraRow, RowKind
@@ -37,26 +37,6 @@ def _estimator(seen):
         return EstimatorResult(advantages, [EXTRA], extra[None])
 
     return estimate
-
-
-def _token_direction(model, rows, temperature):
-    """V by hand at ratio 1 with per-token advantages: the LoRA gradient of `-sum_b sum_t A_bt logp_bt / N` over the
-    trained positions (each row's own forward; N the trained tokens of all rows)."""
-    from trl_agentic.tracin.layers import find_lora_layers
-
-    refs = find_lora_layers(model)
-    n_tokens = sum(int(np.asarray(r["completion_mask"])[1:].sum()) for r in rows)
-    loss = 0.0
-    for r in rows:
-        ids = torch.as_tensor(np.asarray(r["input_ids"]))[None]
-        logps = torch.log_softmax(model(input_ids=ids).logits[0, :-1] / temperature, -1).gather(-1, ids[0, 1:, None])
-        mask = torch.as_tensor(np.asarray(r["completion_mask"])[1:], dtype=torch.float64)
-        advantage = torch.as_tensor(
-            np.broadcast_to(np.asarray(r["advantage"], dtype=np.float64), (ids.size(1),)).copy()
-        )
-        loss = loss - (advantage[1:] * logps[:, 0] * mask).sum() / n_tokens
-    grads = torch.autograd.grad(loss, [w for ref in refs for w in (ref.lora_A.weight, ref.lora_B.weight)])
-    return torch.cat([g.flatten() for g in grads])
 
 
 def _expected_advantage(ids, mask, reward):
@@ -96,7 +76,7 @@ def test_a_trainer_side_estimator_makes_the_validation_rows_and_their_token_adva
     assert tracin.val_rows[2]["completion_mask"].tolist() == [0, 0, 0, 1, 1, 0, 1]
     assert not trainer._metrics["train"].keys() - {"tracin/val_reward", "perf/tracin_val_rollout_s",
                                                    "tracin/val_grad_norm", "perf/tracin_refresh_s"}  # fmt: skip
-    want = _token_direction(model, tracin.val_rows, trainer.temperature)
+    want = _brute_force_direction(model, tracin.val_rows, trainer.temperature)
     scale = float(want.abs().max())
     assert scale > 0
     torch.testing.assert_close(_flat(tracin.direction), want, rtol=1e-4, atol=1e-5 * scale)
@@ -127,7 +107,7 @@ def test_a_tied_validation_group_is_zeroed_by_the_synchronous_trainers_rule(tiny
     if estimator == "custom":
         assert len(tracin.val_rows) == 7 and not tracin.direction_is_zero
         np.testing.assert_allclose(tracin.val_rows[1]["advantage"], _expected_advantage(*pool[1], 0.3), rtol=1e-6)
-        want = _token_direction(model, copy.deepcopy(tracin.val_rows), trainer.temperature)
+        want = _brute_force_direction(model, copy.deepcopy(tracin.val_rows), trainer.temperature)
         torch.testing.assert_close(_flat(tracin.direction), want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
     else:
         assert [r["advantage"] for r in tracin.val_rows] == [0.0] * 6 and tracin.direction_is_zero

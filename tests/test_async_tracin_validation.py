@@ -121,8 +121,9 @@ def _by_hand(rewards):
 
 
 def _brute_force_direction(model, rows, temperature):
-    """V by hand at ratio 1: the LoRA gradient of `-sum_b A_b sum_t logp_bt / N` (each row's own forward; N the
-    trained tokens of all rows), which is the gradient of TRL's clipped loss where the ratio is 1."""
+    """V by hand at ratio 1: the LoRA gradient of `-sum_b sum_t A_bt logp_bt / N` over the trained positions (each
+    row's own forward; N the trained tokens of all rows; a row's advantage a number or an array over its
+    `input_ids`), which is the gradient of TRL's clipped loss where the ratio is 1."""
     from trl_agentic.tracin.layers import find_lora_layers
 
     refs = find_lora_layers(model)
@@ -132,7 +133,8 @@ def _brute_force_direction(model, rows, temperature):
         ids = torch.as_tensor(np.asarray(r["input_ids"]))[None]
         logps = torch.log_softmax(model(input_ids=ids).logits[0, :-1] / temperature, -1).gather(-1, ids[0, 1:, None])
         mask = torch.as_tensor(np.asarray(r["completion_mask"])[1:], dtype=torch.float64)
-        loss = loss - r["advantage"] * (logps[:, 0] * mask).sum() / n_tokens
+        advantage = np.broadcast_to(np.asarray(r["advantage"], dtype=np.float64), (ids.size(1),))
+        loss = loss - (torch.as_tensor(advantage[1:].copy()) * logps[:, 0] * mask).sum() / n_tokens
     grads = torch.autograd.grad(loss, [w for ref in refs for w in (ref.lora_A.weight, ref.lora_B.weight)])
     return torch.cat([g.flatten() for g in grads])
 

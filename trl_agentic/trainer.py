@@ -306,14 +306,15 @@ class AgenticGRPOTrainer(RowSelectionMixin, GenerationMixin, TracInMixin, RowWei
 
     @torch.no_grad()
     def _logps_for_rows(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
-        """Per-token log-probs of extra rows, computed exactly as TRL computes its old/ref log-probs."""
-        from trl.models.utils import disable_gradient_checkpointing
+        """Per-token log-probs of extra rows, computed as TRL computes its old/ref log-probs (checkpointing paused by
+        `checkpointing_paused`, which keeps `every_n_layers` / `offload`, where TRL re-enables without them)."""
+        from .tracin.hooks import checkpointing_paused
 
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         mode = "train" if self.model.training else "eval"
         batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
-        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        with checkpointing_paused(self.model):
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, completion_ids.size(1), batch_size=batch_size
             )

@@ -207,11 +207,14 @@ def test_tracin_filtered_step_in_an_async_run(server, calculator_policy_dir, tmp
         tracin_val_refresh_steps=2,  # V at step 0 only
         tracin_selection="top_fraction",
         tracin_top_fraction=0.5,
+        gradient_checkpointing=True,  # TRL's asynchronous default (non-reentrant): the filter's passes run checkpointed
         **rollback_overrides(),
     )
     trainer = build(calculator_policy_dir, args, tracin_eval_dataset=calculator_dataset(4))
     trainer.train()
     assert trainer.state.global_step == 2
+    assert trainer.accelerator.unwrap_model(trainer.model).is_gradient_checkpointing
+    assert not trainer._tracin.disable_checkpointing
     selected = logged(trainer, "tracin/num_selected")
     assert len(selected) == 2 and all(1 <= n <= 4 for n in selected)  # half of each micro-batch of 8 rows
     (norm,) = logged(trainer, "tracin/val_grad_norm")

@@ -90,11 +90,6 @@ def _validate_async(self) -> None:
             "environment to its pool after the rollout, so an environment whose timed-out call still runs in a thread "
             "would be reused. Leave `tool_timeout=0`."
         )
-    if self.tracin_enabled and self.gradient_checkpointing:
-        raise ValueError(
-            "`tracin_enabled=True` needs `gradient_checkpointing=False` in AsyncAgenticGRPOTrainer: the TracIn scoring "
-            "forward records the LoRA activations (AsyncGRPOConfig turns gradient checkpointing on by default)."
-        )
     if self.row_selection != "none":
         raise ValueError(
             "`row_selection` is not supported by AsyncAgenticGRPOTrainer: it selects rows of a synchronous generation "

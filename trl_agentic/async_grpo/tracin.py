@@ -29,6 +29,12 @@ Per micro-batch (the planner's rows, before TRL's collator packs them):
    normalises by, the selected rows' tokens only: training on the masked micro-batch is training on the selected rows
    alone (the rejected rows' tokens stay in the forward as context of nothing but themselves).
 
+Gradient checkpointing (on by default in `AsyncGRPOConfig`): the hooks follow non-reentrant checkpointing (a
+region's LoRA inputs are taken from its recompute in the backward, `LoraGhostHooks`), so the scoring forward and V's
+run checkpointed; reentrant checkpointing (`gradient_checkpointing_kwargs={"use_reentrant": True}`) runs its first
+forward without autograd, so those two passes run without it (a warning at start-up says so), as in the synchronous
+trainer. Training is checkpointed either way.
+
 Metrics: `tracin/selected_ratio`, `tracin/num_selected`, `tracin/score_mean`, `tracin/score_pos_frac`,
 `tracin/val_reward` and `perf/tracin_val_rollout_s` (at new validation rollouts), `tracin/val_grad_norm` and
 `perf/tracin_refresh_s` (at refreshes: the wall seconds the refresh held the step up, rollouts included).
@@ -39,11 +45,13 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
+from contextlib import nullcontext
 
 import numpy as np
 import torch
 
-from ..tracin.hooks import LoraGhostHooks
+from ..tracin.hooks import LoraGhostHooks, checkpointing_paused, reentrant_checkpointing
 from ..tracin.layers import find_lora_layers
 from ..tracin.lora_gradient import LoraGradient, is_zero
 from ..tracin.schedule import due
@@ -116,6 +124,15 @@ class AsyncTracIn:
         self.rolled_out_at: int | None = None
         self.last: dict = {}
         self.validation = ValidationRollouts(trainer)
+        self.disable_checkpointing = reentrant_checkpointing(trainer.args)
+        if self.disable_checkpointing:
+            warnings.warn(
+                "TracIn: reentrant gradient checkpointing is on (`gradient_checkpointing_kwargs` has "
+                "`use_reentrant=True`); the TracIn scoring and validation passes run with gradient checkpointing "
+                "disabled, which costs activation memory. Non-reentrant checkpointing (the default) does not.",
+                UserWarning,
+                stacklevel=3,
+            )
         from trl.chat_template_utils import add_response_schema
 
         tokenizer = trainer.processing_class
@@ -191,9 +208,21 @@ class AsyncTracIn:
     def _model(self):
         return self.trainer.accelerator.unwrap_model(self.trainer.model)
 
+    def _influence_pass(self):
+        """Gradient checkpointing off while it is reentrant (the hooks cannot see through its no-grad forward)."""
+        if not getattr(self, "disable_checkpointing", False):
+            return nullcontext()
+        return checkpointing_paused(self._model())
+
     def filter_rows(self, rows) -> None:
         """Score the micro-batch's rows (the planner's `TreeRow`s), select, and zero the rejected rows' masks."""
         t, args = self.trainer, self.trainer.args
+        model = self._model()
+        if not model.training:
+            # Step 0's rows are read before `Trainer` puts the model in training mode (`stage.estimate_group` does
+            # the same): the filter's passes run in the mode training runs in, so with its dropout and, above all,
+            # its gradient checkpointing (inactive in eval mode: the first V, the largest pass, would not be).
+            model.train()
         if due(t.state.global_step, self.refreshed_at, args.tracin_val_refresh_steps):
             self.refresh()
         samples = [s for row in rows for s in row.samples]
@@ -228,7 +257,7 @@ class AsyncTracIn:
         """`<grad ell_b, V>` per row (module docstring, step 2)."""
         t = self.trainer
         model = self._model()
-        with LoraGhostHooks(model) as hooks:
+        with self._influence_pass(), LoraGhostHooks(model) as hooks:
             with hooks.record(direction=self.direction):
                 losses, tokens = async_row_losses(
                     model, samples, temperature=t.temperature, epsilon_low=t.epsilon_low, epsilon_high=t.epsilon_high
@@ -271,7 +300,7 @@ class AsyncTracIn:
 
     def _validation_direction(self, model):
         t = self.trainer
-        with LoraGhostHooks(model) as hooks, hooks.record():
+        with self._influence_pass(), LoraGhostHooks(model) as hooks, hooks.record():
             losses, tokens = async_row_losses(
                 model,
                 self.val_rows,

@@ -51,7 +51,7 @@ In eval mode the estimator returns the plain episode advantages (no generation, 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +61,7 @@ from ..advantages import group_reward_range, without_reward_spread
 from ..estimators import AdvantageBatch, EstimatorResult, grpo_estimator
 from ..rank_errors import raise_on_every_rank
 from ..rollout.types import ExtraRow, RowKind
+from ..tracin.hooks import checkpointing_paused
 from .formulas import (
     action_confidence,
     chosen_level_values,
@@ -373,14 +374,7 @@ def _score(trainer, sequences: list[list[int]], tail_lengths: list[int], num_chu
     chunks = [order[k : k + chunk_size] for k in range(0, len(order), chunk_size)]
     results: list[Tensor | None] = [None] * len(sequences)
     model = trainer.model
-    checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    if checkpointing:
-        from trl.models.utils import disable_gradient_checkpointing
-
-        context = disable_gradient_checkpointing(model, trainer.args.gradient_checkpointing_kwargs)
-    else:
-        context = nullcontext()
-    with torch.no_grad(), context, _eval_mode(model):
+    with torch.no_grad(), checkpointing_paused(model), _eval_mode(model):
         for c in range(num_chunks):
             if c < len(chunks):
                 idx = chunks[c]

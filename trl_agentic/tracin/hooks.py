@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from .layers import LoraModuleRef, active_lora_adapter, find_lora_layers
 from .lora_gradient import LoraGradient, LoraGradients, all_reduce_
 
-__all__ = ["LoraGhostHooks", "all_reduce_"]
+__all__ = ["LoraGhostHooks", "all_reduce_", "checkpointing_paused", "reentrant_checkpointing"]
 
 _NO_GRAD_MESSAGE = (
     "LoraGhostHooks recorded a forward of LoRA layer '{name}' with autograd disabled, so its gradient cannot be "
@@ -29,6 +29,40 @@ _NO_GRAD_MESSAGE = (
     "gradient_checkpointing_kwargs={{'use_reentrant': False}}. It also happens when recording is left on during a "
     "torch.no_grad() pass (reference / old log-prob passes): set `hooks.recording = False` for those."
 )
+
+
+def reentrant_checkpointing(args) -> bool:
+    """Whether a trainer config turns on reentrant gradient checkpointing, whose first forward runs without autograd
+    (the hooks cannot record through it: the influence passes then run with checkpointing disabled).
+
+    As `transformers.Trainer` enables it: without keyword arguments for `torch.utils.checkpoint` (`every_n_layers`
+    and `offload` are transformers' own) transformers picks non-reentrant; with some, `use_reentrant` decides, and
+    torch's default when it is absent or None is reentrant. TRL forces reentrant for PEFT + DeepSpeed ZeRO-3.
+    """
+    if not getattr(args, "gradient_checkpointing", False):
+        return False
+    kwargs = getattr(args, "gradient_checkpointing_kwargs", None) or {}
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("every_n_layers", "offload")}
+    return bool(kwargs) and kwargs.get("use_reentrant") is not False
+
+
+@contextmanager
+def checkpointing_paused(model: nn.Module) -> Iterator[None]:
+    """Gradient checkpointing off in `model` for the block, then each module's flag as it was.
+
+    Not TRL's `disable_gradient_checkpointing`, which re-enables through `gradient_checkpointing_enable`: that loses
+    what `transformers.Trainer` enabled besides torch's arguments (`every_n_layers` back to 1, `offload` passed on
+    to torch, which rejects it) and registers one more input-embedding hook at every call.
+    """
+    modules = model.modules() if isinstance(model, nn.Module) else ()  # (a test double without modules: none)
+    flags = [(m, m.gradient_checkpointing) for m in modules if getattr(m, "gradient_checkpointing", False)]
+    for module, _ in flags:
+        module.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for module, flag in flags:
+            module.gradient_checkpointing = flag
 
 
 def _inside_backward() -> bool:

@@ -44,7 +44,7 @@ from ..batch import counted_rows
 from ..estimators import zero_without_reward_spread
 from ..loss_weights import ROW_MEAN_LOSSES
 from ..rollout.types import RowKind
-from .hooks import LoraGhostHooks
+from .hooks import LoraGhostHooks, checkpointing_paused, reentrant_checkpointing
 from .layers import validate_tracin_model
 from .lora_gradient import LoraGradient, LoraGradients, all_reduce_, is_zero
 from .schedule import due
@@ -231,8 +231,7 @@ class TracInMixin:
         if len(dataset) == 0:
             raise ValueError("The TracIn validation set is empty: it needs at least one prompt.")
 
-        kwargs = args.gradient_checkpointing_kwargs or {}
-        disable_checkpointing = bool(args.gradient_checkpointing and kwargs.get("use_reentrant", False))
+        disable_checkpointing = reentrant_checkpointing(args)
         if disable_checkpointing:
             # TRL forces reentrant checkpointing for PEFT + ZeRO-3; its first forward runs without autograd, so the
             # hooks could not build gradients from it.
@@ -390,12 +389,9 @@ class TracInMixin:
 
     def _tracin_no_reentrant_checkpointing(self):
         """Disables gradient checkpointing while it is reentrant (the hooks cannot see through its no-grad forward)."""
-        from trl.models.utils import disable_gradient_checkpointing
-
         if not self._tracin.disable_checkpointing:
             return nullcontext()
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        return disable_gradient_checkpointing(unwrapped, self.args.gradient_checkpointing_kwargs)
+        return checkpointing_paused(self.accelerator.unwrap_model(self.model))
 
     @contextmanager
     def _tracin_hooks(self):
