@@ -264,7 +264,8 @@ def test_a_trainer_side_estimator_sees_the_group_the_synchronous_trainer_would_a
     seen = []
     stage, trainer, inner = _stage(args, seen, grpo_estimator)
     _push_group(inner, rows, conversation, scored, trained, group_id=5)
-    out = [stage.get(timeout=1) for _ in range(3)]
+    # The stage passes a group's rows on in a random order (tests/test_async_row_order.py): read them by episode.
+    out = sorted((stage.get(timeout=1) for _ in range(3)), key=lambda s: (s.episode, s.row_kind))
     assert inner.empty() and stage.qsize() == 0 and trainer.model.training
     (batch,) = seen
     torch.testing.assert_close(batch.rewards, torch.tensor([1.0, 0.0, 0.0, math.nan, -1.0]), equal_nan=True)
@@ -347,7 +348,8 @@ def test_a_group_with_no_trained_row_reaches_the_estimator_and_nothing_of_it_is_
     rows = [_sequence(0, True), _sequence(0, True), _sequence(0, True)]
     scored, trained = score_group_rows(rows, [0, 1, 2], [0.3, 0.7, 0.55], 3, args)
     _push_group(inner, rows, [0, 1, 2], scored, trained, group_id=2)
-    out = [stage.get(timeout=1) for _ in range(3)]
+    # The stage passes a group's rows on in a random order (tests/test_async_row_order.py): read them by episode.
+    out = sorted((stage.get(timeout=1) for _ in range(3)), key=lambda s: (s.episode, s.row_kind))
     assert inner.empty() and stage.qsize() == 0
     assert [s.group_id for s in out] == [2, 2, 2] and [s.group_rows for s in out] == [3, 3, 3]
     first, second = seen

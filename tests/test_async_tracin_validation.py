@@ -69,6 +69,7 @@ def _tracin(trainer, prompts):
     tracin.val_rows, tracin.rolled_out_at, tracin.last = None, None, {}
     tracin.dataset = [{"prompt": p} for p in prompts]
     tracin.validation = ValidationRollouts(trainer)
+    tracin._prompts_checked = True  # `ValidationRollouts.check_prompts` is tested on its own
     return tracin
 
 
@@ -626,10 +627,17 @@ def test_a_request_is_retried_on_5xx_and_not_on_4xx(monkeypatch, statuses, reque
     waits, answers = [], list(statuses)
     monkeypatch.setattr(stage.time, "sleep", waits.append)
 
+    refusal = b'{"error": {"message": "This model\'s maximum context length is 64 tokens."}}'
+
     def post(url, json, timeout):
         response = requests.Response()
         response.status_code = answers.pop(0)
-        response._content = b'{"choices": [{"token_ids": [1], "logprobs": {"token_logprobs": [-0.1]}}]}'
+        response.reason = "Bad Request" if response.status_code == 400 else "OK"
+        response._content = (
+            refusal
+            if response.status_code == 400
+            else b'{"choices": [{"token_ids": [1], "logprobs": {"token_logprobs": [-0.1]}}]}'
+        )
         return response
 
     monkeypatch.setattr(requests, "post", post)
@@ -637,6 +645,65 @@ def test_a_request_is_retried_on_5xx_and_not_on_4xx(monkeypatch, statuses, reque
     if ok:
         assert host._post({"prompt": [1]}) == {"token_ids": [1], "logprobs": {"token_logprobs": [-0.1]}}
     else:
-        with pytest.raises(requests.HTTPError):
-            host._post({"prompt": [1]})
+        # What the server answered is in the error (`raise_for_status` says only "400 Client Error: Bad Request").
+        with pytest.raises(
+            requests.HTTPError,
+            match=r"\(400 Bad Request\) for `policy`, a prompt of 3 tokens .*"
+            r"`max_tokens=5`: .*maximum context length is 64 tokens",
+        ) as error:
+            host._post({"model": "policy", "prompt": [1, 2, 3], "max_tokens": 5})
+        assert error.value.response.status_code == 400
     assert len(statuses) - len(answers) == requests_made and waits == [1, 2][: requests_made - 1]
+
+
+# ------------------------------------------------------------------------------------------- prompts that do not fit
+
+
+def test_a_validation_prompt_the_server_cannot_take_is_named_before_any_rollout(tiny_tokenizer):
+    """A refresh draws a sample of the validation prompts, so an over-long one would stop training at whichever refresh
+    drew it (vLLM answers 400). Every prompt is checked, rendered with the chat template, at the first refresh, before
+    a trajectory runs; the error names the example and both lengths (compared with the rendered length here)."""
+    short = [{"role": "user", "content": "2 + 2?"}]
+    long = [{"role": "user", "content": "add these: " + " + ".join(str(k) for k in range(40))}]
+    texts = [tiny_tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in (short, long)]
+    lengths = [len(tiny_tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
+    max_model_len = (lengths[0] + lengths[1]) // 2
+    assert lengths[0] < max_model_len <= lengths[1]
+    trainer = _trainer(None, tiny_tokenizer, tracin_val_batch_size=1)
+    trainer.vllm_client = SimpleNamespace(get_max_model_len=lambda: max_model_len)
+    tracin = _tracin(trainer, [short, short, long])
+    tracin._prompts_checked = False
+    made = _script(tracin, lambda prompt, k: (0.0, [_row(*_pool(1)[0])]))
+    with pytest.raises(
+        ValueError,
+        match=rf"Validation example 2 of `tracin_eval_dataset` is {lengths[1]} tokens .*"
+        rf"`max_model_len` is {max_model_len}",
+    ):
+        tracin._validation_rollouts()
+    assert next(made) == 0  # no trajectory ran
+
+    tracin.dataset = [{"prompt": short}, {"prompt": short}]  # every prompt fits: checked, then the refresh rolls out
+    rows, _ = tracin._validation_rollouts()
+    assert tracin._prompts_checked and len(rows) == 3
+
+
+def test_a_trajectory_whose_observation_makes_the_prompt_too_long_fails_before_its_request(tiny_tokenizer):
+    """An environment's `reset` observation is appended to the prompt, so the check at the first refresh cannot see
+    it: the trajectory checks its own rendered prompt, and fails naming it before any request is sent."""
+    from trl_agentic.async_grpo.validation import ValidationRollouts
+
+    class Verbose:
+        def reset(self, **kwargs):
+            return " and the whole manual: " + "word " * 200
+
+    trainer = _trainer(None, tiny_tokenizer)
+    trainer._environment_factory = Verbose
+    validation = ValidationRollouts(trainer)
+    validation._renderer = validation._choose_renderer()
+    sent = []
+    validation._host.complete = lambda *a, **k: sent.append(a)
+    row = {"prompt": [{"role": "user", "content": "Read the manual."}]}
+    validation.check_prompts([row])  # the prompt alone fits the server's 10,000 tokens ... (see `_trainer`)
+    with pytest.raises(ValueError, match=r"with its environment's observation is \d+ tokens .*`max_model_len` is 120"):
+        validation._trajectory(row, (Verbose(), {}), seed=0, max_model_len=120)
+    assert sent == []

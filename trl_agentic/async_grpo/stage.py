@@ -6,6 +6,10 @@
   version minus the row's `model_version`, the version when its group started, the same for every kind) as
   `sample/staleness_{kind}_mean` / `_max`, and the rows `max_staleness` is about to drop as
   `sample/dropped_stale_{kind}_total` (`kind` = regular, negative, snapshot, expansion). The drop itself is TRL's.
+- **Rows in a random order within their group.** A group's rows (`group_rows` of them, pushed one after the other by
+  the worker) are passed on once the group is complete, in a random order drawn from the run's seed and the group id
+  (`_in_random_order`): TRL drops a group's last rows most, and the worker's order puts the conversations that
+  finished last (the ones with rollbacks, and their negative rows) and an estimator's added rows at the end.
 - **Estimators.** When `advantage_estimator` is not `"grpo"`, the rows of a group (pushed one after the other by the
   worker, `group_rows` of them, including the rows that are not trained, a lost rollout's and those without a trained
   token, as the synchronous trainer's estimator sees them with a zero loss mask; they are dropped once the estimator
@@ -164,6 +168,8 @@ class EstimatorHost:
         for attempt in range(REQUEST_ATTEMPTS):
             try:
                 response = requests.post(url, json=payload, timeout=args.request_timeout)
+                if 400 <= response.status_code < 500:
+                    raise _refused(response, payload)
                 if response.status_code < 500 or attempt == REQUEST_ATTEMPTS - 1:
                     response.raise_for_status()
                     return response.json()["choices"][0]
@@ -182,6 +188,21 @@ class EstimatorHost:
         targets = input_ids[:, -logits_to_keep:]
         logps = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         return logps, None, None
+
+
+def _refused(response, payload: dict):
+    """The `HTTPError` of a request the server refused (4xx), with what it answered: `raise_for_status` says only
+    "400 Client Error: Bad Request", and vLLM's reason (a prompt longer than `max_model_len`, an unknown adapter) is in
+    the body."""
+    import requests
+
+    body = response.text.strip()
+    return requests.HTTPError(
+        f"The vLLM server refused a generation request ({response.status_code} {response.reason}) for "
+        f"`{payload.get('model')}`, a prompt of {len(payload.get('prompt', ()))} tokens and "
+        f"`max_tokens={payload.get('max_tokens')}`: {body[:2000] or '(no answer body)'}",
+        response=response,
+    )
 
 
 class AgenticRolloutQueue:
@@ -207,16 +228,31 @@ class AgenticRolloutQueue:
     def get(self, timeout=None):
         while not self._ready:
             sample = self._inner.get(timeout=timeout)  # `queue.Empty` reaches TRL's dataset, which polls again
-            if self._estimator is None or getattr(sample, "group_rows", 0) <= 0:
+            if getattr(sample, "group_rows", 0) <= 0:  # not trl-agentic's worker: no groups to wait for
                 self._ready.extend([sample] if getattr(sample, "trained", True) else [])
                 continue
             self._pending.append(sample)
             if len(self._pending) >= sample.group_rows:
                 group, self._pending = self._pending, []
-                self._ready.extend(s for s in self._estimate(group) if getattr(s, "trained", True))
+                rows = self._estimate(group) if self._estimator is not None else group
+                self._ready.extend(self._in_random_order([s for s in rows if getattr(s, "trained", True)]))
         sample = self._ready.popleft()
         self._observe(sample)
         return sample
+
+    def _in_random_order(self, rows: list) -> list:
+        """A group's rows in a random order, one permutation per group drawn from the run's seed and the group id.
+
+        TRL's dataset reads rows in queue order and drops the ones read more than `max_staleness` versions after their
+        group started: a group's last rows are read latest (a group of 10 rows read 8 a step leaves 2 for the next
+        step), so they are dropped most. The worker's order is not random: conversations in the order they finished
+        (those with rollbacks last, and their negative rows with them), an estimator's added rows after the group.
+        Drawn at random, every row of a group has the same chance of being dropped, whatever its kind, length or
+        reward, and the rows a step trains are an unbiased sample of their group's."""
+        if len(rows) < 2:
+            return rows
+        rng = random.Random(f"{getattr(self._trainer.args, 'seed', 0)}/row-order/{rows[0].group_id}")
+        return rng.sample(rows, len(rows))
 
     def get_nowait(self):
         return self.get(timeout=0)

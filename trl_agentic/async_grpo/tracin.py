@@ -124,6 +124,7 @@ class AsyncTracIn:
         self.rolled_out_at: int | None = None
         self.last: dict = {}
         self.validation = ValidationRollouts(trainer)
+        self._prompts_checked = False
         self.disable_checkpointing = reentrant_checkpointing(trainer.args)
         if self.disable_checkpointing:
             warnings.warn(
@@ -315,6 +316,9 @@ class AsyncTracIn:
         """New validation rows (`input_ids`, `completion_mask`, `advantage`) and each conversation's reward
         (`validation.ValidationRollouts`)."""
         args = self.trainer.args
+        if not self._prompts_checked:  # every prompt, before the first rollout (a refresh draws a sample of them)
+            self.validation.check_prompts(self.dataset)
+            self._prompts_checked = True
         seed = args.seed * 1_000_003 + self.refreshes
         generator = torch.Generator().manual_seed(seed)
         order = torch.randperm(len(self.dataset), generator=generator).tolist()

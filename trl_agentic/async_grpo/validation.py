@@ -128,6 +128,14 @@ class _HTTPBackend:
         return flag
 
 
+def _too_long(what: str, length: int, max_model_len: int) -> str:
+    return (
+        f"{what} is {length} tokens as rendered with the chat template, and the vLLM server's `max_model_len` is "
+        f"{max_model_len}: no token could be generated after it (vLLM refuses the request). Shorten the prompt or "
+        "drop it from the validation set, or serve a longer `max_model_len`."
+    )
+
+
 class ValidationRollouts:
     """Makes the validation rows of `AsyncTracIn` (module docstring).
 
@@ -202,6 +210,39 @@ class ValidationRollouts:
         return asyncio.run_coroutine_threadsafe(func(**kwargs), self.event_loop()).result()
 
     # ----------------------------------------------------------------------------------------------- a refresh
+    def check_prompts(self, dataset) -> None:
+        """Refuse a validation set holding a prompt the server cannot take, before any validation rollout.
+
+        A refresh rolls out a sample of the validation prompts, so a prompt of `max_model_len` tokens or more would
+        stop training (vLLM answers 400) at the first refresh that draws it, possibly hours in. Every example with a
+        `prompt` is rendered once, as a trajectory renders it (the worker's chat template, the tools of its
+        environment), and the first that leaves no room for a generated token is named. An environment's `reset`
+        observation, appended to the prompt, is not known here: a trajectory checks its own prompt too.
+
+        Raises:
+            ValueError: If an example's prompt is `max_model_len` tokens or longer.
+        """
+        max_model_len = self.trainer.vllm_client.get_max_model_len()
+        if self._renderer is None:
+            self._renderer = self._choose_renderer()
+        for index in range(len(dataset)):
+            row = dict(dataset[index])
+            if not isinstance(row.get("prompt"), list):
+                continue  # an environment's observation alone, or a string prompt (rendered by the trajectory)
+            name, _ = self._environment_name(row)
+            environment = self._draw(name)
+            try:
+                tools = list(self._tool_dict(environment).values())
+            finally:
+                if environment is not None:
+                    with self._pool_lock:
+                        self._pool.setdefault(name, []).append(environment)
+            length = len(self._renderer.prompt_ids(row["prompt"], tools=tools))
+            if length >= max_model_len:
+                raise ValueError(
+                    _too_long(f"Validation example {index} of `tracin_eval_dataset`", length, max_model_len)
+                )
+
     def run(self, prompts: list[dict], seed: int) -> tuple[list[dict], list[float]]:
         """Roll out `prompts` (`tracin_val_num_generations` times each) and score them.
 
@@ -283,14 +324,19 @@ class ValidationRollouts:
         template = worker_chat_template(t.processing_class, tools)
         return ChatRenderer(t.processing_class, template, getattr(t.args, "chat_template_kwargs", None))
 
-    def _trajectory(self, row: dict, environment_and_kwargs, seed: int, max_model_len: int):
-        """One trajectory: `(completion messages, its rows, what its rewards are computed from)`."""
-        t, args = self.trainer, self.trainer.args
-        environment, reset_kwargs = environment_and_kwargs
-        observation = environment.reset(**reset_kwargs) if environment is not None else None
-        tool_dict = {f.__name__: f for f in (t._tools_list or [])}
+    def _tool_dict(self, environment) -> dict:
+        """The tools a trajectory exposes: the trainer's, then its environment's methods."""
+        tool_dict = {f.__name__: f for f in (self.trainer._tools_list or [])}
         if environment is not None:
             tool_dict.update(tool_methods(environment))
+        return tool_dict
+
+    def _trajectory(self, row: dict, environment_and_kwargs, seed: int, max_model_len: int):
+        """One trajectory: `(completion messages, its rows, what its rewards are computed from)`."""
+        args = self.trainer.args
+        environment, reset_kwargs = environment_and_kwargs
+        observation = environment.reset(**reset_kwargs) if environment is not None else None
+        tool_dict = self._tool_dict(environment)
         tools = list(tool_dict.values())
         # Two streams of one seed: the requests' sampling seeds, and the loop's own draws (snapshot downsampling).
         seeds = random.Random(seed)
@@ -299,6 +345,14 @@ class ValidationRollouts:
         prompt = with_observation(copy.deepcopy(prompt), observation)
         seen_prompt = copy.deepcopy(prompt)  # the loop extends its prompts in place
         prompt_ids = backend.render_prompt(prompt, 0)
+        if len(prompt_ids) >= max_model_len:  # vLLM would answer 400: say which prompt, and why
+            raise ValueError(
+                _too_long(
+                    "A validation prompt of `tracin_eval_dataset` with its environment's observation",
+                    len(prompt_ids),
+                    max_model_len,
+                )
+            )
         loop = AgenticRolloutLoop(
             backend,
             LoopConfig(**{name: getattr(args, name) for name in LoopConfig.__dataclass_fields__}),
