@@ -704,6 +704,10 @@ def test_a_trajectory_whose_observation_makes_the_prompt_too_long_fails_before_i
     validation._host.complete = lambda *a, **k: sent.append(a)
     row = {"prompt": [{"role": "user", "content": "Read the manual."}]}
     validation.check_prompts([row])  # the prompt alone fits the server's 10,000 tokens ... (see `_trainer`)
-    with pytest.raises(ValueError, match=r"with its environment's observation is \d+ tokens .*`max_model_len` is 120"):
+    with pytest.raises(
+        ValueError,
+        match=r"its last message begins 'Read the manual\. and the whole manual: word word .*\.\.\.'\) with its "
+        r"environment's observation is \d+ tokens .*`max_model_len` is 120",
+    ):
         validation._trajectory(row, (Verbose(), {}), seed=0, max_model_len=120)
     assert sent == []

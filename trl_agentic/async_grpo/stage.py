@@ -231,14 +231,19 @@ class AgenticRolloutQueue:
             if getattr(sample, "group_rows", 0) <= 0:  # not trl-agentic's worker: no groups to wait for
                 self._ready.extend([sample] if getattr(sample, "trained", True) else [])
                 continue
+            if self._pending and self._pending[0].group_id != sample.group_id:
+                self._release()  # an incomplete group (a worker that stopped mid-group) is not merged with the next
             self._pending.append(sample)
             if len(self._pending) >= sample.group_rows:
-                group, self._pending = self._pending, []
-                rows = self._estimate(group) if self._estimator is not None else group
-                self._ready.extend(self._in_random_order([s for s in rows if getattr(s, "trained", True)]))
+                self._release()
         sample = self._ready.popleft()
         self._observe(sample)
         return sample
+
+    def _release(self) -> None:
+        group, self._pending = self._pending, []
+        rows = self._estimate(group) if self._estimator is not None else group
+        self._ready.extend(self._in_random_order([s for s in rows if getattr(s, "trained", True)]))
 
     def _in_random_order(self, rows: list) -> list:
         """A group's rows in a random order, one permutation per group drawn from the run's seed and the group id.
@@ -248,7 +253,8 @@ class AgenticRolloutQueue:
         step), so they are dropped most. The worker's order is not random: conversations in the order they finished
         (those with rollbacks last, and their negative rows with them), an estimator's added rows after the group.
         Drawn at random, every row of a group has the same chance of being dropped, whatever its kind, length or
-        reward, and the rows a step trains are an unbiased sample of their group's."""
+        reward (exactly so with a fixed count of rows a step; with a token budget where a step ends depends on the
+        lengths read before it, a second-order effect), and the rows a step trains are a fair sample of their group's."""
         if len(rows) < 2:
             return rows
         rng = random.Random(f"{getattr(self._trainer.args, 'seed', 0)}/row-order/{rows[0].group_id}")

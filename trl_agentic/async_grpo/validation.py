@@ -128,6 +128,11 @@ class _HTTPBackend:
         return flag
 
 
+def _excerpt(messages: list[dict], chars: int = 80) -> str:
+    content = str(messages[-1].get("content", "")) if messages else ""
+    return repr(content[:chars] + ("..." if len(content) > chars else ""))
+
+
 def _too_long(what: str, length: int, max_model_len: int) -> str:
     return (
         f"{what} is {length} tokens as rendered with the chat template, and the vLLM server's `max_model_len` is "
@@ -228,7 +233,7 @@ class ValidationRollouts:
         for index in range(len(dataset)):
             row = dict(dataset[index])
             if not isinstance(row.get("prompt"), list):
-                continue  # an environment's observation alone, or a string prompt (rendered by the trajectory)
+                continue  # no conversation to render: the prompt is the environment's observation
             name, _ = self._environment_name(row)
             environment = self._draw(name)
             try:
@@ -348,7 +353,8 @@ class ValidationRollouts:
         if len(prompt_ids) >= max_model_len:  # vLLM would answer 400: say which prompt, and why
             raise ValueError(
                 _too_long(
-                    "A validation prompt of `tracin_eval_dataset` with its environment's observation",
+                    f"A validation prompt of `tracin_eval_dataset` (its last message begins {_excerpt(prompt)}) with "
+                    "its environment's observation",
                     len(prompt_ids),
                     max_model_len,
                 )
