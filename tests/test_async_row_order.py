@@ -206,3 +206,12 @@ def test_an_incomplete_group_is_not_merged_with_the_next():
     assert sorted(r.episode for r in out[:2]) == [0, 1]
     expected = random.Random("2/row-order/1").sample(range(3), 3)
     assert [r.episode for r in out[2:]] == expected
+
+
+def test_a_group_being_collected_counts_as_queued():
+    """TRL logs `qsize()` as `sample/rollout_queue_size`: rows held while their group is collected are still queued."""
+    stage, inner = _stage()
+    assert _drain(stage, inner, [_group(0, 3)[:2]]) == []
+    assert inner.empty() and stage.qsize() == 2
+    inner.put(_group(0, 3)[2])
+    assert len(_drain(stage, inner, [])) == 3 and stage.qsize() == 0

@@ -223,7 +223,8 @@ class AgenticRolloutQueue:
         self._ready: collections.deque = collections.deque()
 
     def qsize(self) -> int:
-        return self._inner.qsize() + len(self._ready)
+        # TRL logs it as `sample/rollout_queue_size`: a group being collected is still queued.
+        return self._inner.qsize() + len(self._pending) + len(self._ready)
 
     def get(self, timeout=None):
         while not self._ready:
