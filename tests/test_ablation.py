@@ -56,6 +56,21 @@ def test_arm_settings_are_valid_configs():
             assert groups == task.settings["per_device_train_batch_size"] * 4 // task.settings["num_generations"]
 
 
+def test_the_arms_train_under_the_registered_group_baseline():
+    """`rollback` was registered as "`group_baseline: all_rows` (the default)"; the library's default changed after the
+    verdict, and every agentic arm still parses to the registered baseline unless it sets its own."""
+    from trl_agentic.config import AgenticGRPOConfig
+
+    assert AgenticGRPOConfig.__dataclass_fields__["group_baseline"].default == "episodes"
+    for task in design.TASKS.values():
+        for arm in design.ARMS[task.name]:
+            if arm.trainer == "trl":
+                continue
+            settings = {**task.settings, "warmstart_steps": 4, **arm.overrides, "output_dir": "/tmp/x"}
+            expected = "episodes" if arm.name == "rollback_episodes" else "all_rows"
+            assert cells_mod._parse(settings)[1].group_baseline == expected, arm.name
+
+
 def test_the_calculator_budget_fits_the_longest_warm_start_trace():
     # Medium error-and-recover traces are 151-166 completion tokens (SmolLM2's tokenizer); hard ones up to 182.
     assert design.CALCULATOR.settings["max_completion_length"] >= 182

@@ -103,13 +103,11 @@ def test_group_rows_follow_the_synchronous_rules(
             row_rewards.append(reward)
             row_kinds.append(kind)
             row_conv.append(conv)
-            if baseline == "episodes":
-                in_baseline.append(kind == RowKind.REGULAR)
-            else:
-                in_baseline.append(
-                    kind in (RowKind.REGULAR, RowKind.NEGATIVE)
-                    or (kind == RowKind.SNAPSHOT and snapshot_advantage == "row")
-                )
+            in_baseline.append(
+                kind == RowKind.REGULAR
+                or (kind == RowKind.NEGATIVE and baseline == "all_rows")
+                or (kind == RowKind.SNAPSHOT and snapshot_advantage == "row")
+            )
     # An extra row is measured from its own rollout's regular row (its position among the kept rows).
     position = {c: k for k, (c, kind) in enumerate(zip(row_conv, row_kinds)) if kind == RowKind.REGULAR}
     expected = group_advantages(

@@ -125,7 +125,7 @@ def test_the_estimator_sees_every_row_kind_of_a_validation_group_as_in_training(
     pool = _pool(n=6)
     trainer = _trainer(
         torch.nn.Linear(1, 1), save_negative_samples=True, enable_tool_rollback=True, enable_context_snapshots=True,
-        mask_truncated_completions=True, tracin_val_num_generations=3,
+        mask_truncated_completions=True, tracin_val_num_generations=3, group_baseline="all_rows",
     )  # fmt: skip
     seen = []
     trainer.advantage_estimator = _estimator(seen)

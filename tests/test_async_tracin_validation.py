@@ -193,7 +193,7 @@ def test_validation_rows_are_the_rows_training_would_get(tiny_model_dir):
     left out of both the rows and the statistics. Advantages by hand; V against autograd of the same rows."""
     model = lora_model(tiny_model_dir)
     pool = _pool()
-    trainer = _trainer(model, save_negative_samples=True, enable_tool_rollback=True)
+    trainer = _trainer(model, save_negative_samples=True, enable_tool_rollback=True, group_baseline="all_rows")
     tracin = _tracin(trainer, ["p"])
     plans = [
         ("1.0", [_row(*pool[0])]),

@@ -83,9 +83,37 @@ def test_negatives_without_rollback_warns_seed_interaction_table():
         AgenticGRPOConfig(**BASE, save_negative_samples=True, enable_tool_rollback=True)
 
 
-def test_episode_baseline_with_row_snapshots_warns():
-    with pytest.warns(UserWarning, match="snapshot_advantage='row'"):
-        AgenticGRPOConfig(**BASE, enable_context_snapshots=True, group_baseline="episodes", snapshot_advantage="row")
+def test_the_baseline_choices_for_negatives_and_snapshots_are_independent():
+    """`group_baseline` decides for the negative rows, `snapshot_advantage` for the snapshot segments, in the
+    synchronous batch and the asynchronous rows alike; the default puts neither in the baseline."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from trl_agentic.async_grpo.rows import baseline_mask
+    from trl_agentic.batch import BatchAugmenter
+    from trl_agentic.rollout.types import RowKind
+
+    default = AgenticGRPOConfig(**BASE, enable_context_snapshots=True)
+    assert (default.group_baseline, default.snapshot_advantage) == ("episodes", "episode")
+    kinds = torch.tensor([RowKind.REGULAR, RowKind.NEGATIVE, RowKind.SNAPSHOT, RowKind.REGULAR])
+    for group_baseline in ("all_rows", "episodes"):
+        for snapshot_advantage in ("episode", "row"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                args = AgenticGRPOConfig(
+                    **BASE,
+                    enable_context_snapshots=True,
+                    save_negative_samples=True,
+                    enable_tool_rollback=True,
+                    group_baseline=group_baseline,
+                    snapshot_advantage=snapshot_advantage,
+                )
+            expected = [True, group_baseline == "all_rows", snapshot_advantage == "row", True]
+            augmenter = BatchAugmenter.__new__(BatchAugmenter)
+            augmenter.trainer = SimpleNamespace(args=args)
+            assert augmenter._baseline(kinds).tolist() == expected
+            assert baseline_mask(kinds, args).tolist() == expected
 
 
 def test_copo_expanding_every_step_warns():

@@ -358,14 +358,14 @@ class BatchAugmenter:
 
     def _baseline(self, kinds: torch.Tensor) -> torch.Tensor:
         """3. The rows that enter their group's mean and std: the rollouts, plus the negatives with
-        `group_baseline="all_rows"`, plus the snapshot segments there with `snapshot_advantage="row"`. The others are
-        measured from their episode (`group_advantages`)."""
+        `group_baseline="all_rows"`, plus the snapshot segments with `snapshot_advantage="row"` (two independent
+        choices). The others are measured from their episode (`group_advantages`)."""
         args = self.trainer.args
         baseline = kinds == RowKind.REGULAR
         if args.group_baseline == "all_rows":
             baseline = baseline | (kinds == RowKind.NEGATIVE)
-            if args.snapshot_advantage == "row":
-                baseline = baseline | (kinds == RowKind.SNAPSHOT)
+        if args.snapshot_advantage == "row":
+            baseline = baseline | (kinds == RowKind.SNAPSHOT)
         return baseline
 
     def _untrained_rows(self, output: dict, infra_local: list[bool], local_extras: list[ExtraRow]) -> torch.Tensor:

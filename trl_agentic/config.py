@@ -96,11 +96,14 @@ class AgenticGRPOConfig(GRPOConfig):
         negative_reward_by_error (`dict[str, float]`, *optional*):
             Reward per error type (e.g. `{"SyntaxError": -1.0, "ImportError": -0.3}`); the most negative matching
             entry wins, `negative_sample_reward` otherwise.
-        group_baseline (`str`, *optional*, defaults to `"all_rows"`):
-            Which rows enter a group's mean and std: `"all_rows"` (seed: negatives and snapshots counted) or
-            `"episodes"` (only the regular rollouts; negatives and snapshots are scored against them, then clipped
-            to the largest advantage a rollout of the group can reach, `(m - 1) / sqrt(m)` for `m` rollouts, so a
-            baseline without spread cannot blow them up; docs/concepts.md).
+        group_baseline (`str`, *optional*, defaults to `"episodes"`):
+            Whether negative rows enter a group's mean and std: `"episodes"` (no: the baseline is the regular
+            rollouts, and a negative row is scored against its episode, then clipped to the largest advantage a
+            rollout of the group can reach, `(m - 1) / sqrt(m)` for `m` rollouts, so a baseline without spread cannot
+            blow it up) or `"all_rows"` (yes, the seed's rule: a failed attempt lowers the group's mean, which raises
+            every rollout's advantage). Snapshot segments follow `snapshot_advantage` under either. The default is
+            the one the pre-registered ablation's rule chose (docs/concepts.md, "Which `group_baseline` is the
+            default").
         advantage_std_floor (`float`, *optional*, defaults to `0.1`):
             Smallest divisor of the reward difference of a row outside its group's baseline (negatives under
             `group_baseline="episodes"`, snapshot segments under `snapshot_advantage="episode"`): such a row gets its
@@ -308,10 +311,11 @@ class AgenticGRPOConfig(GRPOConfig):
         },
     )
     group_baseline: str = field(
-        default="all_rows",
+        default="episodes",
         metadata={
-            "help": "Rows in a group's mean/std: 'all_rows' (seed) or 'episodes' (regular rollouts only; the other rows "
-            "are scored against them and clipped to what a rollout can reach).",
+            "help": "Whether negative rows enter a group's mean/std: 'episodes' (no: they are scored against their "
+            "episode and clipped to what a rollout can reach) or 'all_rows' (yes, the seed's rule). Snapshot segments "
+            "follow `snapshot_advantage`.",
             "choices": ["all_rows", "episodes"],
         },
     )
@@ -687,13 +691,6 @@ class AgenticGRPOConfig(GRPOConfig):
                 f"`tracin_min_selected` must be a non-negative integer, got {self.tracin_min_selected!r}."
             )
         self._validate_row_selection()
-        if self.enable_context_snapshots and self.group_baseline == "episodes" and self.snapshot_advantage == "row":
-            warnings.warn(
-                "`group_baseline='episodes'` keeps snapshot segments out of the group statistics, so "
-                "`snapshot_advantage='row'` acts like 'episode' (segments are scored against the rollouts).",
-                UserWarning,
-                stacklevel=3,
-            )
         copo_all = self.rlvcr_mode == "copo" and self.rlvcr_expand_steps == "all" and not self.rlvcr_expand
         if self.advantage_estimator == "rlvcr" and copo_all:
             warnings.warn(

@@ -102,7 +102,8 @@ def _parse(settings: dict, trl: bool = False):
     from ..tasks import TaskArguments
 
     parser = HfArgumentParser((TaskArguments, GRPOConfig if trl else AgenticGRPOConfig, ModelConfig))
-    return parser.parse_dict(settings, allow_extra_keys=trl)
+    # Defaults that changed since the arms were registered are pinned to the registered ones (an arm's own wins).
+    return parser.parse_dict({**design.REGISTERED_DEFAULTS, **settings}, allow_extra_keys=trl)
 
 
 def cell_path(cells: Path, task: str, seed: int, name: str) -> Path:

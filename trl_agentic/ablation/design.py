@@ -27,6 +27,10 @@ CARRIED_REGISTRATIONS = {
     "ecf7de194cad": ("warmstart",),
     "458ecf0d147b": ("warmstart", "trl", "feedback", "rollback", "rollback_episodes", "rft", "random"),
 }
+# Library defaults the arms were registered under and that changed since, pinned for every agentic arm (an arm's own
+# setting wins): `rollback` is "`group_baseline: all_rows` (the default)", and after `rollback_episodes − rollback`'s
+# verdict the library's default became "episodes" (docs/concepts.md). No arm's data path changes.
+REGISTERED_DEFAULTS = {"group_baseline": "all_rows"}
 
 # ------------------------------------------------------------------------------------------------ decision rule
 

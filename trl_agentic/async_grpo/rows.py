@@ -258,10 +258,9 @@ class GroupRows:
 
 def baseline_mask(kinds: torch.Tensor, args) -> torch.Tensor:
     """The rows entering the group statistics: `group_baseline` / `snapshot_advantage` (as `BatchAugmenter` does)."""
-    regular = kinds == RowKind.REGULAR
-    if args.group_baseline == "episodes":
-        return regular
-    baseline = regular | (kinds == RowKind.NEGATIVE)
+    baseline = kinds == RowKind.REGULAR
+    if args.group_baseline == "all_rows":
+        baseline = baseline | (kinds == RowKind.NEGATIVE)
     if args.snapshot_advantage == "row":
         baseline = baseline | (kinds == RowKind.SNAPSHOT)
     return baseline
