@@ -235,8 +235,8 @@ class BatchAugmenter:
                 logger.warning(
                     f"A negative sample's reward ({penalties.max().item():g}) is not below the rewards of its group's "
                     f"episodes (lowest {episodes.min().item():g}): it is not a penalty. Its advantage "
-                    "is clamped to 0, but with `group_baseline='all_rows'` it still moves the group's baseline. Set "
-                    "`negative_sample_reward` below the task's reward range (or `group_baseline='episodes'`)."
+                    "is clamped to 0 (with `group_baseline='all_rows'` it also moves the group's baseline): the failed "
+                    "attempt is not pushed down. Set `negative_sample_reward` below the task's reward range."
                 )
                 return
 

@@ -35,7 +35,8 @@ def test_rollback_and_negative_rows_fire_in_an_async_run(server, calculator_poli
     from trl_agentic.advantages import group_advantages, negative_sample_rewards
     from trl_agentic.rollout.types import RowKind
 
-    args = async_config(tmp_path / "out", server.url, **rollback_overrides())
+    # The expected advantages below are over every row of a group (episodes and negatives): the seed's `all_rows`.
+    args = async_config(tmp_path / "out", server.url, **rollback_overrides(group_baseline="all_rows"))
     trainer = build(calculator_policy_dir, args)
     loads = []
     original = trainer.vllm_client.load_lora_adapter

@@ -143,6 +143,7 @@ def rollout_overhead(quick: bool) -> list[dict]:
             steps,
             enable_tool_rollback=True,
             save_negative_samples=True,
+            group_baseline="all_rows",  # as when docs/benchmarks.md was recorded (the default is "episodes" now)
             rollback_on_errors=["ValueError", "ZeroDivisionError", "TypeError", "SyntaxError", "ToolCallParseError"],
             max_tool_retries=2,
             max_tool_calling_iterations=3,
