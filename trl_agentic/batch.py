@@ -206,6 +206,18 @@ def _import(path: str):
     return getattr(importlib.import_module(module), attr)
 
 
+def baseline_mask(kinds: torch.Tensor, args) -> torch.Tensor:
+    """The rows entering their group's statistics, in the synchronous batch and the asynchronous rows alike: the
+    rollouts, plus the negatives with `group_baseline="all_rows"`, plus the snapshot segments with
+    `snapshot_advantage="row"` (two independent choices)."""
+    baseline = kinds == RowKind.REGULAR
+    if args.group_baseline == "all_rows":
+        baseline = baseline | (kinds == RowKind.NEGATIVE)
+    if args.snapshot_advantage == "row":
+        baseline = baseline | (kinds == RowKind.SNAPSHOT)
+    return baseline
+
+
 class BatchAugmenter:
     """Turns TRL's batch of regular rows plus the rollout loop's extra rows into the training batch.
 
@@ -357,16 +369,9 @@ class BatchAugmenter:
         )
 
     def _baseline(self, kinds: torch.Tensor) -> torch.Tensor:
-        """3. The rows that enter their group's mean and std: the rollouts, plus the negatives with
-        `group_baseline="all_rows"`, plus the snapshot segments with `snapshot_advantage="row"` (two independent
-        choices). The others are measured from their episode (`group_advantages`)."""
-        args = self.trainer.args
-        baseline = kinds == RowKind.REGULAR
-        if args.group_baseline == "all_rows":
-            baseline = baseline | (kinds == RowKind.NEGATIVE)
-        if args.snapshot_advantage == "row":
-            baseline = baseline | (kinds == RowKind.SNAPSHOT)
-        return baseline
+        """3. The rows that enter their group's mean and std (`baseline_mask`). The others are measured from their
+        episode (`group_advantages`)."""
+        return baseline_mask(kinds, self.trainer.args)
 
     def _untrained_rows(self, output: dict, infra_local: list[bool], local_extras: list[ExtraRow]) -> torch.Tensor:
         """4. The local rows (regular, then extra) that are not trained: a rollout lost to infrastructure, and the

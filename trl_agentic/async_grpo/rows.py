@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..advantages import DEFAULT_STD_FLOOR, negative_sample_rewards
-from ..batch import kept_negatives
+from ..batch import baseline_mask, kept_negatives
 from ..estimators import AdvantageBatch, grpo_estimator
 from ..rollout.types import ExtraRow, RowKind
 from .compat import worker_module
@@ -254,16 +254,6 @@ class GroupRows:
     episodes: torch.Tensor
     baseline: torch.Tensor
     advantages: torch.Tensor
-
-
-def baseline_mask(kinds: torch.Tensor, args) -> torch.Tensor:
-    """The rows entering the group statistics: `group_baseline` / `snapshot_advantage` (as `BatchAugmenter` does)."""
-    baseline = kinds == RowKind.REGULAR
-    if args.group_baseline == "all_rows":
-        baseline = baseline | (kinds == RowKind.NEGATIVE)
-    if args.snapshot_advantage == "row":
-        baseline = baseline | (kinds == RowKind.SNAPSHOT)
-    return baseline
 
 
 def clamp_negatives(advantages: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
