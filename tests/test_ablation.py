@@ -2,6 +2,7 @@
 intervals with synthetic cells, the README and docs/ablation.md against the committed cells, one resumable run on the
 tiny model, and the superseded first ablation re-rendering from its cells."""
 
+import dataclasses
 import json
 import math
 import re
@@ -280,7 +281,7 @@ def test_carried_registrations_are_valid_only_for_the_trainers_and_arms_an_amend
     (seed 0's superseded `trl` and `feedback`) would be flagged. Amendment 3 changed only the equal-compute budget:
     cells of amendment 2's registration stay but for `tracin` and `max_variance` (`random` stands while its `tracin`
     records its keep rate: `test_a_recorded_cell_must_match_the_cells_it_was_derived_from`)."""
-    first, second = design.CARRIED_REGISTRATIONS
+    first, second, third = design.CARRIED_REGISTRATIONS
     warm = {"trainer": "warmstart", "arm": "warmstart", "preregistration": first}
     rl = {"trainer": "trl", "arm": "trl", "preregistration": first}
     now = {"trainer": "trl", "arm": "trl", "preregistration": "now"}
@@ -292,6 +293,20 @@ def test_carried_registrations_are_valid_only_for_the_trainers_and_arms_an_amend
     assert report.stale_registrations([c for c in kept if c["arm"] not in budget], "now") == []
     for name in budget:
         assert report.stale_registrations([c for c in kept if c["arm"] == name], "now") == [second]
+    # Amendment 4 changed only the log search's control: the calculator and the log search's `warmstart` and
+    # `snapshots` stay; `trl_fit` (and the new `warmstart_fit`) would be flagged. A task carries every arm of it, a
+    # `task:arm` only that arm of that task (the calculator's `trl` is carried, the log search's `trl_fit` is not).
+    under = [
+        {"task": t, "trainer": a.trainer, "arm": a.name, "preregistration": third}
+        for t in design.ARMS
+        for a in design.ARMS[t]
+    ]
+    carried = [c for c in under if c["task"] == "calculator" or c["arm"] in ("warmstart", "snapshots")]
+    assert len(carried) == len(design.ARMS["calculator"]) + 2
+    assert report.stale_registrations(carried, "now") == []
+    for c in under:
+        if c not in carried:
+            assert report.stale_registrations([c], "now") == [third], c["arm"]
     # The committed cells are the carried ones or the registration's own, and the render flags nothing.
     committed = [json.loads(p.read_text()) for p in (ROOT / "docs" / "ablation-cells").rglob("*.json")]
     assert {c["trainer"] for c in committed if c["preregistration"] == first} <= {"warmstart"}
@@ -793,6 +808,74 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     # Cells of other settings are refused, never mixed in.
     with pytest.raises(RuntimeError, match="other settings"):
         main([a.replace("max_steps=1", "max_steps=2") for a in argv])
+
+
+def test_a_log_search_run_trains_the_control_from_its_own_warm_start(tiny_model_dir, tmp_path, monkeypatch):
+    """Amendment 4: `warmstart_fit` is a warm start of its own (traces that keep every file, the control's budget),
+    `trl_fit` trains from its adapter and `snapshots` from the shared `warmstart`'s; all four score the same
+    problems."""
+    import peft
+
+    doc = tmp_path / "ablation.md"
+    shutil.copy(ROOT / "docs" / "ablation.md", doc)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{report.README_START}\n{report.README_END}\n")
+    work, cells = tmp_path / "work", tmp_path / "cells"
+    argv = [
+        "run", "--tasks", "logsearch", "--seeds", "0", "--out", str(work), "--cells", str(cells),
+        "--doc", str(doc), "--readme", str(readme),
+        "--set", f"model_name_or_path={tiny_model_dir}", "bf16=false", "max_steps=1", "num_eval_tasks=2",
+        "warmstart_steps=1", "warmstart_batch_size=2", "per_device_train_batch_size=4",
+        "gradient_accumulation_steps=1", "num_generations=4", "max_completion_length=800",
+        "max_tool_calling_iterations=3", "num_train_tasks=8", "gradient_checkpointing=false",
+        "ablation_eval_samples=1", "ablation_spread_prompts=1",
+    ]  # fmt: skip
+    # The tiny model's tokenizer spends more tokens on a trace than SmolLM2's: the control's budget is raised with it,
+    # in the test's own registered design, as a real change would be.
+    fit_budget = 1600
+    monkeypatch.setitem(
+        design.ARMS,
+        "logsearch",
+        tuple(
+            dataclasses.replace(a, overrides={**a.overrides, "max_completion_length": fit_budget})
+            if "max_completion_length" in a.overrides else a
+            for a in design.ARMS["logsearch"]
+        ),
+    )  # fmt: skip
+    text = doc.read_text()
+    start, end = text.index(report.DESIGN_START) + len(report.DESIGN_START), text.index(report.DESIGN_END)
+    doc.write_text(text[:start] + "\n" + design.design_markdown() + text[end:])
+    loaded = []
+    from_pretrained = peft.PeftModel.from_pretrained
+
+    def record(model, path, *args, **kwargs):
+        loaded.append(Path(path).name.split("-adapter-")[0])
+        return from_pretrained(model, path, *args, **kwargs)
+
+    monkeypatch.setattr(peft.PeftModel, "from_pretrained", record)
+    monkeypatch.setattr(report, "render_doc", lambda text, *args, **kwargs: text + "rendered\n")
+    from trl_agentic.ablation import main
+
+    assert main(argv) == 0
+    seed0 = {p.stem: json.loads(p.read_text()) for p in (cells / "logsearch" / "seed0").glob("*.json")}
+    assert set(seed0) == {"warmstart", "warmstart_fit", "trl_fit", "snapshots"}
+    assert loaded == ["warmstart_fit", "warmstart"]  # `trl_fit`, then `snapshots`, in the arms' order
+    fit, warm = seed0["warmstart_fit"], seed0["warmstart"]
+    assert fit["trainer"] == "warmstart" and "learning_rate" not in fit["arm_settings"]
+    assert fit["arm_settings"] == {"max_completion_length": fit_budget, "logsearch_context_deletion": False}
+    assert fit["trace_tokens"]["budget"] == fit_budget and warm["trace_tokens"]["budget"] == 800
+    assert fit["trace_tokens"]["max"] > warm["trace_tokens"]["max"]  # a whole episode against one segment
+    # One trace an episode without deletion, one per segment (3 for 2 files) with it: the same SFT steps.
+    assert len(fit["warmstart_losses"]) == len(warm["warmstart_losses"]) == 1
+    assert seed0["trl_fit"]["trainer_class"] == "GRPOTrainer"
+    assert seed0["snapshots"]["trainer_class"] == "AgenticGRPOTrainer"
+    assert len({tuple(c["problems"]) for c in seed0.values()}) == 1 and all(
+        len(c["sampled"]) == 2 for c in seed0.values()
+    )
+    assert all(c["settings_hash"] == warm["settings_hash"] for c in seed0.values())
+    adapters = {p.name.split("-adapter-")[0] for p in (work / "logsearch" / "seed0").glob("*-adapter-*") if p.is_dir()}
+    assert {"warmstart", "warmstart_fit", "trl_fit", "snapshots"} <= adapters
+    assert "| logsearch | `trl_fit` − `warmstart_fit`: did GRPO move the control at all |" in readme.read_text()
 
 
 def test_an_equal_compute_arm_refuses_a_source_cell_without_token_passes(tmp_path, monkeypatch):

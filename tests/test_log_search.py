@@ -130,3 +130,65 @@ def test_one_file_fits_the_segment_budget_and_two_do_not():
         example = tokenize_trace(renderer, no_delete, no_delete["tools"])
         completion = len(example["input_ids"]) - len(renderer.prompt_ids(first["prompt"], tools=first["tools"]))
         assert completion > budget
+
+
+# ------------------------------------------------------------------------------------------------ without deletion
+
+
+def test_without_deletion_the_problems_are_the_same_and_the_prompt_does_not_ask_to_delete():
+    """`context_deletion=False` (the ablation's control, amendment 4) changes only the system prompt."""
+    deleting, keeping = make_log_rows(8, 3), make_log_rows(8, 3, context_deletion=False)
+    strip = [{k: v for k, v in r.items() if k != "prompt"} for r in deleting]
+    assert strip == [{k: v for k, v in r.items() if k != "prompt"} for r in keeping]
+    assert [r["prompt"][1] for r in deleting] == [r["prompt"][1] for r in keeping]  # the same question
+    assert all("delete_context" in r["prompt"][0]["content"] for r in deleting)
+    assert not any("delete" in r["prompt"][0]["content"] for r in keeping)
+    task = build_task(
+        TaskArguments(task="logsearch", num_train_tasks=4, num_eval_tasks=4, logsearch_context_deletion=False)
+    )
+    assert not any("delete" in r["prompt"][0]["content"] for r in task.eval_dataset)
+    assert list(task.eval_dataset["task_seed"]) == [r["task_seed"] for r in make_log_rows(4, 1)]
+
+
+@pytest.mark.parametrize("num_files", [1, 2, 3])
+def test_a_trace_that_keeps_every_file_replays_through_the_loop_without_snapshots(tiny_tokenizer, num_files):
+    """One trace an episode, the environment's tools only; our loop without snapshots (TRL's loop, token for token)
+    replaying its assistant turns gives back its turns and a correct answer."""
+    [row] = make_log_rows(1, 5, num_files=num_files, context_deletion=False)
+    [trace] = log_search_traces([row], context_deletion=False)
+    assert [t.__name__ for t in trace["tools"]] == ["read_file"] and trace["prompt"] == row["prompt"]
+    calls = [c["function"]["name"] for m in trace["turns"] for c in m.get("tool_calls") or []]
+    assert calls == ["read_file"] * num_files
+    script = [_turn_text(m) for m in trace["turns"] if m["role"] == "assistant"]
+    env = LogSearchEnv()
+    env.reset(**row)
+    config = LoopConfig(
+        rollback_on_errors=list(DEFAULT_ROLLBACK_ON_ERRORS), infra_error_types=list(DEFAULT_INFRA_ERROR_TYPES)
+    )
+    backend = ScriptBackend(tiny_tokenizer, [[s] for s in script[1:]])
+    _, _, trl_tuple, result = run_tools_loop(
+        backend, script[:1], [{"read_file": env.read_file}], config, envs=[env], prompts=[row["prompt"]]
+    )
+    _, completions, *_ = trl_tuple
+    assert not result.extra_rows and result.stats.snapshots == 0
+    assert _strip(completions[0]) == _strip(trace["turns"])
+    assert answer_reward([completions[0]], [row["answer"]]) == [1.0]
+
+
+def test_a_trace_that_keeps_both_files_fits_the_controls_budget():
+    """With SmolLM2's tokenizer and chat template: the control's budget (`trl_fit`, 640) holds a whole episode."""
+    from transformers import AutoTokenizer
+
+    from trl_agentic.ablation import design
+    from trl_agentic.models import resolve_model_path
+    from trl_agentic.rollout.rendering import ChatRenderer
+    from trl_agentic.warmstart import tokenize_trace
+
+    budget = design.arm("logsearch", "trl_fit").overrides["max_completion_length"]
+    assert design.arm("logsearch", "warmstart_fit").overrides["max_completion_length"] == budget
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m")))
+    lengths = []
+    for trace in log_search_traces(make_log_rows(8, 3, context_deletion=False), context_deletion=False):
+        example = tokenize_trace(renderer, trace, trace["tools"])
+        lengths.append(len(example["input_ids"]) - len(renderer.prompt_ids(trace["prompt"], tools=trace["tools"])))
+    assert 320 < max(lengths) <= budget, lengths  # more than one segment's budget, within the control's

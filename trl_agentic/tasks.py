@@ -50,6 +50,11 @@ class TaskArguments:
         textworld_max_plan_steps (`int`, *optional*, defaults to `0`):
             `task: textworld`: only tasks whose shortest plan has at most this many steps (0: any). Rollouts of k
             tool rounds (`max_tool_calling_iterations`) can solve only plans of up to k steps.
+        logsearch_context_deletion (`bool`, *optional*, defaults to `True`):
+            `task: logsearch`: the system prompt asks to delete each file's content with `delete_context` after
+            reading it, and the warm-start traces do so (one SFT example per segment). `False`: a prompt without
+            deletion and traces that keep every file in one context, for a run without `delete_context` (e.g. TRL's
+            trainer with a budget that holds every file). The problems are the same either way.
 
         > BFCL multi-turn (`task: bfcl`)
 
@@ -125,6 +130,13 @@ class TaskArguments:
     textworld_max_plan_steps: int = field(
         default=0,
         metadata={"help": "Text world: only tasks whose shortest plan has at most this many steps (0: any)."},
+    )
+    logsearch_context_deletion: bool = field(
+        default=True,
+        metadata={
+            "help": "Log search: prompt and warm-start traces delete each file with `delete_context` after reading "
+            "it; False: they keep every file in the context (a run without `delete_context`)."
+        },
     )
     bfcl_categories: list[str] = field(
         default_factory=lambda: ["base"],
@@ -320,19 +332,24 @@ def build_task(args: TaskArguments) -> Task:
             warmstart_trainer_options={"micro_batch_size": 1},
         )
     if args.task == "logsearch":
+        from functools import partial
+
         from .envs.calculator import answer_reward
         from .envs.log_search import LogSearchEnv, log_search_traces, make_log_rows
 
+        deletion = args.logsearch_context_deletion
         return Task(
-            Dataset.from_list(make_log_rows(args.num_train_tasks, args.task_seed)),
-            Dataset.from_list(make_log_rows(args.num_eval_tasks, args.task_seed + 1)),
+            Dataset.from_list(make_log_rows(args.num_train_tasks, args.task_seed, context_deletion=deletion)),
+            Dataset.from_list(make_log_rows(args.num_eval_tasks, args.task_seed + 1, context_deletion=deletion)),
             LogSearchEnv,
             [answer_reward, *extra],
-            # Each row gives one SFT example per segment (3 for 2 files).
+            # Each row gives one SFT example per segment (3 for 2 files; 1 without deletion).
             warmstart_dataset=Dataset.from_list(
-                make_log_rows(args.warmstart_steps * args.warmstart_batch_size, args.task_seed + 2)
+                make_log_rows(
+                    args.warmstart_steps * args.warmstart_batch_size, args.task_seed + 2, context_deletion=deletion
+                )
             ),
-            make_traces=log_search_traces,
+            make_traces=partial(log_search_traces, context_deletion=deletion),
         )
     if args.task == "bfcl":
         return _bfcl(args, extra)

@@ -526,8 +526,10 @@ def _compute(
         source = run_cell(task, seed, design.arm(task.name, arm_.keep_rate_from), ctx)
         arm_settings["row_selection_fraction"] = round(source["keep_rate"], 4)
     warm = None
+    # The warm start this arm is (a `warmstart` arm) or trains from (`arm_.warm_start`, amendment 4).
+    warm_name = arm_.name if arm_.trainer == "warmstart" else arm_.warm_start
     if arm_.trainer != "warmstart":
-        warm = run_cell(task, seed, design.arm(task.name, "warmstart"), ctx)
+        warm = run_cell(task, seed, design.arm(task.name, warm_name), ctx)
     full = {**settings, **{k: v for k, v in arm_settings.items() if k != "token_pass_budget"}}
     full["output_dir"] = str(ctx.out / task.name / f"seed{seed}" / f"{path.stem}-run")
     task_args, args, model_args = _parse(full, trl=arm_.trainer == "trl")
@@ -538,7 +540,7 @@ def _compute(
     model_path = resolve_model_path(model_args.model_name_or_path)
     dtype = getattr(torch, model_args.dtype) if model_args.dtype not in (None, "auto") else None
     # Named by the shared settings: an adapter of another configuration is never reused.
-    adapter = ctx.out / task.name / f"seed{seed}" / f"warmstart-adapter-{settings_hash}"
+    adapter = ctx.out / task.name / f"seed{seed}" / f"{warm_name}-adapter-{settings_hash}"
     record: dict = {
         "design": design.DESIGN,
         "task": task.name,

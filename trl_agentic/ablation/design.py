@@ -17,15 +17,18 @@ from .. import stats
 # Amendment 2 (the RL learning rate from a ladder) changes no shared setting: the rate is an arm setting of every RL
 # cell (`arm_settings.learning_rate`), so the warm-start cells keep their hash and RL cells without it are refused.
 DESIGN = "v2.1"
-AMENDMENT = 3
+AMENDMENT = 4
 # Cells recorded under an earlier registration that the amendments since left valid, by trainer or arm name:
 # amendment 2 changed only the RL arms, so the calibration and warm-start cells of amendment 1's registration stay
 # (their settings hash is unchanged too); amendment 3 changed only the equal-compute budget (`tracin`,
 # `max_variance`). `random` takes `tracin`'s keep rate: its cell stands while `tracin`'s, under amendment 3, records
-# that rate (`cells.check_derived`, on every read).
+# that rate (`cells.check_derived`, on every read). Amendment 4 changed only the log search's control (`trl_fit`, from a
+# warm start of its own, `warmstart_fit`): every calculator cell and the log search's `warmstart` and `snapshots` stay.
+# An entry is a trainer, an arm, a task, or `task:arm`.
 CARRIED_REGISTRATIONS = {
     "ecf7de194cad": ("warmstart",),
     "458ecf0d147b": ("warmstart", "trl", "feedback", "rollback", "rollback_episodes", "rft", "random"),
+    "ab69c86244f5": ("calculator", "logsearch:warmstart", "logsearch:snapshots"),
 }
 # Library defaults the arms were registered under and that changed since, pinned for every agentic arm (an arm's own
 # setting wins): `rollback` is "`group_baseline: all_rows` (the default)", and after `rollback_episodes − rollback`'s
@@ -195,6 +198,8 @@ class Arm:
         what: One line for the pre-registration.
         eval_overrides: Settings of its evaluation only (the log search's warm start is evaluated, and
             spread-checked, with `delete_context`, as its traces taught).
+        warm_start: The `"warmstart"`-trainer arm whose adapter this arm trains from (amendment 4: the log search's
+            control has a warm start of its own, on traces without `delete_context`).
     """
 
     name: str
@@ -205,6 +210,7 @@ class Arm:
     keep_rate_from: str | None = None
     what: str = ""
     eval_overrides: dict = field(default_factory=dict)
+    warm_start: str = "warmstart"
 
 
 ROLLBACK = {
@@ -287,11 +293,20 @@ ARMS: dict[str, tuple[Arm, ...]] = {
             eval_overrides={"enable_context_snapshots": True},
         ),
         Arm(
+            "warmstart_fit",
+            "warm start without deletion (the control's)",
+            "warmstart",
+            {"max_completion_length": 640, "logsearch_context_deletion": False},
+            what="the same SFT steps on the same episodes without `delete_context`: each file read and kept, then the "
+            "answer (one trace an episode); its prompt does not ask to delete",
+        ),
+        Arm(
             "trl_fit",
             "TRL GRPOTrainer, budget fits both files",
             "trl",
-            {"max_completion_length": 640},
+            {"max_completion_length": 640, "logsearch_context_deletion": False},
             what="TRL's trainer and loop, 640 tokens: both files fit without deleting",
+            warm_start="warmstart_fit",
         ),
         Arm(
             "snapshots",
@@ -340,7 +355,9 @@ COMPARISONS = (
     Comparison("calculator", "max_variance", "trl", "max-variance subsampling at equal compute"),
     Comparison("calculator", "trl", "warmstart", "did GRPO move the policy at all"),
     Comparison("logsearch", "snapshots", "trl_fit", "snapshots against a control whose budget fits", primary=True),
-    Comparison("logsearch", "trl_fit", "warmstart", "did GRPO move the policy at all"),
+    Comparison("logsearch", "trl_fit", "warmstart_fit", "did GRPO move the control at all"),
+    Comparison("logsearch", "snapshots", "warmstart", "did GRPO move the snapshot policy at all"),
+    Comparison("logsearch", "warmstart", "warmstart_fit", "the two warm starts: deleting against keeping, before RL"),
 )
 
 
@@ -487,8 +504,9 @@ def choose_learning_rate(rungs: Sequence[LrRung]) -> tuple[float, str]:
 # ones and ~10 % longer than medium ones (clean traces 64-66, 67-76, 76-82 completion tokens with the model's
 # tokenizer). Amendment 2: calculator GRPO rollouts at the rate of seed 0's `trl` cell on hard problems (1601 s for
 # 512 rollouts, 2026-11-27: 3.13 s, where the float32-derived estimate had 1.72 s), rollback's at the first
-# ablation's ratio to it (3.5 / 2.6).
-_BF16 = 0.55
+# ablation's ratio to it (3.5 / 2.6). Amendment 4: the log search's rates measured on its seed-0 warm start
+# (2026-12-04: 767 s for 48 SFT steps, 418 s greedy for 64 problems, 968 s for 128 sampled episodes) and on the first
+# three undisturbed steps of the retired `trl_fit` (897 s for 48 rollouts of up to 640 tokens).
 RATES = {
     "calculator": {
         "rollout": 1601 / 512,
@@ -498,11 +516,11 @@ RATES = {
         "sampled": 1.2 * 1.1,
     },
     "logsearch": {
-        "rollout": 32.0 * _BF16,
-        "rollback_rollout": 32.0 * _BF16,
-        "sft_step": 15.7 * _BF16,
-        "greedy": 3.9 * _BF16,
-        "sampled": 3.9 * _BF16 * 1.7,
+        "rollout": 897 / 48,
+        "rollback_rollout": 897 / 48,
+        "sft_step": 767 / 48,
+        "greedy": 418 / 64,
+        "sampled": 968 / 128,
     },
 }
 
@@ -603,6 +621,8 @@ def design_markdown() -> str:
                 extra += f"; stopped once `{a.compute_budget_from}`'s token passes are spent"
             if a.keep_rate_from:
                 extra += f"; `row_selection_fraction` = `{a.keep_rate_from}`'s keep rate"
+            if a.trainer != "warmstart" and a.warm_start != "warmstart":
+                extra += f"; trains from `{a.warm_start}`"
             lines.append(f"| `{a.name}` | {a.trainer} | {extra} | {a.what} |")
         lines.append("")
     lines += [

@@ -55,8 +55,9 @@ def stale_registrations(cells: list[dict], registration: str | None) -> list[str
     stale = set()
     for c in cells:
         recorded = c.get("preregistration")
-        carried = design.CARRIED_REGISTRATIONS.get(recorded, ())
-        if recorded != registration and c.get("trainer") not in carried and c.get("arm") not in carried:
+        carried = set(design.CARRIED_REGISTRATIONS.get(recorded, ()))
+        names = {c.get("trainer"), c.get("arm"), c.get("task"), f"{c.get('task')}:{c.get('arm')}"}
+        if recorded != registration and not names & carried:
             stale.add(str(recorded))
     return sorted(stale)
 
@@ -127,7 +128,7 @@ def _checks(cells: dict, calibration: dict) -> dict:
         decision = _ladder_decision(task, calibration)
         if decision is not None:
             ok = decision[1]
-        warm = [c for (t, _, a), c in cells.items() if t == task.name and a == "warmstart"]
+        warm = [c for (t, _, a), c in cells.items() if t == task.name and design.arm(t, a).trainer == "warmstart"]
         if warm and not task.calibration_steps:
             ok = all(c["spread_check"]["fraction"] >= design.SPREAD_MIN for c in warm)
         out[task.name] = ok
@@ -345,7 +346,9 @@ def _calibration_lines(cells: dict, calibration: dict) -> list[str]:
                 steps, ok, reason = decision
                 lines += ["", f"Chosen: {reason}. Check {'passed' if ok else '**failed**'}."]
             lines.append("")
-        warm = sorted((s, c) for (t, s, a), c in cells.items() if t == task.name and a == "warmstart")
+        warm = sorted(
+            (s, a, c) for (t, s, a), c in cells.items() if t == task.name and design.arm(t, a).trainer == "warmstart"
+        )
         if warm:
             lines += [
                 f"{task.name}: every seed's warm start (GRPO groups with a reward spread at the training temperature, "
@@ -354,10 +357,11 @@ def _calibration_lines(cells: dict, calibration: dict) -> list[str]:
                 "| seed | steps | groups with a spread | trace tokens (max faulty / clean / budget) |",
                 "|---:|---:|---:|---|",
             ]
-            for seed, c in warm:
+            for seed, name, c in warm:
                 sc, tokens = c["spread_check"], c["trace_tokens"]
+                label = f"{seed}" if name == "warmstart" else f"{seed} (`{name}`)"
                 lines.append(
-                    f"| {seed} | {c['warmstart_steps']} | {sc['groups_with_spread']} of {sc['prompts']} "
+                    f"| {label} | {c['warmstart_steps']} | {sc['groups_with_spread']} of {sc['prompts']} "
                     f"({sc['fraction']:.0%}) | {tokens['max_faulty']} / {tokens['max_clean']} / {tokens['budget']} |"
                 )
             lines.append("")

@@ -22,7 +22,14 @@ from ..rollout.context import apply_deletion, delete_context
 from ..rollout.tools import ErrorPolicy, run_tool_call
 from .protocol import tool_methods
 
-__all__ = ["LOG_SEARCH_SYSTEM_PROMPT", "LogSearchEnv", "log_search_traces", "make_log_rows", "make_logs"]
+__all__ = [
+    "LOG_SEARCH_KEEP_SYSTEM_PROMPT",
+    "LOG_SEARCH_SYSTEM_PROMPT",
+    "LogSearchEnv",
+    "log_search_traces",
+    "make_log_rows",
+    "make_logs",
+]
 
 FILE_NAMES = ("alpha.log", "beta.log", "gamma.log", "delta.log", "omega.log")
 LINES_PER_FILE = 10
@@ -34,6 +41,11 @@ LOG_SEARCH_SYSTEM_PROMPT = (
     "one file at a time: read it with `read_file`, write down its count, then delete the file's content from your "
     "context with `delete_context` (messages are numbered from 0, this system message; each tool call and each tool "
     'result is a message). When you have every count, give their sum on its own line as "Answer: <number>".'
+)
+# Without `delete_context` (`make_log_rows(..., context_deletion=False)`): a control whose budget holds every file.
+LOG_SEARCH_KEEP_SYSTEM_PROMPT = (
+    "Each log file reports one value as `count=<number>`. Read each file with `read_file` and write down its count. "
+    'When you have every count, give their sum on its own line as "Answer: <number>".'
 )
 
 _EVENTS = (
@@ -62,13 +74,16 @@ def make_logs(task_seed: int, names: Sequence[str]) -> tuple[dict[str, str], dic
     return files, counts
 
 
-def make_log_rows(n: int, seed: int, num_files: int = 2) -> list[dict]:
+def make_log_rows(n: int, seed: int, num_files: int = 2, context_deletion: bool = True) -> list[dict]:
     """Rows of the `logsearch` task: `prompt` (system + question), `answer` (the sum), `task_seed` and `files`.
 
     Args:
         n (`int`): Number of tasks.
         seed (`int`): Seed of the task seeds and file choices.
         num_files (`int`, *optional*, defaults to `2`): Files per task.
+        context_deletion (`bool`, *optional*, defaults to `True`): The system prompt asks to delete each file's
+            content with `delete_context` after reading it; `False`: a prompt without it (every file is kept in the
+            context). The problems (`task_seed`, `files`, `answer`) are the same either way.
     """
     rng = random.Random(f"log-rows-{seed}")
     rows = []
@@ -81,7 +96,10 @@ def make_log_rows(n: int, seed: int, num_files: int = 2) -> list[dict]:
         rows.append(
             {
                 "prompt": [
-                    {"role": "system", "content": LOG_SEARCH_SYSTEM_PROMPT},
+                    {
+                        "role": "system",
+                        "content": LOG_SEARCH_SYSTEM_PROMPT if context_deletion else LOG_SEARCH_KEEP_SYSTEM_PROMPT,
+                    },
                     {"role": "user", "content": question},
                 ],
                 "answer": str(sum(counts.values())),
@@ -126,7 +144,7 @@ def _request(name: str, arguments: dict) -> dict:
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def log_search_traces(rows: Sequence[dict], stub: str = DEFAULT_STUB) -> list[dict]:
+def log_search_traces(rows: Sequence[dict], stub: str = DEFAULT_STUB, context_deletion: bool = True) -> list[dict]:
     """Warm-start traces of solved episodes, one trace per segment (as `trl_agentic.warmstart.tokenize_trace` reads).
 
     An episode is, per file: a `read_file` call, its result, then a turn that writes the count and calls
@@ -134,15 +152,42 @@ def log_search_traces(rows: Sequence[dict], stub: str = DEFAULT_STUB) -> list[di
     `delete_context` call; the next segment's prompt is the conversation so far (the deletion's confirmation
     included) with the deleted messages replaced by `stub`, as the rollout loop re-renders it.
 
+    With `context_deletion=False` (rows of `make_log_rows(..., context_deletion=False)`), one trace per episode that
+    keeps every file: a `read_file` call, its result, then a turn that writes the count and reads the next file;
+    after the last file, its count and the answer. The environment's tools only.
+
     Args:
         rows (`Sequence[dict]`): Rows of `make_log_rows`.
         stub (`str`, *optional*, defaults to `"[deleted]"`): `context_stub_text` of the GRPO run.
+        context_deletion (`bool`, *optional*, defaults to `True`): Delete each file after reading it (above).
 
     Returns:
         `list[dict]`: Traces with `prompt`, `turns`, `tools` (`delete_context` first, then the environment's tools,
         the order of TRL's tool list when the trainer adds `delete_context`) and `segment` (its index).
     """
+    if not context_deletion:
+        return [_whole_episode_trace(row) for row in rows]
     return [trace for row in rows for trace in _episode_traces(row, stub)]
+
+
+def _whole_episode_trace(row: dict) -> dict:
+    env = LogSearchEnv()
+    env.reset(**row)
+    tools = tool_methods(env)
+    _, counts = make_logs(row["task_seed"], row["files"])
+    turns, note = [], ""
+    for name in row["files"]:
+        request = _request("read_file", {"name": name})
+        outcome = run_tool_call(request, tools, {}, timeout=0, max_chars=None, policy=ErrorPolicy([], []))
+        turns += [
+            {"role": "assistant", "content": note, "tool_calls": [request]},
+            {"role": "tool", "name": "read_file", "content": outcome.content},
+        ]
+        note = f"{name}: count={counts[name]}."
+    total = sum(counts.values())
+    terms = " + ".join(str(counts[name]) for name in row["files"])
+    turns.append({"role": "assistant", "content": f"{note}\n{terms} = {total}\nAnswer: {total}"})
+    return {"prompt": copy.deepcopy(list(row["prompt"])), "turns": turns, "tools": list(tools.values()), "segment": 0}
 
 
 def _episode_traces(row: dict, stub: str) -> list[dict]:
