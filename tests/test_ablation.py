@@ -282,17 +282,26 @@ def test_carried_registrations_are_valid_only_for_the_trainers_and_arms_an_amend
     cells of amendment 2's registration stay but for `tracin` and `max_variance` (`random` stands while its `tracin`
     records its keep rate: `test_a_recorded_cell_must_match_the_cells_it_was_derived_from`)."""
     first, second, third = design.CARRIED_REGISTRATIONS
-    warm = {"trainer": "warmstart", "arm": "warmstart", "preregistration": first}
-    rl = {"trainer": "trl", "arm": "trl", "preregistration": first}
-    now = {"trainer": "trl", "arm": "trl", "preregistration": "now"}
+    warm = {"task": "calculator", "trainer": "warmstart", "arm": "warmstart", "preregistration": first}
+    rl = {"task": "calculator", "trainer": "trl", "arm": "trl", "preregistration": first}
+    now = {"task": "calculator", "trainer": "trl", "arm": "trl", "preregistration": "now"}
     assert report.stale_registrations([warm, now], "now") == []
     assert report.stale_registrations([warm, rl, now], "now") == [first]
     assert report.stale_registrations([{"trainer": "warmstart", "preregistration": "older"}], "now") == ["older"]
-    kept = [{"trainer": "x", "arm": a.name, "preregistration": second} for a in design.ARMS["calculator"]]
+    kept = [
+        {"task": "calculator", "trainer": "x", "arm": a.name, "preregistration": second}
+        for a in design.ARMS["calculator"]
+    ]
     budget = {"tracin", "max_variance"}
     assert report.stale_registrations([c for c in kept if c["arm"] not in budget], "now") == []
     for name in budget:
         assert report.stale_registrations([c for c in kept if c["arm"] == name], "now") == [second]
+    # The first two name the calculator: a log search cell under them (a `trl_fit` on the shared warm start, or a
+    # warm start) is not carried, whatever its trainer.
+    for arm_ in design.ARMS["logsearch"]:
+        for registration in (first, second):
+            cell = {"task": "logsearch", "trainer": arm_.trainer, "arm": arm_.name, "preregistration": registration}
+            assert report.stale_registrations([cell], "now") == [registration]
     # Amendment 4 changed only the log search's control: the calculator and the log search's `warmstart` and
     # `snapshots` stay; `trl_fit` (and the new `warmstart_fit`) would be flagged. A task carries every arm of it, a
     # `task:arm` only that arm of that task (the calculator's `trl` is carried, the log search's `trl_fit` is not).
@@ -845,8 +854,18 @@ def test_a_log_search_run_trains_the_control_from_its_own_warm_start(tiny_model_
     text = doc.read_text()
     start, end = text.index(report.DESIGN_START) + len(report.DESIGN_START), text.index(report.DESIGN_END)
     doc.write_text(text[:start] + "\n" + design.design_markdown() + text[end:])
-    loaded = []
+    loaded, evaluated = [], []
     from_pretrained = peft.PeftModel.from_pretrained
+    from trl_agentic import evaluation
+
+    evaluate_policy = evaluation.evaluate_policy
+
+    def record_evaluation(model, tokenizer, rows, **kwargs):
+        system = {row["prompt"][0]["content"] for row in rows}
+        evaluated.append((kwargs["context_snapshots"], kwargs["max_completion_length"], system))
+        return evaluate_policy(model, tokenizer, rows, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate_policy", record_evaluation)
 
     def record(model, path, *args, **kwargs):
         loaded.append(Path(path).name.split("-adapter-")[0])
@@ -865,8 +884,8 @@ def test_a_log_search_run_trains_the_control_from_its_own_warm_start(tiny_model_
     assert fit["arm_settings"] == {"max_completion_length": fit_budget, "logsearch_context_deletion": False}
     assert fit["trace_tokens"]["budget"] == fit_budget and warm["trace_tokens"]["budget"] == 800
     assert fit["trace_tokens"]["max"] > warm["trace_tokens"]["max"]  # a whole episode against one segment
-    # One trace an episode without deletion, one per segment (3 for 2 files) with it: the same SFT steps.
-    assert len(fit["warmstart_losses"]) == len(warm["warmstart_losses"]) == 1
+    # Other traces (one an episode, not one a segment) from the same adapter initialisation: other losses.
+    assert fit["warmstart_losses"] != warm["warmstart_losses"]
     assert seed0["trl_fit"]["trainer_class"] == "GRPOTrainer"
     assert seed0["snapshots"]["trainer_class"] == "AgenticGRPOTrainer"
     assert len({tuple(c["problems"]) for c in seed0.values()}) == 1 and all(
@@ -876,6 +895,22 @@ def test_a_log_search_run_trains_the_control_from_its_own_warm_start(tiny_model_
     adapters = {p.name.split("-adapter-")[0] for p in (work / "logsearch" / "seed0").glob("*-adapter-*") if p.is_dir()}
     assert {"warmstart", "warmstart_fit", "trl_fit", "snapshots"} <= adapters
     assert "| logsearch | `trl_fit` − `warmstart_fit`: did GRPO move the control at all |" in readme.read_text()
+    # Each arm is evaluated as it was trained: `warmstart` (spread check, greedy, sampled) and `snapshots` with
+    # `delete_context` and the prompt that asks for it; `warmstart_fit` (3) and `trl_fit` (2) without either, at the
+    # control's budget.
+    deleting = [e for e in evaluated if e[0]]
+    keeping = [e for e in evaluated if not e[0]]
+    assert len(deleting) == 5 and len(keeping) == 5
+    assert all(len(e[2]) == 1 and "delete_context" in next(iter(e[2])) for e in deleting)
+    assert all(e[1] == fit_budget and not any("delete" in p for p in e[2]) for e in keeping)
+    # A new machine: `trl_fit`'s warm start is trained again from `warmstart_fit`'s traces and must reproduce its
+    # recorded losses (a run from the shared warm start's traces would raise here), then trains `trl_fit` from it.
+    for adapter in (work / "logsearch" / "seed0").glob("warmstart_fit-adapter-*"):
+        shutil.rmtree(adapter)
+    (cells / "logsearch" / "seed0" / "trl_fit.json").unlink()
+    assert main([*argv[:5], "--arms", "trl_fit", *argv[5:]]) == 0
+    assert loaded[-1] == "warmstart_fit" and (cells / "logsearch" / "seed0" / "trl_fit.json").exists()
+    assert next((work / "logsearch" / "seed0").glob("warmstart_fit-adapter-*")).is_dir()
 
 
 def test_an_equal_compute_arm_refuses_a_source_cell_without_token_passes(tmp_path, monkeypatch):

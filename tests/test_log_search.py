@@ -144,9 +144,26 @@ def test_without_deletion_the_problems_are_the_same_and_the_prompt_does_not_ask_
     assert all("delete_context" in r["prompt"][0]["content"] for r in deleting)
     assert not any("delete" in r["prompt"][0]["content"] for r in keeping)
     task = build_task(
-        TaskArguments(task="logsearch", num_train_tasks=4, num_eval_tasks=4, logsearch_context_deletion=False)
+        TaskArguments(
+            task="logsearch",
+            num_train_tasks=4,
+            num_eval_tasks=4,
+            warmstart_steps=1,
+            warmstart_batch_size=2,
+            logsearch_context_deletion=False,
+        )
     )
-    assert not any("delete" in r["prompt"][0]["content"] for r in task.eval_dataset)
+    for dataset in (task.train_dataset, task.eval_dataset, task.warmstart_dataset):
+        assert len(dataset) and not any("delete" in r["prompt"][0]["content"] for r in dataset)
+    traces = task.make_traces(list(task.warmstart_dataset))
+    assert len(traces) == len(task.warmstart_dataset)  # one an episode
+    assert not any("delete" in t["prompt"][0]["content"] for t in traces)
+    assert not any(
+        c["function"]["name"] == "delete_context"
+        for t in traces
+        for m in t["turns"]
+        for c in m.get("tool_calls") or []
+    )
     assert list(task.eval_dataset["task_seed"]) == [r["task_seed"] for r in make_log_rows(4, 1)]
 
 

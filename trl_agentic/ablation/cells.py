@@ -3,7 +3,7 @@
 A cell is computed once and committed (docs/ablation-cells/); an existing one is read back, and refused when its
 settings differ from this run's. Adapters and trainer output go under `out` (not committed): a seed's warm-start
 adapter missing there (a new machine) is trained again and must reproduce the recorded warm-start losses, else the run
-stops, because every arm of a seed starts from that one adapter.
+stops, because every arm of a seed that names that warm start (`Arm.warm_start`) starts from that one adapter.
 
 Every cell records the SHA of the pre-registration it ran under (the registered block of docs/ablation.md); without a
 registered block nothing runs.
@@ -482,7 +482,7 @@ def run_cell(task: Task, seed: int, arm_: Arm, ctx: Context) -> dict:
         paths = {k: cell_path(ctx.cells, task.name, seed, n) for k, n in sources.items() if n is not None}
         check_derived(cell, **{k: json.loads(q.read_text()) for k, q in paths.items() if q.exists()})
         return cell
-    if arm_.trainer == "warmstart" and seed == 0 and p["ablation_calibration_steps"]:
+    if arm_.name == "warmstart" and seed == 0 and p["ablation_calibration_steps"]:
         cell = calibration_cell(task, steps, ctx)  # the chosen rung is seed 0's warm start
         _write(path, cell)
         return cell

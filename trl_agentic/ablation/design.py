@@ -24,10 +24,13 @@ AMENDMENT = 4
 # `max_variance`). `random` takes `tracin`'s keep rate: its cell stands while `tracin`'s, under amendment 3, records
 # that rate (`cells.check_derived`, on every read). Amendment 4 changed only the log search's control (`trl_fit`, from a
 # warm start of its own, `warmstart_fit`): every calculator cell and the log search's `warmstart` and `snapshots` stay.
-# An entry is a trainer, an arm, a task, or `task:arm`.
+# An entry is a trainer, an arm, a task, or `task:arm`; the first two were made for the calculator and name it, so
+# that a log search cell under them (the retired `trl_fit`, on the shared warm start) is not carried.
 CARRIED_REGISTRATIONS = {
-    "ecf7de194cad": ("warmstart",),
-    "458ecf0d147b": ("warmstart", "trl", "feedback", "rollback", "rollback_episodes", "rft", "random"),
+    "ecf7de194cad": ("calculator:warmstart",),
+    "458ecf0d147b": tuple(
+        f"calculator:{a}" for a in ("warmstart", "trl", "feedback", "rollback", "rollback_episodes", "rft", "random")
+    ),
     "ab69c86244f5": ("calculator", "logsearch:warmstart", "logsearch:snapshots"),
 }
 # Library defaults the arms were registered under and that changed since, pinned for every agentic arm (an arm's own

@@ -225,8 +225,8 @@ def render_results(
         "### Verdicts",
         "",
         "Primary metric: mean success of the samples at the training temperature (per problem, then per seed); "
-        "secondary: greedy success. Differences are paired by seed (both arms start from the seed's warm start and "
-        "are evaluated on the same problems); intervals are Student t over seeds; MDE is the minimum detectable "
+        "secondary: greedy success. Differences are paired by seed (both arms start from the seed's warm start of "
+        "their kind, `Arm.warm_start`, and are evaluated on the same problems); intervals are Student t over seeds; MDE is the minimum detectable "
         f"effect at the observed sd (alpha {design.ALPHA}, power {design.POWER}); *seeds for {design.MIN_EFFECT}* is "
         "how many seeds that sd needs to detect the minimum effect worth detecting; *peak context* is each arm's mean "
         "longest context in a sampled evaluation episode (the snapshot claim: the same success in a smaller context).",
