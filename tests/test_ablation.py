@@ -192,7 +192,12 @@ def test_budget_sums_the_cells():
     # 4 samples each), never on the held-out ones, at the calculator's rates.
     rates = design.RATES["calculator"]
     validation = 64 * rates["greedy"] + 64 * 4 * rates["sampled"]
-    assert b["lr_ladder"] == pytest.approx(3 * (16 * 32 * rates["rollout"] + validation))
+    assert b["lr_ladders"]["calculator"] == pytest.approx(3 * (16 * 32 * rates["rollout"] + validation))
+    # Amendment 5: three `trl_fit` trainings (8 steps x 16 rollouts), 64 validation problems, greedy + 2 samples.
+    rates = design.RATES["logsearch"]
+    validation = 64 * rates["greedy"] + 64 * 2 * rates["sampled"]
+    assert b["lr_ladders"]["logsearch"] == pytest.approx(3 * (8 * 16 * rates["rollout"] + validation))
+    assert b["lr_ladder"] == pytest.approx(sum(b["lr_ladders"].values()))
 
 
 # ------------------------------------------------------------------------------------------------ learning rate
@@ -256,7 +261,7 @@ def test_the_lr_ladder_renders_open_then_chosen():
     text = report.render_results({}, {}, "x", rungs)
     assert "| 3e-05 | 0.836 (214 of 256) | 0.984 | 0.625 | 38% | 1600 |" in text
     assert "| 0.0003 | – | – | – | – | – |" in text and "Open: 2 of 3 rungs" in text
-    expected = sum(len(t.seeds) * len(design.ARMS[t.name]) for t in design.TASKS.values()) + 4 + 3
+    expected = sum(len(t.seeds) * len(design.ARMS[t.name]) + len(t.lr_ladder) for t in design.TASKS.values()) + 4
     assert f"**Partial:** 2 of {expected} pre-registered cells" in text
     rungs["calculator", 3e-4] = _lr_cell(3e-4, 160)
     text = report.render_results({}, {}, "x", rungs)
@@ -281,7 +286,7 @@ def test_carried_registrations_are_valid_only_for_the_trainers_and_arms_an_amend
     (seed 0's superseded `trl` and `feedback`) would be flagged. Amendment 3 changed only the equal-compute budget:
     cells of amendment 2's registration stay but for `tracin` and `max_variance` (`random` stands while its `tracin`
     records its keep rate: `test_a_recorded_cell_must_match_the_cells_it_was_derived_from`)."""
-    first, second, third = design.CARRIED_REGISTRATIONS
+    first, second, third, fourth = design.CARRIED_REGISTRATIONS
     warm = {"task": "calculator", "trainer": "warmstart", "arm": "warmstart", "preregistration": first}
     rl = {"task": "calculator", "trainer": "trl", "arm": "trl", "preregistration": first}
     now = {"task": "calculator", "trainer": "trl", "arm": "trl", "preregistration": "now"}
@@ -316,6 +321,17 @@ def test_carried_registrations_are_valid_only_for_the_trainers_and_arms_an_amend
     for c in under:
         if c not in carried:
             assert report.stale_registrations([c], "now") == [third], c["arm"]
+    # Amendment 5 changed only the log search's RL learning rate: the calculator and both log search warm starts
+    # stay; `trl_fit` (the retired cell at 3e-4) and `snapshots` would be flagged.
+    under = [{**c, "preregistration": fourth} for c in under]
+    carried = [c for c in under if c["task"] == "calculator" or c["trainer"] == "warmstart"]
+    assert len(carried) == len(design.ARMS["calculator"]) + 2
+    assert report.stale_registrations(carried, "now") == []
+    for c in under:
+        if c not in carried:
+            assert report.stale_registrations([c], "now") == [fourth], c["arm"]
+    retired = ROOT / "docs" / "ablation-superseded" / "v2.1-logsearch-lr3e-4" / "seed0" / "trl_fit.json"
+    assert json.loads(retired.read_text())["preregistration"] == fourth
     # The committed cells are the carried ones or the registration's own, and the render flags nothing.
     committed = [json.loads(p.read_text()) for p in (ROOT / "docs" / "ablation-cells").rglob("*.json")]
     assert {c["trainer"] for c in committed if c["preregistration"] == first} <= {"warmstart"}
@@ -391,11 +407,15 @@ def test_a_ladder_rung_is_never_read_as_a_verdict_cell(tmp_path):
     assert cells_mod._read(path, "h", {"learning_rate": 1e-4, "tracin_enabled": True})["arm_settings"] == derived
 
 
-def test_the_superseded_lr_cells_are_what_this_page_says():
-    """docs/ablation-superseded/v2.1-lr3e-4/README.md's table, recomputed from its cells."""
-    folder = ROOT / "docs" / "ablation-superseded" / "v2.1-lr3e-4"
+@pytest.mark.parametrize(
+    ("folder", "arms"), [("v2.1-lr3e-4", ("trl", "feedback")), ("v2.1-logsearch-lr3e-4", ("trl_fit",))]
+)
+def test_the_superseded_lr_cells_are_what_this_page_says(folder, arms):
+    """docs/ablation-superseded/v2.1-lr3e-4/README.md's table (amendment 2) and v2.1-logsearch-lr3e-4's (amendment
+    5), recomputed from their cells."""
+    folder = ROOT / "docs" / "ablation-superseded" / folder
     page = (folder / "README.md").read_text()
-    for arm in ("trl", "feedback"):
+    for arm in arms:
         c = json.loads((folder / "seed0" / f"{arm}.json").read_text())
         assert c["preregistration"] in design.CARRIED_REGISTRATIONS and "learning_rate" not in c["arm_settings"]
         row = (
@@ -525,7 +545,7 @@ def test_render_gives_the_hand_computed_verdicts():
         f"| logsearch | `snapshots` − `trl_fit` (primary) | 0 | – | – | {planned:.3f} (planned) | – | pending (0 of 3 "
         "seeds) |" in text
     )
-    expected = sum(len(t.seeds) * len(design.ARMS[t.name]) for t in design.TASKS.values()) + 4 + 3
+    expected = sum(len(t.seeds) * len(design.ARMS[t.name]) + len(t.lr_ladder) for t in design.TASKS.values()) + 4
     assert f"**Partial:** 25 of {expected} pre-registered cells" in text
     assert "recorded 2026-12-01 10:00 to 2026-12-05 10:00 at commits abc1234" in text
     # Per arm: the mean over seeds of rollback's per-seed success, with its t interval.
@@ -838,6 +858,7 @@ def test_a_log_search_run_trains_the_control_from_its_own_warm_start(tiny_model_
         "gradient_accumulation_steps=1", "num_generations=4", "max_completion_length=800",
         "max_tool_calling_iterations=3", "num_train_tasks=8", "gradient_checkpointing=false",
         "ablation_eval_samples=1", "ablation_spread_prompts=1",
+        "ablation_lr_ladder=[0.001, 0.0001]", "ablation_validation_problems=2", "ablation_validation_offset=0",
     ]  # fmt: skip
     # The tiny model's tokenizer spends more tokens on a trace than SmolLM2's: the control's budget is raised with it,
     # in the test's own registered design, as a real change would be.
@@ -878,7 +899,26 @@ def test_a_log_search_run_trains_the_control_from_its_own_warm_start(tiny_model_
     assert main(argv) == 0
     seed0 = {p.stem: json.loads(p.read_text()) for p in (cells / "logsearch" / "seed0").glob("*.json")}
     assert set(seed0) == {"warmstart", "warmstart_fit", "trl_fit", "snapshots"}
-    assert loaded == ["warmstart_fit", "warmstart"]  # `trl_fit`, then `snapshots`, in the arms' order
+    # Amendment 5: the ladder's two rungs train the control from its own warm start first, then `trl_fit` and
+    # `snapshots` in the arms' order.
+    assert loaded == ["warmstart_fit", "warmstart_fit", "warmstart_fit", "warmstart"]
+    rungs = {p.name: json.loads(p.read_text()) for p in (cells / "logsearch" / "lr-ladder").glob("*.json")}
+    assert set(rungs) == {"trl_fit-0.001.json", "trl_fit-0.0001.json"}
+    fit_overrides = {"max_completion_length": fit_budget, "logsearch_context_deletion": False}
+    for rung in rungs.values():
+        assert rung["arm"] == "trl_fit" and rung["trainer_class"] == "GRPOTrainer" and "greedy" not in rung
+        assert rung["arm_settings"] == {**fit_overrides, "learning_rate": rung["arm_settings"]["learning_rate"],
+                                        "seed": design.LR_LADDER_RL_SEED}  # fmt: skip
+        assert len(rung["validation"]["problems"]) == 2 and not set(rung["validation"]["problems"]) & set(
+            seed0["trl_fit"]["problems"]
+        )
+    chosen = design.choose_learning_rate([design.LrRung.of_cell(c) for c in rungs.values()])[0]
+    assert seed0["trl_fit"]["arm_settings"]["learning_rate"] == chosen
+    assert seed0["snapshots"]["arm_settings"]["learning_rate"] == chosen
+    # The rungs are evaluated as the control is (no deletion, its budget, its prompt), on validation problems.
+    # Evaluations in order: `warmstart` 3, `warmstart_fit` 3, the rungs 2 each, `trl_fit` 2, `snapshots` 2.
+    assert len(evaluated) == 14
+    assert evaluated[6:10] == [evaluated[10]] * 4 and evaluated[10][:2] == (False, fit_budget)
     fit, warm = seed0["warmstart_fit"], seed0["warmstart"]
     assert fit["trainer"] == "warmstart" and "learning_rate" not in fit["arm_settings"]
     assert fit["arm_settings"] == {"max_completion_length": fit_budget, "logsearch_context_deletion": False}
@@ -896,11 +936,11 @@ def test_a_log_search_run_trains_the_control_from_its_own_warm_start(tiny_model_
     assert {"warmstart", "warmstart_fit", "trl_fit", "snapshots"} <= adapters
     assert "| logsearch | `trl_fit` − `warmstart_fit`: did GRPO move the control at all |" in readme.read_text()
     # Each arm is evaluated as it was trained: `warmstart` (spread check, greedy, sampled) and `snapshots` with
-    # `delete_context` and the prompt that asks for it; `warmstart_fit` (3) and `trl_fit` (2) without either, at the
-    # control's budget.
+    # `delete_context` and the prompt that asks for it; `warmstart_fit` (3), the rungs (4) and `trl_fit` (2) without
+    # either, at the control's budget.
     deleting = [e for e in evaluated if e[0]]
     keeping = [e for e in evaluated if not e[0]]
-    assert len(deleting) == 5 and len(keeping) == 5
+    assert len(deleting) == 5 and len(keeping) == 9
     assert all(len(e[2]) == 1 and "delete_context" in next(iter(e[2])) for e in deleting)
     assert all(e[1] == fit_budget and not any("delete" in p for p in e[2]) for e in keeping)
     # A new machine: `trl_fit`'s warm start is trained again from `warmstart_fit`'s traces and must reproduce its

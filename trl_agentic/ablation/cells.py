@@ -115,7 +115,7 @@ def calibration_path(cells: Path, task: str, steps: int) -> Path:
 
 
 def lr_path(cells: Path, task: str, learning_rate: float) -> Path:
-    return cells / task / "lr-ladder" / f"{design.LR_LADDER_ARM}-{learning_rate:g}.json"
+    return cells / task / "lr-ladder" / f"{design.TASKS[task].lr_ladder_arm}-{learning_rate:g}.json"
 
 
 # ------------------------------------------------------------------------------------------------ machine
@@ -451,12 +451,13 @@ def planned_validation(task: Task, ctx: Context, offset: int, count: int) -> lis
 
 
 def lr_cell(task: Task, lr: float, ctx: Context) -> dict:
-    """One rung of the learning-rate ladder: `LR_LADDER_ARM` trained at `lr` from seed 0's warm start with the
-    ladder's own RL seed, evaluated on the validation problems only (the rule's; never on the held-out ones)."""
+    """One rung of the learning-rate ladder: the task's `lr_ladder_arm` trained at `lr` from seed 0's warm start of
+    that arm with the ladder's own RL seed, evaluated on the validation problems only (the rule's; never on the
+    held-out ones)."""
     steps, _, _ = warmstart_steps(task, ctx)
     settings = shared_settings(task, 0, ctx.overrides, steps)
     p = plan(task, ctx.overrides)
-    arm_ = design.arm(task.name, design.LR_LADDER_ARM)
+    arm_ = design.arm(task.name, task.lr_ladder_arm)
     arm_settings = {**arm_.overrides, "learning_rate": lr, "seed": design.LR_LADDER_RL_SEED}
     path = lr_path(ctx.cells, task.name, lr)
     cell = _read(path, fingerprint(settings, p), arm_settings)

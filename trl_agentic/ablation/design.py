@@ -17,7 +17,7 @@ from .. import stats
 # Amendment 2 (the RL learning rate from a ladder) changes no shared setting: the rate is an arm setting of every RL
 # cell (`arm_settings.learning_rate`), so the warm-start cells keep their hash and RL cells without it are refused.
 DESIGN = "v2.1"
-AMENDMENT = 4
+AMENDMENT = 5
 # Cells recorded under an earlier registration that the amendments since left valid, by trainer or arm name:
 # amendment 2 changed only the RL arms, so the calibration and warm-start cells of amendment 1's registration stay
 # (their settings hash is unchanged too); amendment 3 changed only the equal-compute budget (`tracin`,
@@ -25,13 +25,15 @@ AMENDMENT = 4
 # that rate (`cells.check_derived`, on every read). Amendment 4 changed only the log search's control (`trl_fit`, from a
 # warm start of its own, `warmstart_fit`): every calculator cell and the log search's `warmstart` and `snapshots` stay.
 # An entry is a trainer, an arm, a task, or `task:arm`; the first two were made for the calculator and name it, so
-# that a log search cell under them (the retired `trl_fit`, on the shared warm start) is not carried.
+# that a log search cell under them (the retired `trl_fit`, on the shared warm start) is not carried. Amendment 5
+# changed only the log search's RL learning rate (a ladder, as the calculator's): its two warm starts stay.
 CARRIED_REGISTRATIONS = {
     "ecf7de194cad": ("calculator:warmstart",),
     "458ecf0d147b": tuple(
         f"calculator:{a}" for a in ("warmstart", "trl", "feedback", "rollback", "rollback_episodes", "rft", "random")
     ),
     "ab69c86244f5": ("calculator", "logsearch:warmstart", "logsearch:snapshots"),
+    "0166d9ab5755": ("calculator", "logsearch:warmstart", "logsearch:warmstart_fit"),
 }
 # Library defaults the arms were registered under and that changed since, pinned for every agentic arm (an arm's own
 # setting wins): `rollback` is "`group_baseline: all_rows` (the default)", and after `rollback_episodes − rollback`'s
@@ -109,8 +111,10 @@ class Task:
         extra_seeds: Seeds the pre-registered extension may add (see the pre-registration).
         evaluation: [`EvalPlan`].
         calibration_steps: Warm-start lengths of the calibration ladder (seed 0); empty: `warmstart_steps` is fixed.
-        lr_ladder: RL learning rates of the learning-rate ladder (seed 0, arm `LR_LADDER_ARM`, amendment 2); empty:
-            the task's `learning_rate` is fixed.
+        lr_ladder: RL learning rates of the learning-rate ladder (seed 0, arm `lr_ladder_arm`, amendment 2; the log
+            search's, amendment 5); empty: the task's `learning_rate` is fixed.
+        lr_ladder_arm: The arm the ladder trains from seed 0's warm start of that arm (`Arm.warm_start`): the
+            task's control.
     """
 
     name: str
@@ -120,6 +124,7 @@ class Task:
     evaluation: EvalPlan
     calibration_steps: tuple[int, ...] = ()
     lr_ladder: tuple[float, ...] = ()
+    lr_ladder_arm: str = "trl"
 
 
 CALCULATOR = Task(
@@ -164,7 +169,7 @@ LOGSEARCH = Task(
         "warmstart_batch_size": 4,
         "warmstart_learning_rate": 1e-3,
         "max_steps": 8,
-        "learning_rate": 3e-4,
+        "learning_rate": 3e-4,  # as first registered; each RL cell's own rate is in its `arm_settings` (amendment 5)
         "lr_scheduler_type": "constant",
         "per_device_train_batch_size": 4,
         "gradient_accumulation_steps": 4,  # one generation batch of 16 = 2 prompts x 8
@@ -176,7 +181,9 @@ LOGSEARCH = Task(
     },
     seeds=(0, 1, 2),
     extra_seeds=(),
-    evaluation=EvalPlan(problems=64, samples=2, spread_prompts=16),
+    evaluation=EvalPlan(problems=64, samples=2, spread_prompts=16, validation_problems=64, validation_offset=0),
+    lr_ladder=(3e-5, 1e-4, 3e-4),
+    lr_ladder_arm="trl_fit",
 )
 
 TASKS = {task.name: task for task in (CALCULATOR, LOGSEARCH)}
@@ -440,7 +447,6 @@ def ladder_decision(measured: dict[int, Rung], ladder: Sequence[int]) -> tuple[i
 
 # ------------------------------------------------------------------------------------------------ learning rate
 
-LR_LADDER_ARM = "trl"  # the arm the learning-rate ladder trains, from seed 0's warm start
 # The rungs' RL seed (prompt order, sampling): not seed 0's, so that no verdict's cell is the run the rule selected (a
 # lucky run picked on validation would favour its arm on the held-out problems too).
 LR_LADDER_RL_SEED = 1000
@@ -538,7 +544,7 @@ def lr_ladder_seconds(task: Task, warmstart_steps: int) -> float:
     """The ladder's cost: each rung trains its arm and is evaluated on the validation problems only."""
     if not task.lr_ladder:
         return 0.0
-    training = estimate_seconds(task, arm(task.name, LR_LADDER_ARM), warmstart_steps) - _evaluation_seconds(task)
+    training = estimate_seconds(task, arm(task.name, task.lr_ladder_arm), warmstart_steps) - _evaluation_seconds(task)
     return (training + _evaluation_seconds(task, task.evaluation.validation_problems)) * len(task.lr_ladder)
 
 
@@ -559,7 +565,7 @@ def estimate_seconds(task: Task, arm_: Arm, warmstart_steps: int) -> float:
 def budget(warmstart_steps: int = 64) -> dict:
     """`{task: {arm: seconds per seed}}`, the calibration's seconds and the total over the pre-registered seeds (the
     calculator's warm-start length is that of the calibration; `warmstart_steps` stands for it)."""
-    out: dict = {"cells": {}, "calibration": 0.0, "lr_ladder": 0.0}
+    out: dict = {"cells": {}, "calibration": 0.0, "lr_ladder": 0.0, "lr_ladders": {}}
     total = 0.0
     for task in TASKS.values():
         steps = task.settings.get("warmstart_steps", warmstart_steps)
@@ -569,7 +575,8 @@ def budget(warmstart_steps: int = 64) -> dict:
         if task.calibration_steps:
             ladder = Arm("warmstart", "", "warmstart")
             out["calibration"] += sum(estimate_seconds(task, ladder, n) for n in task.calibration_steps)
-        out["lr_ladder"] += lr_ladder_seconds(task, steps)
+        out["lr_ladders"][task.name] = lr_ladder_seconds(task, steps)
+        out["lr_ladder"] += out["lr_ladders"][task.name]
     out["total"] = total + out["calibration"] + out["lr_ladder"]
     extension = CALCULATOR
     out["extension"] = sum(out["cells"][extension.name].values()) * len(extension.extra_seeds)
@@ -604,7 +611,8 @@ def design_markdown() -> str:
             )
             + (
                 f"; `learning_rate` of every RL arm from the learning-rate ladder "
-                f"{', '.join(f'{lr:g}' for lr in task.lr_ladder)} (`{LR_LADDER_ARM}` from seed 0's warm start, RL "
+                f"{', '.join(f'{lr:g}' for lr in task.lr_ladder)} (`{task.lr_ladder_arm}` from seed 0's "
+                f"`{arm(task.name, task.lr_ladder_arm).warm_start}`, RL "
                 f"seed {LR_LADDER_RL_SEED}, judged on validation problems {e.validation_offset + 1}–"
                 f"{e.validation_offset + e.validation_problems}: the most successful sampled episodes, a tie to the "
                 "smaller rate)."
@@ -650,7 +658,9 @@ def design_markdown() -> str:
         for name, seconds in per_arm.items():
             lines.append(f"| {task_name} | `{name}` | {seconds:.0f} |")
     lines.append(f"| calculator | calibration ladder (seed 0, once) | {estimate['calibration']:.0f} |")
-    lines.append(f"| calculator | learning-rate ladder (seed 0's warm start, once) | {estimate['lr_ladder']:.0f} |")
+    for task_name, seconds in estimate["lr_ladders"].items():
+        if seconds:
+            lines.append(f"| {task_name} | learning-rate ladder (seed 0's warm start, once) | {seconds:.0f} |")
     lines += [
         "",
         f"Estimated total: **{estimate['total'] / 3600:.1f} h** (the extension, if run: "

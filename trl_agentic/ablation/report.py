@@ -276,14 +276,12 @@ def lr_mismatches(task: design.Task, cells: dict, lr_rungs: dict) -> str:
 
 
 def _lr_lines(lr_rungs: dict, cells: dict | None = None) -> list[str]:
-    lines = []
-    for task in design.TASKS.values():
-        if not task.lr_ladder:
-            continue
+    tasks = [task for task in design.TASKS.values() if task.lr_ladder]
+    lines = ["### Learning-rate ladders (amendments 2 and 5)", ""] if tasks else []
+    for task in tasks:
+        warm = design.arm(task.name, task.lr_ladder_arm).warm_start
         lines += [
-            "### Learning-rate ladder (amendment 2)",
-            "",
-            f"{task.name}: `{design.LR_LADDER_ARM}` from seed 0's warm start at each RL learning rate (RL seed "
+            f"{task.name}: `{task.lr_ladder_arm}` from seed 0's `{warm}` at each RL learning rate (RL seed "
             f"{design.LR_LADDER_RL_SEED}, not a verdict's), judged on {task.evaluation.validation_problems} validation "
             "problems; the rungs are never evaluated on the held-out problems.",
             "",
