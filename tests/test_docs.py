@@ -39,3 +39,38 @@ def test_relative_links_in_readme_and_docs_resolve():
             if not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(root)} -> {target}")
     assert not broken, broken
+
+
+def _github_anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation (but `-` and `_`) dropped, spaces to `-`."""
+    import re
+
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_github_anchor_is_githubs():
+    assert _github_anchor("Amendment 5 (2026-12-04): the log search's RL learning rate") == (
+        "amendment-5-2026-12-04-the-log-searchs-rl-learning-rate"
+    )
+    assert _github_anchor("The verdicts over seeds 0–4, from `cells`") == "the-verdicts-over-seeds-04-from-cells"
+
+
+def test_anchors_of_links_between_readme_and_docs_exist():
+    """Every `page.md#anchor` link of README.md and docs/**/*.md (and `#anchor` within a page) names a heading of that
+    page: a renamed heading breaks no link silently."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    broken = []
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", page.read_text()):
+            linked = (page.parent / target) if target else page
+            if "://" in target or linked.suffix != ".md" or not linked.exists():
+                continue
+            text = re.sub(r"```.*?```", "", linked.read_text(), flags=re.S)
+            anchors = {_github_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
+            if anchor not in anchors:
+                broken.append(f"{page.relative_to(root)} -> {target}#{anchor}")
+    assert not broken, broken
