@@ -307,16 +307,16 @@ def test_carried_registrations_are_valid_only_for_the_trainers_and_arms_an_amend
         for registration in (first, second):
             cell = {"task": "logsearch", "trainer": arm_.trainer, "arm": arm_.name, "preregistration": registration}
             assert report.stale_registrations([cell], "now") == [registration]
-    # Amendment 4 changed only the log search's control: the calculator and the log search's `warmstart` and
-    # `snapshots` stay; `trl_fit` (and the new `warmstart_fit`) would be flagged. A task carries every arm of it, a
+    # Amendment 4 changed only the log search's control: the calculator and the log search's `warmstart` stay;
+    # `trl_fit` (and the new `warmstart_fit`) would be flagged, and `snapshots` too since amendment 5 changed its rate. A task carries every arm of it, a
     # `task:arm` only that arm of that task (the calculator's `trl` is carried, the log search's `trl_fit` is not).
     under = [
         {"task": t, "trainer": a.trainer, "arm": a.name, "preregistration": third}
         for t in design.ARMS
         for a in design.ARMS[t]
     ]
-    carried = [c for c in under if c["task"] == "calculator" or c["arm"] in ("warmstart", "snapshots")]
-    assert len(carried) == len(design.ARMS["calculator"]) + 2
+    carried = [c for c in under if c["task"] == "calculator" or c["arm"] == "warmstart"]
+    assert len(carried) == len(design.ARMS["calculator"]) + 1  # and the log search's `warmstart`
     assert report.stale_registrations(carried, "now") == []
     for c in under:
         if c not in carried:
@@ -340,16 +340,43 @@ def test_carried_registrations_are_valid_only_for_the_trainers_and_arms_an_amend
     assert report.stale_registrations(committed, registration) == []
 
 
-def test_an_rl_cell_without_its_learning_rate_is_refused(tmp_path):
-    """Seed 0's superseded `trl` cell (no `learning_rate` in its arm settings) is never read as an amendment-2 cell."""
-    old = ROOT / "docs" / "ablation-superseded" / "v2.1-lr3e-4" / "seed0" / "trl.json"
+@pytest.mark.parametrize(
+    ("folder", "arm", "recorded"),
+    [
+        ("v2.1-lr3e-4", "trl", {}),
+        ("v2.1-logsearch-lr3e-4", "trl_fit", dict(design.arm("logsearch", "trl_fit").overrides)),
+    ],
+)
+def test_an_rl_cell_without_its_learning_rate_is_refused(tmp_path, folder, arm, recorded):
+    """Seed 0's superseded `trl` cell (no `learning_rate` in its arm settings) is never read as an amendment-2 cell,
+    nor the log search's superseded `trl_fit` as an amendment-5 cell."""
+    old = ROOT / "docs" / "ablation-superseded" / folder / "seed0" / f"{arm}.json"
     cell = json.loads(old.read_text())
-    assert cell["arm_settings"] == {} and cell["settings"]["learning_rate"] == 3e-4
-    path = tmp_path / "trl.json"
+    assert cell["arm_settings"] == recorded and cell["settings"]["learning_rate"] == 3e-4
+    path = tmp_path / f"{arm}.json"
     shutil.copy(old, path)
     with pytest.raises(RuntimeError, match="ran with arm settings"):
-        cells_mod._read(path, cell["settings_hash"], {"learning_rate": 3e-4})
-    assert cells_mod._read(path, cell["settings_hash"], {}) == cell  # as amendment 1 read it
+        cells_mod._read(path, cell["settings_hash"], {**recorded, "learning_rate": 3e-4})
+    assert cells_mod._read(path, cell["settings_hash"], recorded) == cell  # as the amendment before read it
+
+
+def test_the_log_search_ladder_judges_on_problems_no_split_of_the_arms_holds(tmp_path):
+    """Amendment 5: the log search's 64 validation problems exist, are distinct, are in the control's setting (the
+    prompt without `delete_context`) and are none of the held-out, training or warm-start problems."""
+    from trl_agentic.tasks import build_task
+
+    task, arm_ = design.LOGSEARCH, design.arm("logsearch", design.LOGSEARCH.lr_ladder_arm)
+    full = {**cells_mod.shared_settings(task, 0, {}, 48), **arm_.overrides, "output_dir": str(tmp_path)}
+    task_args = cells_mod._parse(full, trl=True)[0]
+    built = build_task(task_args)
+    held_out = {cells_mod.problem_key(r) for r in built.eval_dataset}
+    rows = cells_mod.validation_slice(task_args, held_out, task.evaluation.validation_offset, 64)
+    keys = [cells_mod.problem_key(r) for r in rows]
+    assert len(set(keys)) == 64
+    for split in (built.eval_dataset, built.train_dataset, built.warmstart_dataset):
+        assert not set(keys) & {cells_mod.problem_key(r) for r in split}
+    assert all("delete_context" not in r["prompt"][0]["content"] for r in rows)
+    assert cells_mod.lr_path(tmp_path, "logsearch", 1e-4).name == "trl_fit-0.0001.json"
 
 
 def test_the_ladder_refuses_rungs_judged_on_other_problems(tmp_path):

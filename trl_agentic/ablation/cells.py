@@ -114,8 +114,9 @@ def calibration_path(cells: Path, task: str, steps: int) -> Path:
     return cells / task / "calibration" / f"warmstart-{steps}.json"
 
 
-def lr_path(cells: Path, task: str, learning_rate: float) -> Path:
-    return cells / task / "lr-ladder" / f"{design.TASKS[task].lr_ladder_arm}-{learning_rate:g}.json"
+def lr_path(cells: Path, task: str, learning_rate: float, arm: str | None = None) -> Path:
+    """A rung's cell, named by the arm it trains (`arm`; default: the registered task's `lr_ladder_arm`)."""
+    return cells / task / "lr-ladder" / f"{arm or design.TASKS[task].lr_ladder_arm}-{learning_rate:g}.json"
 
 
 # ------------------------------------------------------------------------------------------------ machine
@@ -434,7 +435,7 @@ def learning_rate(task: Task, ctx: Context) -> tuple[float, str] | None:
     }
     if judged != {(offset, tuple(planned_validation(task, ctx, offset, problems)))}:
         raise RuntimeError(
-            f"The learning-rate ladder's rungs ({', '.join(str(lr_path(ctx.cells, task.name, lr)) for lr in ladder)}) "
+            f"The learning-rate ladder's rungs ({', '.join(str(lr_path(ctx.cells, task.name, lr, task.lr_ladder_arm)) for lr in ladder)}) "
             f"were not all judged on the planned {problems} validation problems from offset {offset}."
         )
     return design.choose_learning_rate([design.LrRung.of_cell(c) for c in cells])
@@ -459,7 +460,7 @@ def lr_cell(task: Task, lr: float, ctx: Context) -> dict:
     p = plan(task, ctx.overrides)
     arm_ = design.arm(task.name, task.lr_ladder_arm)
     arm_settings = {**arm_.overrides, "learning_rate": lr, "seed": design.LR_LADDER_RL_SEED}
-    path = lr_path(ctx.cells, task.name, lr)
+    path = lr_path(ctx.cells, task.name, lr, arm_.name)
     cell = _read(path, fingerprint(settings, p), arm_settings)
     if cell is None:
         _, problems, offset = lr_plan(task, ctx.overrides)

@@ -23,16 +23,17 @@ AMENDMENT = 5
 # (their settings hash is unchanged too); amendment 3 changed only the equal-compute budget (`tracin`,
 # `max_variance`). `random` takes `tracin`'s keep rate: its cell stands while `tracin`'s, under amendment 3, records
 # that rate (`cells.check_derived`, on every read). Amendment 4 changed only the log search's control (`trl_fit`, from a
-# warm start of its own, `warmstart_fit`): every calculator cell and the log search's `warmstart` and `snapshots` stay.
-# An entry is a trainer, an arm, a task, or `task:arm`; the first two were made for the calculator and name it, so
-# that a log search cell under them (the retired `trl_fit`, on the shared warm start) is not carried. Amendment 5
-# changed only the log search's RL learning rate (a ladder, as the calculator's): its two warm starts stay.
+# warm start of its own, `warmstart_fit`): every calculator cell and the log search's `warmstart` stay (its `snapshots`
+# stayed too, until amendment 5 changed its rate). An entry is a trainer, an arm, a task, or `task:arm`; the first two
+# were made for the calculator and name it, so that a log search cell under them (the retired `trl_fit`, on the shared
+# warm start) is not carried. Amendment 5 changed only the log search's RL learning rate (a ladder, as the
+# calculator's): its two warm starts stay; no RL cell of the log search under an earlier registration does.
 CARRIED_REGISTRATIONS = {
     "ecf7de194cad": ("calculator:warmstart",),
     "458ecf0d147b": tuple(
         f"calculator:{a}" for a in ("warmstart", "trl", "feedback", "rollback", "rollback_episodes", "rft", "random")
     ),
-    "ab69c86244f5": ("calculator", "logsearch:warmstart", "logsearch:snapshots"),
+    "ab69c86244f5": ("calculator", "logsearch:warmstart"),
     "0166d9ab5755": ("calculator", "logsearch:warmstart", "logsearch:warmstart_fit"),
 }
 # Library defaults the arms were registered under and that changed since, pinned for every agentic arm (an arm's own

@@ -43,7 +43,7 @@ def load_lr_ladder(cells_dir: Path) -> dict:
     rungs = {}
     for task in design.TASKS.values():
         for lr in task.lr_ladder:
-            path = lr_path(cells_dir, task.name, lr)
+            path = lr_path(cells_dir, task.name, lr, task.lr_ladder_arm)
             if path.exists():
                 rungs[task.name, lr] = json.loads(path.read_text())
     return rungs
