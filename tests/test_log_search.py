@@ -209,3 +209,27 @@ def test_a_trace_that_keeps_both_files_fits_the_controls_budget():
         example = tokenize_trace(renderer, trace, trace["tools"])
         lengths.append(len(example["input_ids"]) - len(renderer.prompt_ids(trace["prompt"], tools=trace["tools"])))
     assert 320 < max(lengths) <= budget, lengths  # more than one segment's budget, within the control's
+
+
+@pytest.mark.parametrize(("num_files", "deleting", "keeping"), [(2, 892, 759), (3, 1048, 996), (4, 1205, 1232), (5, 1362, 1468)])
+def test_peak_context_of_the_oracle_traces_is_what_the_docs_say(num_files, deleting, keeping):
+    """docs/snapshots.md and the ablation findings: with SmolLM2's tokenizer, the longest context of an episode
+    (segment prompt and turns) is larger with deletion at two files and smaller from four files on. Recomputed here
+    from the traces, the mean over the problems of `make_log_rows(n, 5)` (64 at two files, 32 with more)."""
+    from transformers import AutoTokenizer
+
+    from trl_agentic.models import resolve_model_path
+    from trl_agentic.rollout.rendering import ChatRenderer
+    from trl_agentic.warmstart import tokenize_trace
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m")))
+    n = 64 if num_files == 2 else 32
+    means = {}
+    for deletion in (True, False):
+        rows = make_log_rows(n, 5, num_files=num_files, context_deletion=deletion)
+        peaks = []
+        for row in rows:
+            traces = log_search_traces([row], context_deletion=deletion)
+            peaks.append(max(len(tokenize_trace(renderer, t, t["tools"])["input_ids"]) for t in traces))
+        means[deletion] = sum(peaks) / len(peaks)
+    assert round(means[True]) == deleting and round(means[False]) == keeping, means
