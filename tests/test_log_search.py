@@ -211,7 +211,9 @@ def test_a_trace_that_keeps_both_files_fits_the_controls_budget():
     assert 320 < max(lengths) <= budget, lengths  # more than one segment's budget, within the control's
 
 
-@pytest.mark.parametrize(("num_files", "deleting", "keeping"), [(2, 892, 759), (3, 1048, 996), (4, 1205, 1232), (5, 1362, 1468)])
+@pytest.mark.parametrize(
+    ("num_files", "deleting", "keeping"), [(2, 892, 759), (3, 1048, 996), (4, 1205, 1232), (5, 1362, 1468)]
+)
 def test_peak_context_of_the_oracle_traces_is_what_the_docs_say(num_files, deleting, keeping):
     """docs/snapshots.md and the ablation findings: with SmolLM2's tokenizer, the longest context of an episode
     (segment prompt and turns) is larger with deletion at two files and smaller from four files on. Recomputed here
