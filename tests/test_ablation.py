@@ -376,7 +376,7 @@ def test_the_log_search_ladder_judges_on_problems_no_split_of_the_arms_holds(tmp
     for split in (built.eval_dataset, built.train_dataset, built.warmstart_dataset):
         assert not set(keys) & {cells_mod.problem_key(r) for r in split}
     assert all("delete_context" not in r["prompt"][0]["content"] for r in rows)
-    assert cells_mod.lr_path(tmp_path, "logsearch", 1e-4).name == "trl_fit-0.0001.json"
+    assert cells_mod.lr_path(tmp_path, "logsearch", 1e-4, "trl_fit").name == "trl_fit-0.0001.json"
 
 
 def test_the_ladder_refuses_rungs_judged_on_other_problems(tmp_path):
@@ -393,7 +393,7 @@ def test_the_ladder_refuses_rungs_judged_on_other_problems(tmp_path):
         cell = _lr_cell(lr, 100)
         cell["validation"].update(offset=offset, problems=problems)
         cell.update(settings_hash=settings_hash, arm_settings={"learning_rate": lr, "seed": 1000})
-        cells_mod._write(cells_mod.lr_path(tmp_path, task.name, lr), cell)
+        cells_mod._write(cells_mod.lr_path(tmp_path, task.name, lr, task.lr_ladder_arm), cell)
 
     same = cells_mod.planned_validation(task, ctx, 64, 64)  # validation problems 65-128 of `task_seed + 10`
     assert len(set(same)) == 64
@@ -416,7 +416,7 @@ def test_the_ladder_refuses_rungs_judged_on_other_problems(tmp_path):
     cell = _lr_cell(1e-4, 100)
     del cell["validation"]
     cell.update(settings_hash=settings_hash, arm_settings={"learning_rate": 1e-4, "seed": 1000})
-    cells_mod._write(cells_mod.lr_path(tmp_path, task.name, 1e-4), cell)
+    cells_mod._write(cells_mod.lr_path(tmp_path, task.name, 1e-4, task.lr_ladder_arm), cell)
     with pytest.raises(RuntimeError, match="not all judged"):
         cells_mod.learning_rate(task, ctx)
 

@@ -114,9 +114,9 @@ def calibration_path(cells: Path, task: str, steps: int) -> Path:
     return cells / task / "calibration" / f"warmstart-{steps}.json"
 
 
-def lr_path(cells: Path, task: str, learning_rate: float, arm: str | None = None) -> Path:
-    """A rung's cell, named by the arm it trains (`arm`; default: the registered task's `lr_ladder_arm`)."""
-    return cells / task / "lr-ladder" / f"{arm or design.TASKS[task].lr_ladder_arm}-{learning_rate:g}.json"
+def lr_path(cells: Path, task: str, learning_rate: float, arm: str) -> Path:
+    """A rung's cell, named by the arm it trains (the task's `lr_ladder_arm`)."""
+    return cells / task / "lr-ladder" / f"{arm}-{learning_rate:g}.json"
 
 
 # ------------------------------------------------------------------------------------------------ machine
