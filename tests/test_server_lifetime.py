@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from trl_agentic.async_grpo.server import _DIE_WITH_PARENT, die_with_parent
+from trl_agentic.async_grpo.server import _SUPERVISOR, die_with_parent
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 
@@ -61,18 +61,36 @@ def test_the_child_dies_with_the_process_that_started_it(how):
         parent = subprocess.Popen([sys.executable, "-c", script, mode], stdout=subprocess.PIPE, text=True)
         children[mode] = int(parent.stdout.readline())
         deadline = time.monotonic() + 60
-        while _exe(children[mode]) != "sleep" and time.monotonic() < deadline:  # past the launcher's exec
+        while not _sleeps(children[mode]) and time.monotonic() < deadline:  # the supervisor has started `sleep`
             time.sleep(0.05)
-        assert _exe(children[mode]) == "sleep"
+        assert _sleeps(children[mode])
+        if mode == "wrapped":
+            sleeper = _sleeps(children[mode])[0]
+            assert sleeper != children[mode]  # the supervisor's child
         parent.send_signal(how)
         parent.wait()
     try:
-        assert _wait_gone(children["wrapped"])
+        assert _wait_gone(children["wrapped"]) and _wait_gone(sleeper)
         assert _alive(children["plain"])  # the control: a child in its own session outlives its parent
     finally:
-        for pid in children.values():
+        for pid in (*children.values(), sleeper):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _sleeps(pid: int) -> list[int]:
+    """`pid` itself if it runs `sleep`, or its children that do."""
+    if _exe(pid) == "sleep":
+        return [pid]
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == pid and _exe(int(p)) == "sleep"]
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _exe(pid: int) -> str | None:
@@ -90,16 +108,104 @@ def test_the_wrapped_command_runs_with_its_arguments_and_exit_status():
         text=True,
     )
     assert out.stdout.strip() == "['a b', 'c']" and out.returncode == 3
+    # A command a signal ended: 128 + its number, as a shell says it.
+    out = subprocess.run(die_with_parent([sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"]))
+    assert out.returncode == 128 + 9
 
 
 def test_a_parent_gone_before_the_signal_was_armed_stops_the_command():
-    """The race: the starting process died between fork and the prctl (the launcher then has another parent). The
+    """The race: the starting process died between fork and the prctl (the supervisor then has another parent). The
     command is not run."""
     wrong_parent = str(os.getpid() + 10**6)
     out = subprocess.run(
-        [sys.executable, "-c", _DIE_WITH_PARENT, wrong_parent, "echo", "ran"], capture_output=True, text=True
+        [sys.executable, _SUPERVISOR, wrong_parent, "30", "echo", "ran"], capture_output=True, text=True
     )
     assert out.returncode == 143 and "ran" not in out.stdout
+
+
+# Ignores SIGTERM, as vLLM's server does while its graceful shutdown waits for a connection that never closes, and
+# starts a process in its group that ignores it too (vLLM's engine process). Prints both pids.
+_STUBBORN = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"])  # SIG_IGN is inherited
+    print(sys.argv[1], flush=True)
+    time.sleep(1000)
+    """
+)
+
+
+def _stubborn_pids(out) -> tuple[int, int, int]:
+    supervisor = int(out.readline())
+    out.readline()  # the marker: the command has started its engine
+    command = _children(supervisor)
+    assert len(command) == 1
+    engine = _children(command[0])
+    assert len(engine) == 1
+    return supervisor, command[0], engine[0]
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == pid and _alive(int(p))]
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_a_command_that_ignores_sigterm_is_killed_after_the_grace(how):
+    """The starter dies while the command ignores SIGTERM (as vLLM's server did, waiting forever for a connection in
+    its graceful shutdown; CI, 2026-12-04): the supervisor SIGKILLs it after the grace, and the process it started in
+    the group too. The control: both are still alive after a SIGTERM sent to them directly."""
+    script = textwrap.dedent(
+        f"""
+        import subprocess, sys, time
+        from trl_agentic.async_grpo.server import die_with_parent
+        child = subprocess.Popen(die_with_parent([sys.executable, "-c", {_STUBBORN!r}, "started"], grace=1),
+                                 start_new_session=True)
+        print(child.pid, flush=True)
+        time.sleep(1000)
+        """
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    supervisor, command, engine = _stubborn_pids(parent.stdout)
+    try:
+        for pid in (command, engine):
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(1)
+        assert _alive(command) and _alive(engine)  # the control: SIGTERM alone does not stop them
+        parent.send_signal(how)
+        parent.wait()
+        assert all(_wait_gone(pid) for pid in (supervisor, command, engine))
+        assert "still running 1 s after SIGTERM: SIGKILL" in parent.stderr.read()
+    finally:
+        for pid in (supervisor, command, engine):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("leader", [True, False])
+def test_what_the_command_leaves_in_the_group_is_killed(leader):
+    """The command exits on its own (a crashed server) and leaves a process in its group (an engine process): a
+    supervisor that leads the group (as `VLLMServer` starts it) SIGKILLs it after the grace and exits with the command's
+    status. The control: one that does not lead its group (here, pytest's) leaves it alone."""
+    leftover = (  # the sleeper must not hold the captured pipes open
+        "import subprocess, sys; d = subprocess.DEVNULL; "
+        "print(subprocess.Popen(['sleep', '1000'], stdout=d, stderr=d).pid, flush=True); sys.exit(5)"
+    )
+    out = subprocess.run(
+        die_with_parent([sys.executable, "-c", leftover], grace=0.5),
+        start_new_session=leader,
+        capture_output=True,
+        text=True,
+    )
+    sleeper = int(out.stdout)
+    try:
+        assert out.returncode == 5
+        assert _wait_gone(sleeper) if leader else _alive(sleeper)
+    finally:
+        if _alive(sleeper):
+            os.kill(sleeper, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])

@@ -476,7 +476,9 @@ def test_a_sigtermed_trainer_takes_its_rollout_worker_and_server_down(calculator
     """A real asynchronous run (every feature off: TRL's loop in `TRLRolloutLoop`) against a server it started,
     stopped by SIGTERM mid-training, which runs no `finally`: TRL's rollout worker child exits with it
     (`worker.die_with_trainer`), and so the server's graceful shutdown, which waits for the worker's connections,
-    completes and its whole session exits. Before, the worker and the server kept running (seen live)."""
+    completes and its whole session exits. Before, the worker and the server kept running (seen live). A shutdown that
+    still waits (one connection never closed, in CI on 2026-12-04) is cut short by the supervisor's SIGKILL after its
+    grace (`server.die_with_parent`; `tests/test_server_lifetime.py` tests that with a server that ignores SIGTERM)."""
     import os
     import signal
     import subprocess

@@ -5,8 +5,10 @@ adapter-only sync (`trl_agentic.vllm_lora.lora_server_command`: `--enable-lora`,
 for `/server_info` and `/pause`) plus `--max-loras` (TRL requires `max_staleness + 2` adapter slots), on a free
 loopback port, in its own process group so that stopping it stops the engine processes too, and (on Linux) with a
 parent-death signal: if the process that started it dies without stopping it (SIGTERM from a scheduler, SIGKILL, a
-crash), the server gets SIGTERM and shuts its engine down instead of holding its memory and cores. On CPU it adds
-`--enforce-eager` and `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache, 1 unless set).
+crash), the server gets SIGTERM and shuts its engine down instead of holding its memory and cores, and SIGKILL, with
+its engine processes, if it has not exited `shutdown_grace` seconds later (`supervisor.py`: vLLM's graceful shutdown
+can wait for a connection forever). On CPU it adds `--enforce-eager` and `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache, 1
+unless set).
 
 No prompt may be prefilled in chunks: TRL's worker sends every request with its own `seed`, and vLLM-CPU 0.31 crashes
 the engine when it discards the token sampled after a non-final prefill chunk of a seeded request
@@ -29,26 +31,21 @@ __all__ = ["VLLMServer", "die_with_parent", "free_port"]
 _DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-# Run in a fresh interpreter between fork and the server's exec (not a `preexec_fn`, unsafe in a process with threads):
-# PR_SET_PDEATHSIG (1) survives exec; the parent check closes the race with a parent that died before the prctl. A
-# refused prctl (a seccomp sandbox) is said in the server's log, and the server still starts.
-_DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys; "
-    "libc = ctypes.CDLL(None, use_errno=True); "
-    "libc.prctl(1, signal.SIGTERM, 0, 0, 0) == 0 or print('trl-agentic: PR_SET_PDEATHSIG failed (errno', "
-    "ctypes.get_errno(), '): this server will not stop if its starter dies without stopping it', file=sys.stderr); "
-    "os.getppid() == int(sys.argv[1]) or sys.exit(143); "
-    "os.execvp(sys.argv[2], sys.argv[2:])"
-)
+# Started by path, not imported: the supervisor needs nothing but the standard library.
+_SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor.py")
+
+SHUTDOWN_GRACE_S = 30.0
 
 
-def die_with_parent(argv: list[str]) -> list[str]:
-    """`argv` wrapped so that the process it starts gets SIGTERM when the process that starts it dies, however it
-    dies (Linux; elsewhere `argv` unchanged). The kernel ties the signal to the starting *thread*: start it from the
-    main thread (or a thread that lives as long as the server should)."""
+def die_with_parent(argv: list[str], grace: float = SHUTDOWN_GRACE_S) -> list[str]:
+    """`argv` run under a supervisor (`supervisor.py`) that stops it when the process that starts it dies, however it
+    dies (Linux; elsewhere `argv` unchanged): SIGTERM, then SIGKILL after `grace` seconds, to it and, when the
+    supervisor leads its process group (started with `start_new_session=True`), to what is left of the group. The
+    kernel ties the parent-death signal to the starting *thread*: start it from the main thread (or a thread that lives
+    as long as the command should)."""
     if not sys.platform.startswith("linux"):
         return list(argv)
-    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
+    return [sys.executable, _SUPERVISOR, str(os.getpid()), f"{grace:g}", *argv]
 
 
 def free_port() -> int:
@@ -71,6 +68,8 @@ class VLLMServer:
         extra_args (`list[str]`, *optional*): More server arguments.
         dtype (`str`, *optional*, defaults to `"float32"`): Weights' dtype (TRL's async trainer default is float32).
         max_num_seqs (`int`, *optional*, defaults to `16`): Concurrent sequences (see the module docstring).
+        shutdown_grace (`float`, *optional*, defaults to `30`): Seconds the server has to exit after SIGTERM (`stop()`,
+            or its starter's death) before it and its engine processes are SIGKILLed.
     """
 
     def __init__(
@@ -86,6 +85,7 @@ class VLLMServer:
         extra_args: list[str] | None = None,
         dtype: str = "float32",
         max_num_seqs: int = 16,
+        shutdown_grace: float = SHUTDOWN_GRACE_S,
     ):
         self.model = str(model)
         self.max_lora_rank = max_lora_rank
@@ -97,6 +97,7 @@ class VLLMServer:
         self.extra_args = list(extra_args or [])
         self.dtype = dtype
         self.max_num_seqs = max_num_seqs
+        self.shutdown_grace = shutdown_grace
         self.process: subprocess.Popen | None = None
         self.port: int | None = None
 
@@ -140,7 +141,11 @@ class VLLMServer:
         full_env.update(env)
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
-                die_with_parent(argv), env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                die_with_parent(argv, self.shutdown_grace),
+                env=full_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         deadline = time.monotonic() + self.timeout
         while True:
@@ -174,7 +179,7 @@ class VLLMServer:
             return
         os.killpg(self.process.pid, signal.SIGTERM)
         try:
-            self.process.wait(timeout=60)
+            self.process.wait(timeout=self.shutdown_grace + 30)  # the supervisor SIGKILLs at the grace
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
