@@ -25,11 +25,11 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        # A zombie still answers kill(0); it has exited.
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):  # gone, or reaped between the two
         return False
-    # A zombie still answers kill(0); it has exited.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _wait_gone(pid: int, limit_s: float = 60.0) -> bool:
@@ -124,30 +124,54 @@ def test_a_parent_gone_before_the_signal_was_armed_stops_the_command():
 
 
 # Ignores SIGTERM, as vLLM's server does while its graceful shutdown waits for a connection that never closes, and
-# starts a process in its group that ignores it too (vLLM's engine process). Prints both pids.
+# starts a process in its group that ignores it too (vLLM's engine process). Says so once both run.
 _STUBBORN = textwrap.dedent(
     """
     import signal, subprocess, sys, time
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"])  # SIG_IGN is inherited
-    print(sys.argv[1], flush=True)
-    time.sleep(1000)
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # SIG_IGN is inherited
+    print("started", flush=True)
+    time.sleep(300)
+    """
+)
+
+# Starts `argv` (a command line) through `die_with_parent` in a new session, says the supervisor's pid, and sleeps.
+_STARTER = textwrap.dedent(
+    """
+    import json, subprocess, sys, time
+    from trl_agentic.async_grpo.server import die_with_parent
+    child = subprocess.Popen(die_with_parent(json.loads(sys.argv[1]), grace=float(sys.argv[2])), start_new_session=True)
+    print("supervisor", child.pid, flush=True)
+    time.sleep(300)
     """
 )
 
 
-def _stubborn_pids(out) -> tuple[int, int, int]:
-    supervisor = int(out.readline())
-    out.readline()  # the marker: the command has started its engine
-    command = _children(supervisor)
-    assert len(command) == 1
-    engine = _children(command[0])
-    assert len(engine) == 1
-    return supervisor, command[0], engine[0]
+def _start(command: list[str], grace: float) -> subprocess.Popen:
+    import json
+
+    return subprocess.Popen(
+        [sys.executable, "-c", _STARTER, json.dumps(command), str(grace)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _children(pid: int) -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == pid and _alive(int(p))]
+
+
+def _stubborn_pids(parent: subprocess.Popen, pids: list[int]) -> None:
+    """The supervisor, the command and its engine, appended to `pids` as each is known."""
+    tag, supervisor = parent.stdout.readline().split()
+    assert tag == "supervisor"
+    pids.append(int(supervisor))
+    assert parent.stdout.readline().strip() == "started"  # the command has started its engine
+    (command,) = _children(pids[0])
+    pids.append(command)
+    (engine,) = _children(command)
+    pids.append(engine)
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
@@ -155,31 +179,86 @@ def test_a_command_that_ignores_sigterm_is_killed_after_the_grace(how):
     """The starter dies while the command ignores SIGTERM (as vLLM's server did, waiting forever for a connection in
     its graceful shutdown; CI, 2026-12-04): the supervisor SIGKILLs it after the grace, and the process it started in
     the group too. The control: both are still alive after a SIGTERM sent to them directly."""
-    script = textwrap.dedent(
-        f"""
-        import subprocess, sys, time
-        from trl_agentic.async_grpo.server import die_with_parent
-        child = subprocess.Popen(die_with_parent([sys.executable, "-c", {_STUBBORN!r}, "started"], grace=1),
-                                 start_new_session=True)
-        print(child.pid, flush=True)
-        time.sleep(1000)
-        """
-    )
-    parent = subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    supervisor, command, engine = _stubborn_pids(parent.stdout)
+    parent = _start([sys.executable, "-c", _STUBBORN], grace=1)
+    pids: list[int] = []
     try:
+        _stubborn_pids(parent, pids)
+        supervisor, command, engine = pids
         for pid in (command, engine):
             os.kill(pid, signal.SIGTERM)
         time.sleep(1)
         assert _alive(command) and _alive(engine)  # the control: SIGTERM alone does not stop them
         parent.send_signal(how)
         parent.wait()
-        assert all(_wait_gone(pid) for pid in (supervisor, command, engine))
+        assert all(_wait_gone(pid) for pid in pids)
         assert "still running 1 s after SIGTERM: SIGKILL" in parent.stderr.read()
     finally:
-        for pid in (supervisor, command, engine):
+        parent.kill()
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_command_that_stops_within_the_grace_is_not_killed(tmp_path):
+    """The grace is given: a command that takes a moment to shut down after SIGTERM finishes its shutdown and exits
+    with its own status; nothing is SIGKILLed."""
+    done = tmp_path / "done"
+    polite = (
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        "    time.sleep(0.5)\n"
+        f"    open({str(done)!r}, 'w').write('clean')\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('started', flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    parent = _start([sys.executable, "-c", polite], grace=30)
+    pids: list[int] = []
+    try:
+        tag, supervisor = parent.stdout.readline().split()
+        pids.append(int(supervisor))
+        assert parent.stdout.readline().strip() == "started"
+        pids += _children(pids[0])
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        assert all(_wait_gone(pid) for pid in pids)
+        assert done.read_text() == "clean"
+        assert "SIGKILL" not in parent.stderr.read()
+    finally:
+        parent.kill()
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_stop_takes_the_server_down_after_its_supervisor_died_alone():
+    """`VLLMServer.stop()` signals the server's process group, not just its process (the supervisor): a supervisor
+    SIGKILLed on its own (the OOM killer) leaves a server that ignores SIGTERM, and `stop()` still SIGKILLs it and its
+    engine process. The control: both outlive the supervisor."""
+    from trl_agentic.async_grpo.server import VLLMServer
+
+    server = VLLMServer("unused", shutdown_grace=0)
+    server.process = subprocess.Popen(
+        die_with_parent([sys.executable, "-c", _STUBBORN], grace=0),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pids = [server.process.pid]
+    try:
+        assert server.process.stdout.readline().strip() == "started"
+        (command,) = _children(pids[0])
+        (engine,) = _children(command)
+        pids += [command, engine]
+        os.kill(pids[0], signal.SIGKILL)
+        server.process.wait()
+        time.sleep(1)
+        assert _alive(command) and _alive(engine)  # the control: the server's parent-death SIGTERM is ignored
+        server.stop()
+        assert _wait_gone(command) and _wait_gone(engine)
+    finally:
+        for pid in pids:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
@@ -188,17 +267,22 @@ def test_a_command_that_ignores_sigterm_is_killed_after_the_grace(how):
 def test_what_the_command_leaves_in_the_group_is_killed(leader):
     """The command exits on its own (a crashed server) and leaves a process in its group (an engine process): a
     supervisor that leads the group (as `VLLMServer` starts it) SIGKILLs it after the grace and exits with the command's
-    status. The control: one that does not lead its group (here, pytest's) leaves it alone."""
+    status. The control: one that does not lead its group leaves it alone (run in a throwaway group led by a wrapper,
+    so that a broken check could not hit pytest's own group)."""
     leftover = (  # the sleeper must not hold the captured pipes open
         "import subprocess, sys; d = subprocess.DEVNULL; "
-        "print(subprocess.Popen(['sleep', '1000'], stdout=d, stderr=d).pid, flush=True); sys.exit(5)"
+        "print(subprocess.Popen(['sleep', '300'], stdout=d, stderr=d).pid, flush=True); sys.exit(5)"
     )
-    out = subprocess.run(
-        die_with_parent([sys.executable, "-c", leftover], grace=0.5),
-        start_new_session=leader,
-        capture_output=True,
-        text=True,
-    )
+    command = [sys.executable, "-c", leftover]
+    if leader:
+        argv = die_with_parent(command, grace=0.5)
+    else:  # a wrapper leads the new group and starts the supervisor in it
+        wrapper = (
+            "import subprocess, sys; from trl_agentic.async_grpo.server import die_with_parent; "
+            "sys.exit(subprocess.run(die_with_parent(sys.argv[1:], grace=0.5)).returncode)"
+        )
+        argv = [sys.executable, "-c", wrapper, *command]
+    out = subprocess.run(argv, start_new_session=True, capture_output=True, text=True)
     sleeper = int(out.stdout)
     try:
         assert out.returncode == 5

@@ -5,9 +5,9 @@ adapter-only sync (`trl_agentic.vllm_lora.lora_server_command`: `--enable-lora`,
 for `/server_info` and `/pause`) plus `--max-loras` (TRL requires `max_staleness + 2` adapter slots), on a free
 loopback port, in its own process group so that stopping it stops the engine processes too, and (on Linux) with a
 parent-death signal: if the process that started it dies without stopping it (SIGTERM from a scheduler, SIGKILL, a
-crash), the server gets SIGTERM and shuts its engine down instead of holding its memory and cores, and SIGKILL, with
-its engine processes, if it has not exited `shutdown_grace` seconds later (`supervisor.py`: vLLM's graceful shutdown
-can wait for a connection forever). On CPU it adds `--enforce-eager` and `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache, 1
+crash), a supervisor process (`supervisor.py`), which the kernel signals, sends the server SIGTERM, so that it shuts
+its engine down instead of holding its memory and cores, and SIGKILL, with its engine processes, if it has not exited
+`shutdown_grace` seconds later (vLLM's graceful shutdown can wait for a connection forever). On CPU it adds `--enforce-eager` and `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache, 1
 unless set).
 
 No prompt may be prefilled in chunks: TRL's worker sends every request with its own `seed`, and vLLM-CPU 0.31 crashes
@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from .supervisor import group_members
+
 __all__ = ["VLLMServer", "die_with_parent", "free_port"]
 
 _DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -39,13 +41,14 @@ SHUTDOWN_GRACE_S = 30.0
 
 def die_with_parent(argv: list[str], grace: float = SHUTDOWN_GRACE_S) -> list[str]:
     """`argv` run under a supervisor (`supervisor.py`) that stops it when the process that starts it dies, however it
-    dies (Linux; elsewhere `argv` unchanged): SIGTERM, then SIGKILL after `grace` seconds, to it and, when the
-    supervisor leads its process group (started with `start_new_session=True`), to what is left of the group. The
-    kernel ties the parent-death signal to the starting *thread*: start it from the main thread (or a thread that lives
-    as long as the command should)."""
+    dies (Linux; elsewhere `argv` unchanged): SIGTERM, and SIGKILL if it is still running `grace` seconds later; when
+    the supervisor leads its process group (started with `start_new_session=True`), what is left of the group then is
+    SIGKILLed too. The kernel ties the parent-death signal to the starting *thread*: start it from the main thread (or
+    a thread that lives as long as the command should)."""
     if not sys.platform.startswith("linux"):
         return list(argv)
-    return [sys.executable, _SUPERVISOR, str(os.getpid()), f"{grace:g}", *argv]
+    # -I: the supervisor's folder, PYTHONPATH and user site-packages stay off its import path.
+    return [sys.executable, "-I", _SUPERVISOR, str(os.getpid()), f"{grace:g}", *argv]
 
 
 def free_port() -> int:
@@ -68,8 +71,9 @@ class VLLMServer:
         extra_args (`list[str]`, *optional*): More server arguments.
         dtype (`str`, *optional*, defaults to `"float32"`): Weights' dtype (TRL's async trainer default is float32).
         max_num_seqs (`int`, *optional*, defaults to `16`): Concurrent sequences (see the module docstring).
-        shutdown_grace (`float`, *optional*, defaults to `30`): Seconds the server has to exit after SIGTERM (`stop()`,
-            or its starter's death) before it and its engine processes are SIGKILLed.
+        shutdown_grace (`float`, *optional*, defaults to `30`): Seconds the server has to exit after SIGTERM (its
+            starter's death, or `stop()`) before it and its engine processes are SIGKILLed (off Linux, where there is no
+            supervisor, `stop()` SIGKILLs them 30 seconds later than that).
     """
 
     def __init__(
@@ -150,6 +154,7 @@ class VLLMServer:
         deadline = time.monotonic() + self.timeout
         while True:
             if self.process.poll() is not None:
+                self.kill()  # what is left of its group
                 raise RuntimeError(f"The vLLM server exited ({self.process.returncode}):\n{self.log_tail()}")
             try:
                 if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
@@ -168,21 +173,35 @@ class VLLMServer:
         except OSError:
             return ""
 
+    # The group, not `process`: `process` is the supervisor, which may have died on its own and left the server.
+    def _signal_group(self, sig: int) -> bool:
+        try:
+            os.killpg(self.process.pid, sig)
+            return True
+        except ProcessLookupError:  # nothing left in the group
+            return False
+
+    def _group_left(self) -> bool:
+        if sys.platform.startswith("linux"):  # zombies left out: a container's pid 1 may never reap an orphan
+            return bool(group_members(self.process.pid))
+        return self._signal_group(0)
+
     def kill(self) -> None:
         """Kill the server at once (SIGKILL to its process group), as a crash would."""
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
+        if self.process is not None:
+            self._signal_group(signal.SIGKILL)
             self.process.wait()
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM to the server's process group; SIGKILL to what is left of it `shutdown_grace` + 30 seconds later
+        (the supervisor SIGKILLs the server at the grace)."""
+        if self.process is None or not self._signal_group(signal.SIGTERM):
             return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=self.shutdown_grace + 30)  # the supervisor SIGKILLs at the grace
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        deadline = time.monotonic() + self.shutdown_grace + 30
+        while (self.process.poll() is None or self._group_left()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self._signal_group(signal.SIGKILL)
+        self.process.wait()
 
     def __enter__(self) -> VLLMServer:
         return self.start()

@@ -8,8 +8,9 @@ on to the command, waits up to the grace for it to exit, and then SIGKILLs it. A
 vLLM's server: its graceful shutdown waits, with no time limit, for its open connections, and one that never closed
 left the server running after its trainer was gone (CI, 2026-12-04). When the supervisor leads its own process group
 (`VLLMServer` starts it with `start_new_session=True`), whatever is left of the group once the command has exited
-(vLLM's engine processes) gets the same grace and then SIGKILL. The supervisor exits with the command's status
-(128 + the signal's number for a command a signal ended).
+(vLLM's engine processes, which vLLM's own shutdown stops) is SIGKILLed when the same grace, counted from the
+SIGTERM (or from the command's own exit), is over. The supervisor exits with the command's status (128 + the signal's
+number for a command a signal ended).
 """
 
 from __future__ import annotations
@@ -54,40 +55,55 @@ def _arm(sig: int, what: str) -> None:
 def main(argv: list[str]) -> int:
     starter, grace, command = int(argv[0]), float(argv[1]), argv[2:]
     stopping: list[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
-    signal.signal(signal.SIGINT, lambda signum, frame: stopping.append(signum))
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):  # each stops the command, not just us
+        signal.signal(sig, lambda signum, frame: stopping.append(signum))
     _arm(signal.SIGTERM, "this server")
     if os.getppid() != starter:  # the starter died before the signal was armed
         return 143
     leader = os.getpgrp() == os.getpid()
-    # The command also gets SIGTERM if this supervisor is SIGKILLed on its own (this interpreter has one thread, so a
-    # `preexec_fn` is safe here).
-    child = subprocess.Popen(command, preexec_fn=lambda: _arm(signal.SIGTERM, "the command"))
-    while not stopping:
-        try:
-            child.wait(timeout=0.5)
-            break
-        except subprocess.TimeoutExpired:
-            pass
-    deadline = time.monotonic() + grace
-    if stopping and child.poll() is None:
-        child.send_signal(signal.SIGTERM)  # again if it came to the whole group: vLLM ignores a second one
-        try:
-            child.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            print(f"trl-agentic: still running {grace:g} s after SIGTERM: SIGKILL", file=sys.stderr, flush=True)
+    me = os.getpid()
+
+    def arm_child():  # this interpreter has one thread, so a `preexec_fn` is safe here
+        _arm(signal.SIGTERM, "the command")  # the command also stops if this supervisor is SIGKILLed on its own
+        if os.getppid() != me:
+            os._exit(143)
+
+    child = subprocess.Popen(command, preexec_fn=arm_child)
+    try:
+        while not stopping:
+            try:
+                child.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+        deadline = time.monotonic() + grace
+        if stopping and child.poll() is None:
+            child.send_signal(signal.SIGTERM)  # again if it came to the whole group: vLLM ignores a second one
+            try:
+                child.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                print(f"trl-agentic: still running {grace:g} s after SIGTERM: SIGKILL", file=sys.stderr, flush=True)
+    finally:  # also on an error in here: the command never outlives its supervisor
+        if child.poll() is None:
             child.kill()
             child.wait()
     if leader:
-        while (left := group_members(os.getpgrp())) and time.monotonic() < deadline:
+        while group_members(os.getpgrp()) and time.monotonic() < deadline:
             time.sleep(0.2)
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if left:
-            print(f"trl-agentic: SIGKILLed {len(left)} process(es) left in the server's group", file=sys.stderr)
+        killed = set()
+        for _ in range(50):  # again until none is left: one may have forked while the others were being killed
+            left = group_members(os.getpgrp())
+            if not left:
+                break
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+        if killed:
+            print(f"trl-agentic: SIGKILLed {len(killed)} process(es) left in the server's group", file=sys.stderr)
     rc = child.returncode
     return rc if rc >= 0 else 128 - rc
 
