@@ -229,7 +229,9 @@ def render_results(
         "their kind, `Arm.warm_start`, and are evaluated on the same problems); intervals are Student t over seeds; MDE is the minimum detectable "
         f"effect at the observed sd (alpha {design.ALPHA}, power {design.POWER}); *seeds for {design.MIN_EFFECT}* is "
         "how many seeds that sd needs to detect the minimum effect worth detecting; *peak context* is each arm's mean "
-        "longest context in a sampled evaluation episode (the snapshot claim: the same success in a smaller context).",
+        "longest context in a sampled evaluation episode (the snapshot claim: the same success in a smaller context). "
+        "Only the comparisons marked (primary) were named in advance; the others are not corrected for "
+        "multiplicity, so one of them whose interval excludes zero is weaker evidence than its verdict reads.",
         "",
         "| task | comparison (a − b) | seeds | difference | 95 % interval | MDE | seeds for "
         f"{design.MIN_EFFECT} | verdict | greedy difference [interval] | peak context a / b |",
