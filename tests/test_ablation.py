@@ -572,6 +572,10 @@ def test_render_gives_the_hand_computed_verdicts():
         f"| logsearch | `snapshots` − `trl_fit` (primary) | 0 | – | – | {planned:.3f} (planned) | – | pending (0 of 3 "
         "seeds) |" in text
     )
+    # Only the registered primaries are marked, and the table says the others are not corrected for multiplicity.
+    marked = {line.split(" | ")[1] for line in text.splitlines() if "(primary) |" in line}
+    assert marked == {f"`{c.a}` − `{c.b}` (primary)" for c in design.COMPARISONS if c.primary} and len(marked) == 3
+    assert "the others are not corrected for multiplicity" in text
     expected = sum(len(t.seeds) * len(design.ARMS[t.name]) + len(t.lr_ladder) for t in design.TASKS.values()) + 4
     assert f"**Partial:** 25 of {expected} pre-registered cells" in text
     assert "recorded 2026-12-01 10:00 to 2026-12-05 10:00 at commits abc1234" in text
