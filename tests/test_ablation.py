@@ -181,6 +181,17 @@ def test_a_fixed_warm_start_needs_no_calibration(tmp_path):
         cells_mod.warmstart_steps(design.CALCULATOR, ctx)
 
 
+def test_a_warm_start_that_does_not_reproduce_names_the_recorded_cpu_beside_this_hosts(tmp_path):
+    """Within 1e-3 of the recorded losses passes; otherwise the error names both CPU kinds when they differ (the
+    usual cause: seed 5 on AMD EPYC did not reproduce on an Intel Xeon), and says so when they are the same."""
+    recorded = {"warmstart_losses": [1.2345, 0.5], "cpu": "AMD EPYC 7B13"}
+    cells_mod.check_warm_start_losses([1.2352, 0.4991], recorded, tmp_path, "Intel(R) Xeon(R) Processor")
+    with pytest.raises(RuntimeError, match=r"recorded on `AMD EPYC 7B13` and this host is `Intel\(R\) Xeon"):
+        cells_mod.check_warm_start_losses([1.2345, 0.502], recorded, tmp_path, "Intel(R) Xeon(R) Processor")
+    with pytest.raises(RuntimeError, match="recorded on this CPU kind, so something else changed"):
+        cells_mod.check_warm_start_losses([1.2345], recorded, tmp_path, "AMD EPYC 7B13")  # a step missing
+
+
 def test_budget_sums_the_cells():
     b = design.budget()
     calculator = sum(b["cells"]["calculator"].values()) * len(design.CALCULATOR.seeds)

@@ -10,6 +10,7 @@ import collections
 import copy
 import itertools
 import math
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -171,7 +172,10 @@ def test_a_validation_group_without_reward_spread_adds_nothing_to_v(tiny_model_d
         tracin.refresh()
         return tracin
 
-    tracin = refreshed(["tie", "spread"])
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        tracin = refreshed(["tie", "spread"])
+    assert not [w for w in got if "validation gradient is exactly 0" in str(w.message)]  # one group has a spread
     assert sorted(tracin.order[::6]) == ["spread", "tie"]  # one group per prompt, in the refresh's order
     advantages = [r["advantage"] for r in tracin.val_rows]
     tie = [a for a, prompt in zip(advantages, tracin.order) if prompt == "tie"]
@@ -181,7 +185,8 @@ def test_a_validation_group_without_reward_spread_adds_nothing_to_v(tiny_model_d
     assert spread == pytest.approx(expected.tolist(), abs=1e-6) and expected.abs().min() > 0.1
     assert not tracin.direction_is_zero
 
-    tracin = refreshed(["tie"])
+    with pytest.warns(UserWarning, match=r"validation gradient is exactly 0 at step \d+ .*group of 6 "):
+        tracin = refreshed(["tie"])
     assert [r["advantage"] for r in tracin.val_rows] == [0.0] * 6
     assert tracin.direction_is_zero
 

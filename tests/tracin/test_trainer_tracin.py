@@ -7,6 +7,8 @@ learning rate), so a weight update is exactly `-lr * gradient`.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from datasets import Dataset
@@ -404,7 +406,12 @@ def test_zero_validation_gradient_trains_on_every_row(tiny_model_dir, tmp_path, 
         noise = group_advantages(torch.full((group_size,), 0.3), torch.zeros(group_size, dtype=torch.long))
         assert bool((noise != 0).any())  # the case is real: without the fix V would be this noise's direction
     trainer = make_trainer(tiny_model_dir, tmp_path, reward=reward, tracin_val_num_generations=group_size)
-    trainer.train()
+    with pytest.warns(
+        UserWarning, match=rf"validation gradient is exactly 0 at step 0 .*group of {group_size} "
+    ) as got:
+        trainer.train()
+    # Said once per refresh (one here), so a run whose filter never filters is not silent.
+    assert sum("validation gradient is exactly 0" in str(w.message) for w in got) == 1
     assert trainer._tracin.direction_is_zero
     assert trainer._tracin.last["selected"].all()
     logs = trainer.state.log_history[0]
@@ -420,7 +427,10 @@ def test_a_validation_group_without_reward_spread_adds_nothing_to_v(tiny_model_d
     )
     recorder = Recorder(trainer)
     before = trainable(trainer.model)
-    trainer.train()
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in got if "validation gradient is exactly 0" in str(w.message)]  # V has information
     (val_batch,) = recorder.val_batches
     prompts = [
         trainer.processing_class.decode(ids[m.bool()])

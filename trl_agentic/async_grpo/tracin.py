@@ -55,7 +55,7 @@ from ..tracin.hooks import LoraGhostHooks, checkpointing_paused, reentrant_check
 from ..tracin.layers import find_lora_layers
 from ..tracin.lora_gradient import LoraGradient, is_zero
 from ..tracin.schedule import due
-from ..tracin.selection import select_rows
+from ..tracin.selection import select_rows, warn_uninformative_direction
 from .validation import ValidationRollouts
 
 __all__ = ["AsyncTracIn", "async_row_losses"]
@@ -291,6 +291,8 @@ class AsyncTracIn:
         else:
             self.direction = self._validation_direction(model)
         self.refreshed_at = t.state.global_step
+        if self.direction_is_zero:
+            warn_uninformative_direction(t.state.global_step, t.args.tracin_val_num_generations)
         norm = math.sqrt(
             sum(float(g.A.double().square().sum() + g.B.double().square().sum()) for g in self.direction.values())
         )

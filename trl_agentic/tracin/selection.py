@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import Tensor
@@ -84,3 +85,19 @@ def select_rows(
     if int(selected.sum()) < min_selected:
         selected = _top_valid(scores, eligible, min_selected)
     return selected
+
+
+def warn_uninformative_direction(step: int, num_generations: int) -> None:
+    """Say that V is exactly 0 at a refresh, so the filter keeps every row until the next one.
+
+    Not an error (docs/tracin.md: no information, so no selection), but silent it turns TracIn into "fewer steps of
+    plain GRPO": a strong policy solves every validation prompt, and the validation compute buys nothing.
+    """
+    warnings.warn(
+        f"TracIn: the validation gradient is exactly 0 at step {step} (no validation group of {num_generations} "
+        "completions had a reward spread), so every row is trained on, unfiltered, until the next refresh. If this "
+        "repeats (`tracin/val_grad_norm` 0), the validation rollouts buy nothing: raise `tracin_val_batch_size` or "
+        "`tracin_val_num_generations`, or use harder validation prompts.",
+        UserWarning,
+        stacklevel=3,
+    )

@@ -48,7 +48,7 @@ from .hooks import LoraGhostHooks, checkpointing_paused, reentrant_checkpointing
 from .layers import validate_tracin_model
 from .lora_gradient import LoraGradient, LoraGradients, all_reduce_, is_zero
 from .schedule import due
-from .selection import select_rows
+from .selection import select_rows, warn_uninformative_direction
 
 __all__ = ["TracInMixin", "TracInState"]
 
@@ -540,6 +540,8 @@ class TracInMixin:
         state.direction = direction
         state.direction_is_zero = is_zero(direction)
         state.refreshed_at = self.state.global_step
+        if state.direction_is_zero and self.accelerator.is_main_process:  # V is all-reduced: the same on every process
+            warn_uninformative_direction(self.state.global_step, self.args.tracin_val_num_generations)
         norm = math.sqrt(
             sum(float(g.A.double().square().sum() + g.B.double().square().sum()) for g in direction.values())
         )
