@@ -79,7 +79,9 @@ install-tcmalloc:
 
 # The integration tiers run on 2 pytest-xdist workers of one thread each (tests/conftest.py). Measured here against one
 # 2-thread process: 12:50 vs 14:44 quiet, 17:53 vs 27:24 beside a busy core, where 2-thread OpenMP barriers wait for a
-# preempted thread (docs/reliability.md). `make test XDIST=` runs them in one process.
+# preempted thread (docs/reliability.md). The unit tier too: many of its tests wait on subprocesses (sandboxes, server
+# lifetimes): 8:32 in one process vs 4:25 on 2 workers quiet; in clean-clone CI runs beside the vLLM install and a busy
+# core 12:44 vs 10:03 (Intel Xeon, 2026-12-06). `make test XDIST=` runs every tier in one process.
 XDIST ?= -n 2 --dist load --maxschedchunk 1
 
 # The whole suite: unit tier, then the integration tiers (embedded model, multi-process DeepSpeed, browser), then the
@@ -88,14 +90,14 @@ XDIST ?= -n 2 --dist load --maxschedchunk 1
 # shown if it fails.
 test: install install-browser install-tcmalloc
 	@log=$$(mktemp); ( $(MAKE) --no-print-directory install-vllm > $$log 2>&1 ) & vllm=$$!; \
-	$(BIN)/python -m pytest -q -m "not slow and not distributed and not vllm" -p no:cacheprovider; fast=$$?; \
+	$(BIN)/python -m pytest -q -m "not slow and not distributed and not vllm" -p no:cacheprovider $(XDIST); fast=$$?; \
 	if ! wait $$vllm; then cat $$log; rm -f $$log; echo "make install-vllm failed"; exit 1; fi; \
 	rm -f $$log; exit $$fast
 	$(TCMALLOC_PRELOAD) $(BIN)/python -m pytest -q -m "(slow or distributed) and not vllm" -p no:cacheprovider $(XDIST) --durations=30
 	$(VLLM_BIN)/python -m pytest -q -m vllm -p no:cacheprovider
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not distributed and not vllm" -p no:cacheprovider
+	$(BIN)/python -m pytest -q -m "not slow and not distributed and not vllm" -p no:cacheprovider $(XDIST)
 
 test-slow: install install-browser install-tcmalloc
 	$(TCMALLOC_PRELOAD) $(BIN)/python -m pytest -q -m "slow" -p no:cacheprovider $(XDIST)
