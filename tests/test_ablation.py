@@ -192,6 +192,55 @@ def test_a_warm_start_that_does_not_reproduce_names_the_recorded_cpu_beside_this
         cells_mod.check_warm_start_losses([1.2345], recorded, tmp_path, "AMD EPYC 7B13")  # a step missing
 
 
+def test_a_warm_start_recorded_on_another_cpu_kind_is_refused_before_training(tmp_path):
+    """The host check runs before the warm start is trained again: it names both CPU kinds; the same kind, or a cell
+    that recorded none, passes (the loss check after training still guards those)."""
+    recorded = {"warmstart_losses": [1.0], "cpu": "AMD EPYC"}
+    with pytest.raises(cells_mod.WarmStartHostError, match=r"recorded on `AMD EPYC` and this host is `Intel\(R\)"):
+        cells_mod.check_warm_start_host(recorded, tmp_path, "Intel(R) Xeon(R) Processor")
+    cells_mod.check_warm_start_host(recorded, tmp_path, "AMD EPYC")
+    cells_mod.check_warm_start_host({"warmstart_losses": [1.0]}, tmp_path, "Intel(R) Xeon(R) Processor")
+
+
+def test_a_run_skips_a_seed_whose_warm_start_needs_another_cpu_renders_and_fails(tmp_path, monkeypatch, capsys):
+    """`run` skips the rest of a seed whose warm start was recorded on another CPU kind, goes on with the next seed,
+    renders what exists (naming the extension's missing cells) and exits 1 naming what it skipped."""
+    from trl_agentic.ablation import main
+
+    calls = []
+
+    def run_cell(task, seed, arm, ctx):
+        calls.append((seed, arm.name))
+        assert not ctx.allow_other_cpu
+        if seed == 5 and arm.name == "rollback_episodes":
+            raise cells_mod.WarmStartHostError("recorded on `AMD EPYC`")
+        return {"sampled": [1.0]}
+
+    monkeypatch.setattr(cells_mod, "run_cell", run_cell)
+    cells = tmp_path / "cells"
+    present = [(5, a.name) for a in design.ARMS["calculator"][:4]]
+    for seed, arm in present:  # the render reads these four back: the extension's status names the other 23
+        path = cells_mod.cell_path(cells, "calculator", seed, arm)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(_cell("calculator", 0, arm, 4) | {"seed": seed}))
+    doc = tmp_path / "ablation.md"
+    doc.write_text((ROOT / "docs" / "ablation.md").read_text())
+    argv = ["run", "--tasks", "calculator", "--seeds", "5", "6", "--doc", str(doc), "--cells", str(cells)]
+    assert main([*argv, "--readme", "", "--out", str(tmp_path / "out")]) == 1
+    arms = [a.name for a in design.ARMS["calculator"]]
+    assert calls == [(5, a) for a in arms[:5]] + [(6, a) for a in arms]  # seed 5 stops at its first failure only
+    err = capsys.readouterr().err
+    assert "calculator seed 5: skipped from `rollback_episodes` on: recorded on `AMD EPYC`" in err
+    assert err.strip().endswith("Not computed (warm start recorded on another CPU kind): calculator seed 5 from "
+                                "`rollback_episodes`.")  # fmt: skip
+    missing = ", ".join(f"`{a}`" for a in arms[4:])
+    every = ", ".join(f"`{a}`" for a in arms)
+    assert (
+        f"The registered extension: 4 of 27 cells; not recorded: calculator seed 5: {missing}; calculator seed 6: "
+        f"{every}; calculator seed 7: {every}." in doc.read_text()
+    )
+
+
 def test_budget_sums_the_cells():
     b = design.budget()
     calculator = sum(b["cells"]["calculator"].values()) * len(design.CALCULATOR.seeds)
@@ -874,11 +923,24 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     def fail(*args, **kwargs):
         raise AssertionError("a finished cell was recomputed")
 
+    compute = cells_mod._compute
     monkeypatch.setattr(cells_mod, "_compute", fail)
     assert main(argv) == 0
     # Cells of other settings are refused, never mixed in.
     with pytest.raises(RuntimeError, match="other settings"):
         main([a.replace("max_steps=1", "max_steps=2") for a in argv])
+
+    # A missing arm whose warm start was recorded on another CPU kind (and whose adapter is gone, as in a new session)
+    # is refused before the warm start trains again: the seed is skipped, the rest rendered, the run exits 1.
+    monkeypatch.setattr(cells_mod, "_compute", compute)
+    monkeypatch.setattr(cells_mod, "_warm_start", fail)
+    for adapter in (work / "calculator" / "seed0").glob("warmstart-adapter-*"):
+        shutil.rmtree(adapter)
+    (cells / "calculator" / "seed0" / "rft.json").unlink()
+    warm_path = cells / "calculator" / "seed0" / "warmstart.json"
+    warm_path.write_text(json.dumps(warm | {"cpu": "Another CPU"}))
+    assert main(argv) == 1
+    assert not (cells / "calculator" / "seed0" / "rft.json").exists()
 
 
 def test_a_log_search_run_trains_the_control_from_its_own_warm_start(tiny_model_dir, tmp_path, monkeypatch):

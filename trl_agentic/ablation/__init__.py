@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from . import design
@@ -34,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="Overrides for every arm (YAML values; tests only)."
     )
+    parser.add_argument(
+        "--allow-other-cpu",
+        action="store_true",
+        help="Train a warm start recorded on another CPU kind again anyway (the loss check still guards the pairing); "
+        "without it, that seed's missing arms are skipped and named.",
+    )
     a = parser.parse_args(argv)
     import yaml
 
@@ -41,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     from . import report
 
     overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in a.set)}
-    ctx = cells_mod.Context(out=Path(a.out), cells=Path(a.cells), doc=Path(a.doc), overrides=overrides)
+    ctx = cells_mod.Context(
+        out=Path(a.out), cells=Path(a.cells), doc=Path(a.doc), overrides=overrides, allow_other_cpu=a.allow_other_cpu
+    )
+    skipped = []
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if a.action == "run":
         cells_mod.registered_block(ctx.doc)  # nothing runs before the pre-registration ...
@@ -52,7 +62,14 @@ def main(argv: list[str] | None = None) -> int:
                 for arm in design.ARMS[name]:
                     if a.arms and arm.name not in a.arms:
                         continue
-                    cell = cells_mod.run_cell(task, seed, arm, ctx)
+                    try:
+                        cell = cells_mod.run_cell(task, seed, arm, ctx)
+                    except cells_mod.WarmStartHostError as error:  # the seed's other arms need the same warm start
+                        print(
+                            f"{name} seed {seed}: skipped from `{arm.name}` on: {error}", file=sys.stderr, flush=True
+                        )
+                        skipped.append(f"{name} seed {seed} from `{arm.name}`")
+                        break
                     sampled = sum(cell["sampled"]) / len(cell["sampled"])
                     print(f"{name} seed {seed} {arm.name}: sampled success {sampled:.3f}", flush=True)
     found, calibration = report.load(ctx.cells)
@@ -69,4 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         readme = Path(a.readme)
         readme.write_text(report.replace_readme_block(readme.read_text(), report.readme_block(found, calibration)))
     print(text)
+    if skipped:  # rendered with what exists, but the run did not compute every cell it was asked for
+        print(f"Not computed (warm start recorded on another CPU kind): {'; '.join(skipped)}.", file=sys.stderr)
+        return 1
     return 0

@@ -357,6 +357,7 @@ class Context:
     cells: Path
     doc: Path
     overrides: dict
+    allow_other_cpu: bool = False
 
 
 def _read(path: Path, settings_hash: str, arm_settings: dict) -> dict | None:
@@ -557,6 +558,8 @@ def _compute(
         **machine(),
     }
     if warm is not None and not (adapter / "adapter_config.json").exists():
+        if not ctx.allow_other_cpu:  # before 25 minutes of training that another CPU kind has not reproduced
+            check_warm_start_host(warm, adapter.parent, machine()["cpu"])
         _warm_start(model_path, dtype, built, task_args, model_args, args, seed, adapter, warm)
     started = time.perf_counter()
     # TRL's config has no agentic field; the warm start is evaluated as it was trained (the log search's deletions).
@@ -647,6 +650,27 @@ def _warm_start(model_path, dtype, task, task_args, model_args, args, seed, adap
         check_warm_start_losses(losses, recorded, adapter.parent, machine()["cpu"])
     result.model.save_pretrained(adapter)
     return result, tokenizer
+
+
+class WarmStartHostError(RuntimeError):
+    """The seed's warm start was recorded on another CPU kind, so training it again here would not reproduce it."""
+
+
+def check_warm_start_host(recorded: dict, seed_dir: Path, cpu: str) -> None:
+    """Raise [`WarmStartHostError`] when the seed's warm-start cell names a CPU kind other than `cpu`.
+
+    The arms of a seed train from its warm start, which is not kept between sessions and so is trained again; bfloat16
+    kernels round differently on another CPU kind (seed 5's AMD EPYC cell did not reproduce on an Intel Xeon, with any
+    ISA cap tried), and `check_warm_start_losses` would stop the run only after the training.
+    """
+    where = recorded.get("cpu")
+    if where and where != cpu:
+        raise WarmStartHostError(
+            f"The warm start of {seed_dir} was recorded on `{where}` and this host is `{cpu}`: trained again here it "
+            "would not give the recorded losses, so its arms would not start from the same adapter. Run this seed on "
+            "a host of the recorded kind, pass `--allow-other-cpu` to train it and let the loss check decide, or "
+            "delete that seed's cells to run it again."
+        )
 
 
 def check_warm_start_losses(losses: list[float], recorded: dict, seed_dir: Path, cpu: str) -> None:

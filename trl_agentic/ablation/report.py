@@ -120,6 +120,24 @@ def _expected(task: design.Task) -> list[tuple[str, int, str]]:
     return [(task.name, s, a.name) for s in task.seeds for a in design.ARMS[task.name]]
 
 
+def _extension_status(cells: dict) -> list[str]:
+    """Once the registered extension has begun: how many of its cells exist, and which are missing, by seed."""
+    extension = [
+        (t.name, s, a.name) for t in design.TASKS.values() for s in t.extra_seeds for a in design.ARMS[t.name]
+    ]
+    have = [key for key in extension if key in cells]
+    if not have:
+        return []
+    missing: dict[tuple[str, int], list[str]] = {}
+    for task, seed, arm in extension:
+        if (task, seed, arm) not in cells:
+            missing.setdefault((task, seed), []).append(f"`{arm}`")
+    text = f"The registered extension: {len(have)} of {len(extension)} cells"
+    if missing:
+        text += "; not recorded: " + "; ".join(f"{t} seed {s}: {', '.join(a)}" for (t, s), a in missing.items())
+    return [text + ".", ""]
+
+
 def _checks(cells: dict, calibration: dict) -> dict:
     """Whether each task's warm start passed its pre-registered checks (`None`: not measured yet)."""
     out = {}
@@ -214,6 +232,7 @@ def render_results(
             "its seed's cell, counted once).",
             "",
         ]
+        lines += _extension_status(cells)
         stale = stale_registrations(every, registration)
         if stale:
             lines += [
