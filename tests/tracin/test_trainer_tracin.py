@@ -418,6 +418,24 @@ def test_zero_validation_gradient_trains_on_every_row(tiny_model_dir, tmp_path, 
     assert logs["tracin/val_grad_norm"] == 0.0 and logs["tracin/selected_ratio"] == 1.0
 
 
+def test_zero_validation_gradient_from_no_trained_token_says_so(tiny_model_dir, tmp_path):
+    """Every validation row masked (as when all its rollouts are lost to the infrastructure): V is exactly 0 for
+    another reason than a missing reward spread, and the warning names that reason, not the spread."""
+    trainer = make_trainer(tiny_model_dir, tmp_path, tracin_val_num_generations=2)
+    rollout = trainer._tracin_rollout_validation
+
+    def all_masked(rows):
+        batch, reward = rollout(rows)
+        assert trainer._tracin_trained_tokens(batch) > 0  # the control: the unmasked batch has tokens to train
+        return {**batch, "completion_mask": torch.zeros_like(batch["completion_mask"])}, reward
+
+    trainer._tracin_rollout_validation = all_masked
+    with pytest.warns(UserWarning, match=r"exactly 0 at step 0 \(no validation token was left to train") as got:
+        trainer.train()
+    assert not any("reward spread" in str(w.message) for w in got)
+    assert trainer._tracin.direction_is_zero and trainer._tracin.last["selected"].all()
+
+
 def test_a_validation_group_without_reward_spread_adds_nothing_to_v(tiny_model_dir, tmp_path):
     """One validation group tied at 0.3, one with a spread: the tied group's rows get advantage 0 (not float32 noise),
     the other group keeps its GRPO advantages, and V is brute-force autograd of TRL's loss on that batch."""

@@ -292,7 +292,9 @@ class AsyncTracIn:
             self.direction = self._validation_direction(model)
         self.refreshed_at = t.state.global_step
         if self.direction_is_zero:
-            warn_uninformative_direction(t.state.global_step, t.args.tracin_val_num_generations)
+            warn_uninformative_direction(
+                t.state.global_step, t.args.tracin_val_num_generations, rows_lost=not self.val_rows
+            )
         norm = math.sqrt(
             sum(float(g.A.double().square().sum() + g.B.double().square().sum()) for g in self.direction.values())
         )

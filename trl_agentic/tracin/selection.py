@@ -87,17 +87,31 @@ def select_rows(
     return selected
 
 
-def warn_uninformative_direction(step: int, num_generations: int) -> None:
+def warn_uninformative_direction(step: int, num_generations: int, rows_lost: bool = False) -> None:
     """Say that V is exactly 0 at a refresh, so the filter keeps every row until the next one.
 
     Not an error (docs/tracin.md: no information, so no selection), but silent it turns TracIn into "fewer steps of
     plain GRPO": a strong policy solves every validation prompt, and the validation compute buys nothing.
+    `rows_lost`: V is 0 because no validation token was left to train (every validation rollout lost to the
+    infrastructure or masked), not for want of a reward spread; the remedy differs.
     """
+    if rows_lost:
+        why = (
+            "no validation token was left to train: every validation rollout was lost to the infrastructure or masked "
+            "(truncated, under `mask_truncated_completions`)"
+        )
+        remedy = (
+            "look at the rollouts' errors (`tracin/val_reward` is NaN when all were lost) or the completion budget"
+        )
+    else:
+        why = f"no validation group of {num_generations} completions had a reward spread"
+        remedy = (
+            "the validation rollouts buy nothing: raise `tracin_val_batch_size` or `tracin_val_num_generations`, or "
+            "use harder validation prompts"
+        )
     warnings.warn(
-        f"TracIn: the validation gradient is exactly 0 at step {step} (no validation group of {num_generations} "
-        "completions had a reward spread), so every row is trained on, unfiltered, until the next refresh. If this "
-        "repeats (`tracin/val_grad_norm` 0), the validation rollouts buy nothing: raise `tracin_val_batch_size` or "
-        "`tracin_val_num_generations`, or use harder validation prompts.",
+        f"TracIn: the validation gradient is exactly 0 at step {step} ({why}), so every row is trained on, "
+        f"unfiltered, until the next refresh. If this repeats (`tracin/val_grad_norm` 0), {remedy}.",
         UserWarning,
         stacklevel=3,
     )

@@ -479,6 +479,14 @@ class TracInMixin:
         rewards = scratch["train"].get("reward", [])
         return self._tracin_zero_groups_without_spread(batch), (rewards[-1] if rewards else math.nan)
 
+    def _tracin_trained_tokens(self, batch: dict) -> int:
+        """Tokens of the validation batch that V trains on, over every process (a collective): 0 when every validation
+        rollout was lost to the infrastructure or masked (truncated), which also makes V exactly 0."""
+        mask = batch["completion_mask"]
+        if "tool_mask" in batch:
+            mask = mask * batch["tool_mask"]
+        return int(self.accelerator.reduce(mask.sum().to(torch.long), reduction="sum").item())
+
     def _tracin_zero_groups_without_spread(self, batch: dict) -> dict:
         """The validation batch with advantage 0 on every row of a group without reward spread.
 
@@ -540,8 +548,10 @@ class TracInMixin:
         state.direction = direction
         state.direction_is_zero = is_zero(direction)
         state.refreshed_at = self.state.global_step
-        if state.direction_is_zero and self.accelerator.is_main_process:  # V is all-reduced: the same on every process
-            warn_uninformative_direction(self.state.global_step, self.args.tracin_val_num_generations)
+        if state.direction_is_zero:  # V is all-reduced: the same on every process, which all join the count below
+            lost = self._tracin_trained_tokens(batch) == 0
+            if self.accelerator.is_main_process:
+                warn_uninformative_direction(self.state.global_step, self.args.tracin_val_num_generations, lost)
         norm = math.sqrt(
             sum(float(g.A.double().square().sum() + g.B.double().square().sum()) for g in direction.values())
         )
