@@ -309,3 +309,18 @@ def test_all_reduce_without_process_group_is_a_no_op():
     assert torch.equal(grads["a"].A, torch.ones(2, 3))
     with pytest.raises(ValueError, match="op"):
         all_reduce_(grads, op="max")
+
+
+def test_gradient_norm_is_the_norm_of_every_entry_flattened():
+    """`tracin/val_grad_norm`: the Euclidean norm over all layers' A and B entries (float32 inputs, float64 sum), 0 for
+    an all-zero direction."""
+    from trl_agentic.tracin.lora_gradient import LoraGradient, is_zero, norm
+
+    g = torch.Generator().manual_seed(0)
+    grads = {
+        f"layer{k}": LoraGradient(A=torch.randn(2, 5, generator=g), B=torch.randn(7, 2, generator=g)) for k in range(3)
+    }
+    flat = torch.cat([t.double().flatten() for grad in grads.values() for t in grad])
+    assert norm(grads) == pytest.approx(float(flat.square().sum().sqrt()), rel=1e-12)
+    zero = {k: LoraGradient(A=torch.zeros_like(v.A), B=torch.zeros_like(v.B)) for k, v in grads.items()}
+    assert norm(zero) == 0.0 and is_zero(zero) and not is_zero(grads)

@@ -54,6 +54,7 @@ import torch
 from ..tracin.hooks import LoraGhostHooks, checkpointing_paused, reentrant_checkpointing
 from ..tracin.layers import find_lora_layers
 from ..tracin.lora_gradient import LoraGradient, is_zero
+from ..tracin.lora_gradient import norm as gradient_norm
 from ..tracin.schedule import due
 from ..tracin.selection import select_rows, warn_uninformative_direction
 from .validation import ValidationRollouts
@@ -295,10 +296,7 @@ class AsyncTracIn:
             warn_uninformative_direction(
                 t.state.global_step, t.args.tracin_val_num_generations, rows_lost=not self.val_rows
             )
-        norm = math.sqrt(
-            sum(float(g.A.double().square().sum() + g.B.double().square().sum()) for g in self.direction.values())
-        )
-        metrics["tracin/val_grad_norm"].append(norm)
+        metrics["tracin/val_grad_norm"].append(gradient_norm(self.direction))
         # Wall seconds of the refresh (validation rollouts when due, the rows' forward and V's backward), logged at the
         # step that paid them: the refresh runs in the training process and holds the step up.
         metrics["perf/tracin_refresh_s"].append(time.perf_counter() - started)

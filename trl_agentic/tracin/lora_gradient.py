@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal, NamedTuple
 
 import torch
@@ -38,6 +39,11 @@ def lora_gradient_dot(left: LoraGradients, right: LoraGradients) -> Tensor:
     if not terms:
         return torch.zeros(())
     return torch.stack(terms).sum()
+
+
+def norm(grads: LoraGradients) -> float:
+    """Euclidean norm over every layer's A and B, accumulated in float64 (`tracin/val_grad_norm`)."""
+    return math.sqrt(sum(float(g.A.double().square().sum() + g.B.double().square().sum()) for g in grads.values()))
 
 
 def is_zero(grads: LoraGradients) -> bool:

@@ -47,6 +47,7 @@ from ..rollout.types import RowKind
 from .hooks import LoraGhostHooks, checkpointing_paused, reentrant_checkpointing
 from .layers import validate_tracin_model
 from .lora_gradient import LoraGradient, LoraGradients, all_reduce_, is_zero
+from .lora_gradient import norm as gradient_norm
 from .schedule import due
 from .selection import select_rows, warn_uninformative_direction
 
@@ -552,10 +553,7 @@ class TracInMixin:
             lost = self._tracin_trained_tokens(batch) == 0
             if self.accelerator.is_main_process:
                 warn_uninformative_direction(self.state.global_step, self.args.tracin_val_num_generations, lost)
-        norm = math.sqrt(
-            sum(float(g.A.double().square().sum() + g.B.double().square().sum()) for g in direction.values())
-        )
-        metrics["tracin/val_grad_norm"].append(norm)
+        metrics["tracin/val_grad_norm"].append(gradient_norm(direction))
 
     # ----------------------------------------------------------------------------------------------- selection
 
