@@ -371,3 +371,25 @@ def test_both_loop_classes_arm_the_signal_first(monkeypatch):
         - {"__module__", "__qualname__", "__doc__", "__init__", "__firstlineno__", "__static_attributes__"}
         == set()
     )
+
+
+def test_a_refused_parent_death_signal_is_said_and_the_process_runs_on(monkeypatch, capsys):
+    """A prctl refused (a seccomp sandbox): one line on stderr naming what would outlive whom, and no exception; the
+    supervisor and the rollout worker share this code."""
+    from trl_agentic.async_grpo import supervisor
+
+    calls = []
+
+    class Refusing:
+        def prctl(self, *args):
+            calls.append(args[:2])
+            return -1
+
+    monkeypatch.setattr(supervisor.ctypes, "CDLL", lambda *a, **k: Refusing())
+    supervisor.set_parent_death_signal(signal.SIGTERM, "this rollout worker", "the trainer")
+    supervisor.set_parent_death_signal(signal.SIGTERM, "this server")
+    assert calls == [(1, signal.SIGTERM)] * 2  # PR_SET_PDEATHSIG is option 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.startswith("trl-agentic: PR_SET_PDEATHSIG failed (errno ") for line in err)
+    assert err[0].endswith("this rollout worker will not stop if the trainer dies without stopping it")
+    assert err[1].endswith("this server will not stop if its starter dies without stopping it")

@@ -41,11 +41,13 @@ def group_members(pgrp: int) -> list[int]:
     return pids
 
 
-def _arm(sig: int, what: str) -> None:
+def set_parent_death_signal(sig: int, what: str, parent: str = "its starter") -> None:
+    """Have the kernel send this process `sig` when the thread that started it dies (PR_SET_PDEATHSIG). A refused
+    prctl (a seccomp sandbox) is said on stderr, naming `what` would then outlive `parent`, and the process runs on."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
         print(
-            f"trl-agentic: PR_SET_PDEATHSIG failed (errno {ctypes.get_errno()}): {what} will not stop if its starter "
+            f"trl-agentic: PR_SET_PDEATHSIG failed (errno {ctypes.get_errno()}): {what} will not stop if {parent} "
             "dies without stopping it",
             file=sys.stderr,
             flush=True,
@@ -57,14 +59,15 @@ def main(argv: list[str]) -> int:
     stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):  # each stops the command, not just us
         signal.signal(sig, lambda signum, frame: stopping.append(signum))
-    _arm(signal.SIGTERM, "this server")
+    set_parent_death_signal(signal.SIGTERM, "this server")
     if os.getppid() != starter:  # the starter died before the signal was armed
         return 143
     leader = os.getpgrp() == os.getpid()
     me = os.getpid()
 
     def arm_child():  # this interpreter has one thread, so a `preexec_fn` is safe here
-        _arm(signal.SIGTERM, "the command")  # the command also stops if this supervisor is SIGKILLed on its own
+        # The command also stops if this supervisor is SIGKILLed on its own.
+        set_parent_death_signal(signal.SIGTERM, "the command")
         if os.getppid() != me:
             os._exit(143)
 

@@ -215,22 +215,14 @@ def die_with_trainer() -> None:
     parent = multiprocessing.parent_process()
     if not sys.platform.startswith("linux") or parent is None:  # not a spawned child: a custom in-process worker
         return
-    import ctypes
     import os
     import signal
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-        print(
-            f"trl-agentic: PR_SET_PDEATHSIG failed (errno {ctypes.get_errno()}): this rollout worker will not stop if "
-            "the trainer dies without stopping it",
-            file=sys.stderr,
-        )
+    from .supervisor import set_parent_death_signal
+
+    set_parent_death_signal(signal.SIGTERM, "this rollout worker", "the trainer")
     if os.getppid() != parent.pid:  # the trainer is already gone
         os.kill(os.getpid(), signal.SIGTERM)
-
-
-PR_SET_PDEATHSIG = 1
 
 
 class TRLRolloutLoop(_worker._AsyncRolloutLoop):
