@@ -202,37 +202,37 @@ def test_a_warm_start_recorded_on_another_cpu_kind_is_refused_before_training(tm
     cells_mod.check_warm_start_host({"warmstart_losses": [1.0]}, tmp_path, "Intel(R) Xeon(R) Processor")
 
 
-def test_a_run_skips_a_seed_whose_warm_start_needs_another_cpu_renders_and_fails(tmp_path, monkeypatch, capsys):
-    """`run` skips the rest of a seed whose warm start was recorded on another CPU kind, goes on with the next seed,
-    renders what exists (naming the extension's missing cells) and exits 1 naming what it skipped."""
+def test_a_run_skips_the_arms_whose_warm_start_needs_another_cpu_renders_and_fails(tmp_path, monkeypatch, capsys):
+    """`run` skips each missing arm whose warm start was recorded on another CPU kind (refused before training, so
+    trying the next arm costs nothing), goes on with the other arms and seeds, renders what exists (naming the
+    extension's missing cells) and exits 1 naming every arm it skipped."""
     from trl_agentic.ablation import main
 
+    arms = [a.name for a in design.ARMS["calculator"]]
     calls = []
 
     def run_cell(task, seed, arm, ctx):
         calls.append((seed, arm.name))
         assert not ctx.allow_other_cpu
-        if seed == 5 and arm.name == "rollback_episodes":
+        if seed == 5 and arm.name in arms[4:]:
             raise cells_mod.WarmStartHostError("recorded on `AMD EPYC`")
         return {"sampled": [1.0]}
 
     monkeypatch.setattr(cells_mod, "run_cell", run_cell)
     cells = tmp_path / "cells"
-    present = [(5, a.name) for a in design.ARMS["calculator"][:4]]
-    for seed, arm in present:  # the render reads these four back: the extension's status names the other 23
-        path = cells_mod.cell_path(cells, "calculator", seed, arm)
+    for arm in arms[:4]:  # the render reads these four back: the extension's status names the other 23
+        path = cells_mod.cell_path(cells, "calculator", 5, arm)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_cell("calculator", 0, arm, 4) | {"seed": seed}))
+        path.write_text(json.dumps(_cell("calculator", 0, arm, 4) | {"seed": 5}))
     doc = tmp_path / "ablation.md"
     doc.write_text((ROOT / "docs" / "ablation.md").read_text())
     argv = ["run", "--tasks", "calculator", "--seeds", "5", "6", "--doc", str(doc), "--cells", str(cells)]
     assert main([*argv, "--readme", "", "--out", str(tmp_path / "out")]) == 1
-    arms = [a.name for a in design.ARMS["calculator"]]
-    assert calls == [(5, a) for a in arms[:5]] + [(6, a) for a in arms]  # seed 5 stops at its first failure only
+    assert calls == [(5, a) for a in arms] + [(6, a) for a in arms]  # every arm tried, each refusal its own
     err = capsys.readouterr().err
-    assert "calculator seed 5: skipped from `rollback_episodes` on: recorded on `AMD EPYC`" in err
-    assert err.strip().endswith("Not computed (warm start recorded on another CPU kind): calculator seed 5 from "
-                                "`rollback_episodes`.")  # fmt: skip
+    assert "calculator seed 5 rollback_episodes: skipped: recorded on `AMD EPYC`" in err
+    named = "; ".join(f"calculator seed 5 `{a}`" for a in arms[4:])
+    assert err.strip().endswith(f"Not computed (warm start recorded on another CPU kind): {named}.")
     missing = ", ".join(f"`{a}`" for a in arms[4:])
     every = ", ".join(f"`{a}`" for a in arms)
     assert (
@@ -930,17 +930,23 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     with pytest.raises(RuntimeError, match="other settings"):
         main([a.replace("max_steps=1", "max_steps=2") for a in argv])
 
-    # A missing arm whose warm start was recorded on another CPU kind (and whose adapter is gone, as in a new session)
-    # is refused before the warm start trains again: the seed is skipped, the rest rendered, the run exits 1.
+    # A missing arm whose warm start was recorded on another CPU kind: while the warm start's adapter is kept, the arm
+    # trains from it (nothing is trained again, so nothing to refuse) ...
     monkeypatch.setattr(cells_mod, "_compute", compute)
     monkeypatch.setattr(cells_mod, "_warm_start", fail)
-    for adapter in (work / "calculator" / "seed0").glob("warmstart-adapter-*"):
-        shutil.rmtree(adapter)
-    (cells / "calculator" / "seed0" / "rft.json").unlink()
+    rft = cells / "calculator" / "seed0" / "rft.json"
+    rft.unlink()
     warm_path = cells / "calculator" / "seed0" / "warmstart.json"
     warm_path.write_text(json.dumps(warm | {"cpu": "Another CPU"}))
-    assert main(argv) == 1
-    assert not (cells / "calculator" / "seed0" / "rft.json").exists()
+    assert main(argv) == 0 and rft.exists()
+    # ... and once the adapter is gone (a new session), it is refused before the warm start trains again: the arm is
+    # skipped, the rest rendered, the run exits 1; `--allow-other-cpu` goes on to train the warm start.
+    for adapter in (work / "calculator" / "seed0").glob("warmstart-adapter-*"):
+        shutil.rmtree(adapter)
+    rft.unlink()
+    assert main(argv) == 1 and not rft.exists()
+    with pytest.raises(AssertionError, match="recomputed"):
+        main([*argv, "--allow-other-cpu"])
 
 
 def test_a_log_search_run_trains_the_control_from_its_own_warm_start(tiny_model_dir, tmp_path, monkeypatch):

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         "--allow-other-cpu",
         action="store_true",
         help="Train a warm start recorded on another CPU kind again anyway (the loss check still guards the pairing); "
-        "without it, that seed's missing arms are skipped and named.",
+        "without it, the missing arms that train from such a warm start are skipped and named.",
     )
     a = parser.parse_args(argv)
     import yaml
@@ -64,12 +64,10 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     try:
                         cell = cells_mod.run_cell(task, seed, arm, ctx)
-                    except cells_mod.WarmStartHostError as error:  # the seed's other arms need the same warm start
-                        print(
-                            f"{name} seed {seed}: skipped from `{arm.name}` on: {error}", file=sys.stderr, flush=True
-                        )
-                        skipped.append(f"{name} seed {seed} from `{arm.name}`")
-                        break
+                    except cells_mod.WarmStartHostError as error:  # refused before any training: try the next arm
+                        print(f"{name} seed {seed} {arm.name}: skipped: {error}", file=sys.stderr, flush=True)
+                        skipped.append(f"{name} seed {seed} `{arm.name}`")
+                        continue
                     sampled = sum(cell["sampled"]) / len(cell["sampled"])
                     print(f"{name} seed {seed} {arm.name}: sampled success {sampled:.3f}", flush=True)
     found, calibration = report.load(ctx.cells)

@@ -1,7 +1,8 @@
 """Run a command so that it stops, within a grace period, when the process that started it dies (Linux).
 
-Run as a script by path (`server.die_with_parent` builds the command line), not imported: it must start without
-importing trl-agentic, TRL or torch. Its arguments are the starter's pid, the grace in seconds, then the command.
+Run as a script by path (`server.die_with_parent` builds the command line): it must start without importing
+trl-agentic, TRL or torch, so it stays standard-library only (the package imports its helpers, `group_members` and
+`set_parent_death_signal`, from it). Its arguments are the starter's pid, the grace in seconds, then the command.
 
 The kernel sends this supervisor SIGTERM when its starter dies, however it dies (PR_SET_PDEATHSIG). It passes SIGTERM
 on to the command, waits up to the grace for it to exit, and then SIGKILLs it. A SIGTERM alone was not enough for

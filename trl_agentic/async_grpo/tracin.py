@@ -230,8 +230,9 @@ class AsyncTracIn:
         samples = [s for row in rows for s in row.samples]
         valid = torch.tensor([bool(np.asarray(s["completion_mask"]).any()) for s in samples])
         if self.direction_is_zero:
-            # V = 0 (no validation group had a reward spread): every score is 0 and says nothing about a row, so
-            # every row is trained, as in the synchronous trainer; not the fallback's first row at full weight.
+            # V = 0 (no validation group with a reward spread and a token to train): every score is 0 and says
+            # nothing about a row, so every row is trained, as in the synchronous trainer; not the fallback's first
+            # row at full weight.
             scores, selected = torch.zeros(len(samples)), valid.clone()
         else:
             scores = self.scores(samples)

@@ -47,8 +47,8 @@ def norm(grads: LoraGradients) -> float:
 
 
 def is_zero(grads: LoraGradients) -> bool:
-    """Whether every layer's gradient is exactly zero (a validation direction V without information: every
-    validation group had equal rewards, so every advantage, and V, is 0)."""
+    """Whether every layer's gradient is exactly zero (a validation direction V without information: no validation
+    group had both a reward spread and a token to train, so every trained advantage, and V, is 0)."""
     return all(not grad.A.any() and not grad.B.any() for grad in grads.values())
 
 

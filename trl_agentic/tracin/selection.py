@@ -104,7 +104,7 @@ def warn_uninformative_direction(step: int, num_generations: int, rows_lost: boo
             "look at the rollouts' errors (`tracin/val_reward` is NaN when all were lost) or the completion budget"
         )
     else:
-        why = f"no validation group of {num_generations} completions had a reward spread"
+        why = f"no validation group of {num_generations} completions had both a reward spread and a token to train"
         remedy = (
             "the validation rollouts buy nothing: raise `tracin_val_batch_size` or `tracin_val_num_generations`, or "
             "use harder validation prompts"

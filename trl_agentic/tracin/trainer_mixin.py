@@ -483,10 +483,7 @@ class TracInMixin:
     def _tracin_trained_tokens(self, batch: dict) -> int:
         """Tokens of the validation batch that V trains on, over every process (a collective): 0 when every validation
         rollout was lost to the infrastructure or masked (truncated), which also makes V exactly 0."""
-        mask = batch["completion_mask"]
-        if "tool_mask" in batch:
-            mask = mask * batch["tool_mask"]
-        return int(self.accelerator.reduce(mask.sum().to(torch.long), reduction="sum").item())
+        return int(self.accelerator.reduce(_loss_mask(batch).sum().to(torch.long), reduction="sum").item())
 
     def _tracin_zero_groups_without_spread(self, batch: dict) -> dict:
         """The validation batch with advantage 0 on every row of a group without reward spread.
