@@ -559,7 +559,7 @@ def _compute(
     }
     if warm is not None and not (adapter / "adapter_config.json").exists():
         if not ctx.allow_other_cpu:  # before 25 minutes of training that another CPU kind has not reproduced
-            check_warm_start_host(warm, adapter.parent, machine()["cpu"])
+            check_warm_start_host(warm, adapter.parent, record["cpu"])
         _warm_start(model_path, dtype, built, task_args, model_args, args, seed, adapter, warm)
     started = time.perf_counter()
     # TRL's config has no agentic field; the warm start is evaluated as it was trained (the log search's deletions).
