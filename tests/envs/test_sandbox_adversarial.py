@@ -155,6 +155,70 @@ def test_background_processes_do_not_outlive_their_cell(make_env):
     assert_restores_and_works(env)
 
 
+def supervisor_pid(env) -> int:
+    """Host pid of the sandbox's supervisor: the launcher itself, or bubblewrap's monitor's one child."""
+    launcher = env._process.pid
+    if not env._process.namespaces:
+        return launcher
+    with open(f"/proc/{launcher}/task/{launcher}/children") as f:
+        (child,) = f.read().split()
+    return int(child)
+
+
+def test_a_cell_returns_only_once_its_daemons_are_reaped(make_env):
+    """A killed daemon is the supervisor's zombie (its subreaper, or pid 1) until reaped, and a zombie's pid still
+    answers `os.kill(pid, 0)`: the cell must wait for the reaping, or the next cell sees the daemon as alive (a flaky
+    CI failure of the test above). The supervisor is stopped for 0.5 s to make its reaping late for sure."""
+    env = make_env()
+    start(env)
+    supervisor = supervisor_pid(env)
+    code = (
+        "r, w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        os.write(w, str(os.getpid()).encode())\n"
+        "        time.sleep(600)\n"
+        "    os._exit(0)\n"
+        "daemon = int(os.read(r, 32))\n"
+        "print('started')"
+    )
+    os.kill(supervisor, signal.SIGSTOP)
+    resume = threading.Timer(0.5, os.kill, (supervisor, signal.SIGCONT))
+    resume.start()
+    try:
+        assert env.python(code) == "started"
+        error = attack(env, "os.kill(daemon, 0)")[1]
+    finally:
+        resume.cancel()
+        os.kill(supervisor, signal.SIGCONT)
+    assert isinstance(error, CodeError) and error.error_type == "ProcessLookupError"
+    assert_restores_and_works(env)
+
+
+def test_a_process_whose_main_thread_exited_does_not_outlive_its_cell(make_env):
+    """Its leader shows "Z" in /proc while a thread still runs: a cleanup that skips zombies would leave it alive."""
+    env = make_env()
+    processes = start(env)
+    code = (
+        "import ctypes, threading\n"
+        "r, w = os.pipe()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os.setsid()\n"
+        "    threading.Thread(target=time.sleep, args=(600,)).start()\n"
+        "    os.write(w, b'x')\n"
+        "    ctypes.CDLL(None).pthread_exit(None)\n"
+        "os.read(r, 1)\n"
+        "while open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0] != 'Z':\n"
+        "    time.sleep(0.01)\n"
+        "print('leader exited')"
+    )
+    assert env.python(code) == "leader exited"
+    assert len(processes.settle(processes.own)) == processes.own
+    assert_restores_and_works(env)
+
+
 def test_cpu_of_all_processes_is_capped(make_env):
     env = make_env(max_cpus=0.2)
     processes = start(env)

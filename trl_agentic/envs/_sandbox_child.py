@@ -134,23 +134,23 @@ def _report_death(report_fd: int, capture_fd: int, status: int) -> None:
         pass
 
 
-def _process_table() -> dict[int, tuple[int, int, str]]:
-    """pid -> (parent pid, session id, state) of every process we can see."""
+def _process_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, session id) of every process we can see, zombies included."""
     table = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat", "rb") as f:
                     fields = f.read().rsplit(b")", 1)[1].split()
-                table[int(entry)] = (int(fields[1]), int(fields[3]), fields[0].decode())
+                table[int(entry)] = (int(fields[1]), int(fields[3]))
             except (OSError, IndexError, ValueError):
                 pass  # exited meanwhile
     return table
 
 
 def _sandbox_members(config: dict, roots: set[int]) -> set[int]:
-    """Without a pid namespace: the live processes of the sandbox other than `roots` (cgroup members, processes of
-    the sandbox's session, and every descendant of `roots`), however deep or setsid'ed."""
+    """Without a pid namespace: the sandbox's processes other than `roots` (cgroup members, processes of the
+    sandbox's session, and every descendant of `roots`), zombies included, however deep or setsid'ed."""
     members: set[int] = set()
     for procs in config["cgroup_procs"]:
         try:
@@ -159,23 +159,29 @@ def _sandbox_members(config: dict, roots: set[int]) -> set[int]:
         except OSError:
             pass
     table = _process_table()
-    members |= {pid for pid, (_, session, _) in table.items() if session == config.get("session")}
+    members |= {pid for pid, (_, session) in table.items() if session == config.get("session")}
     seen, frontier = set(roots), set(roots)
     while frontier:
-        frontier = {pid for pid, (ppid, _, _) in table.items() if ppid in frontier and pid not in seen}
+        frontier = {pid for pid, (ppid, _) in table.items() if ppid in frontier and pid not in seen}
         seen |= frontier
     members |= seen
-    return {pid for pid in members - roots if table.get(pid, (0, 0, "Z"))[2] != "Z"}
+    return {pid for pid in members - roots if pid in table}
 
 
 def _kill_until_gone(config: dict, roots: set[int], reap) -> bool:
-    """Without a pid namespace: SIGKILLs the sandbox's other processes, round after round, until none is left."""
+    """Without a pid namespace: SIGKILLs the sandbox's other processes, round after round, until none is left.
+
+    Done means reaped, not only dead: a zombie's pid still answers `os.kill(pid, 0)`, so the next cell would see a
+    killed daemon as alive. Our own children are reaped by `reap`; orphans by the supervisor (their subreaper), which
+    may run a moment later, so the rounds wait for it. Zombies are signalled too: SIGKILL does nothing to a dead
+    process, but a leader that shows "Z" because only its main thread exited still has live threads, which it ends.
+    """
     for _ in range(1000):
         reap()
-        victims = _sandbox_members(config, roots)
-        if not victims:
+        members = _sandbox_members(config, roots)
+        if not members:
             return True
-        for pid in victims:
+        for pid in members:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
