@@ -83,9 +83,12 @@ install-tcmalloc:
 # lifetimes): 8:32 in one process vs 4:25 on 2 workers quiet; in clean-clone CI runs beside the vLLM install and a busy
 # core 12:44 vs 10:03 (Intel Xeon, 2026-12-06). `make test XDIST=` runs every tier in one process.
 XDIST ?= -n 2 --dist load --maxschedchunk 1
+# The vLLM tier on 2 workers too, each pinned to a core of its own (tests/vllm_tier/conftest.py): 5:52 against 10:45 in
+# one process (Intel Xeon, 2026-12-06, quiet), most of the tier waiting on server start-ups and subprocesses.
+VLLM_XDIST ?= -n 2 --dist load
 
 # The whole suite: unit tier, then the integration tiers (embedded model, multi-process DeepSpeed, browser), then the
-# vLLM tier in its own venv (about 2 min to install from nothing, 1.5-3 min of tests here).
+# vLLM tier in its own venv (about 2 min to install from nothing, 6 min of tests on 2 workers here).
 # The vLLM venv (~2 min of mostly downloading and unpacking wheels) is built while the unit tier runs; its output is
 # shown if it fails.
 test: install install-browser install-tcmalloc
@@ -94,7 +97,7 @@ test: install install-browser install-tcmalloc
 	if ! wait $$vllm; then cat $$log; rm -f $$log; echo "make install-vllm failed"; exit 1; fi; \
 	rm -f $$log; exit $$fast
 	$(TCMALLOC_PRELOAD) $(BIN)/python -m pytest -q -m "(slow or distributed) and not vllm" -p no:cacheprovider $(XDIST) --durations=30
-	$(VLLM_BIN)/python -m pytest -q -m vllm -p no:cacheprovider
+	$(VLLM_BIN)/python -m pytest -q -m vllm -p no:cacheprovider $(VLLM_XDIST)
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not distributed and not vllm" -p no:cacheprovider $(XDIST)
@@ -124,7 +127,7 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 test-vllm: install-vllm
-	$(VLLM_BIN)/python -m pytest -q -m vllm -p no:cacheprovider
+	$(VLLM_BIN)/python -m pytest -q -m vllm -p no:cacheprovider $(VLLM_XDIST)
 
 demo: install
 	$(BIN)/trl-agentic train --config configs/quickstart.yaml
