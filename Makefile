@@ -83,7 +83,7 @@ install-tcmalloc:
 # lifetimes): 8:32 in one process vs 4:25 on 2 workers quiet; in clean-clone CI runs beside the vLLM install and a busy
 # core 12:44 vs 10:03 (Intel Xeon, 2026-12-06). `make test XDIST=` runs every tier in one process.
 XDIST ?= -n 2 --dist load --maxschedchunk 1
-# The vLLM tier on 2 workers too, each pinned to a core of its own (tests/vllm_tier/conftest.py): 5:52 against 10:45 in
+# The vLLM tier on 2 workers too, each pinned to a core of its own (tests/vllm_tier/conftest.py): 5:59 against 10:45 in
 # one process (Intel Xeon, 2026-12-06, quiet), most of the tier waiting on server start-ups and subprocesses.
 VLLM_XDIST ?= -n 2 --dist load
 

@@ -7,23 +7,31 @@ import pytest
 # vLLM on CPU: a fixed 1 GiB KV cache instead of a fraction of the machine's RAM. Set before vLLM is imported.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-# `make test` runs this tier on 2 pytest-xdist workers (about 6 min instead of 9-11 in one process: much of the tier
-# waits on server start-ups and subprocesses). vLLM binds its engine's OpenMP threads to the cores this process may
-# use (VLLM_CPU_OMP_THREADS_BIND=auto), so two unpinned workers would bind both engines to the same core: each worker
-# is pinned to a core of its own, which its servers, trainers and subprocesses inherit. A colocated engine's
-# torch.distributed group listens on MASTER_PORT, which TRL picks as "29500 if free": two workers checking at once
-# both take it, so each worker gets a port of its own. (`--dist loadgroup`, which would keep the tests of one
-# module-scoped server on one worker, does nothing with pytest 9.2 and xdist 3.8: xdist renames `item._nodeid`,
-# which pytest no longer reads. A server may so be started on both workers.)
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-if _WORKER.startswith("gw"):
-    import socket
 
-    _cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {_cpus[int(_WORKER[2:]) % len(_cpus)]})
-    with socket.socket() as _s:
-        _s.bind(("127.0.0.1", 0))
-        os.environ.setdefault("MASTER_PORT", str(_s.getsockname()[1]))
+@pytest.fixture(scope="session", autouse=True)
+def one_core_and_port_per_worker():
+    """`make test` runs this tier on 2 pytest-xdist workers (about 6 min instead of 9-11 in one process: much of the
+    tier waits on server start-ups and subprocesses).
+
+    vLLM binds its engine's OpenMP threads to the cores its process may use (VLLM_CPU_OMP_THREADS_BIND=auto), so two
+    unpinned workers would bind both engines to the same core: each worker is pinned to a core of its own, which its
+    servers, trainers and subprocesses inherit. A colocated engine's torch.distributed group listens on MASTER_PORT,
+    which TRL picks as "29500 if free": two workers checking at once both take it, so each worker gets a port of its
+    own. A fixture, not module code: this conftest is imported by every tier's collection, and the other tiers'
+    workers must keep both cores. (`--dist loadgroup`, which would keep the tests of one module-scoped server on one
+    worker, does nothing with pytest 9.2 and xdist 3.8: xdist renames `item._nodeid`, which pytest no longer reads;
+    such a server may so run on both workers.)
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw"):
+        import socket
+
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[int(worker[2:]) % len(cpus)]})
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    yield
 
 
 @pytest.fixture(scope="session")

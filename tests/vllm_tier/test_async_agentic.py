@@ -320,7 +320,7 @@ def test_every_feature_on_the_embedded_model(tmp_path_factory):
             tracin_enabled=True,
             tracin_val_batch_size=1,
             tracin_val_num_generations=2,
-            # One step needs 4 rows: generating no further keeps the server off the two cores the step trains on.
+            # One step needs 4 rows: generating no further keeps the server off the core(s) the step trains on.
             max_inflight_tasks=2,
             queue_maxsize=4,
         )

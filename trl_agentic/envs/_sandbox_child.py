@@ -37,6 +37,9 @@ PR_SET_PDEATHSIG = 1
 PR_CAPBSET_DROP = 24
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
+# waitpid options: WNOHANG | __WALL, which also reaps children cloned with an exit signal other than SIGCHLD (a raw
+# clone() through ctypes in model code); without it such a zombie would stay.
+WAIT_ANY_CHILD = os.WNOHANG | 0x40000000
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "out of memory")
 # The launcher exits with this code when it cannot join the cgroups: the parent reports the sandbox unavailable.
@@ -109,7 +112,7 @@ def _supervise(config: dict) -> None:
                 os.read(wake_read, 4096)
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status = os.waitpid(-1, WAIT_ANY_CHILD)
             except ChildProcessError:
                 break
             if pid == 0:
@@ -134,23 +137,27 @@ def _report_death(report_fd: int, capture_fd: int, status: int) -> None:
         pass
 
 
-def _process_table() -> dict[int, tuple[int, int]]:
-    """pid -> (parent pid, session id) of every process we can see, zombies included."""
+def _process_table() -> dict[int, tuple[int, int, bool]]:
+    """pid -> (parent pid, session id, dead) of every process we can see. Dead: a zombie with no live thread (a
+    leader whose main thread exited shows "Z" while its other threads run)."""
     table = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat", "rb") as f:
                     fields = f.read().rsplit(b")", 1)[1].split()
-                table[int(entry)] = (int(fields[1]), int(fields[3]))
+                table[int(entry)] = (int(fields[1]), int(fields[3]), fields[0] == b"Z" and int(fields[17]) <= 1)
             except (OSError, IndexError, ValueError):
                 pass  # exited meanwhile
     return table
 
 
-def _sandbox_members(config: dict, roots: set[int]) -> set[int]:
-    """Without a pid namespace: the sandbox's processes other than `roots` (cgroup members, processes of the
-    sandbox's session, and every descendant of `roots`), zombies included, however deep or setsid'ed."""
+def _sandbox_members(config: dict, roots: set[int]) -> dict[int, bool]:
+    """Without a pid namespace: pid -> dead (see `_process_table`) of the sandbox's processes other than `roots`
+    (cgroup members, processes of the sandbox's session, and every descendant of `roots`), however deep or setsid'ed.
+
+    A dead one is left out when no process of the sandbox will reap it: its parent is outside (orphans go to the
+    host's init when the supervisor could not become their subreaper), so waiting for it would never end."""
     members: set[int] = set()
     for procs in config["cgroup_procs"]:
         try:
@@ -159,13 +166,13 @@ def _sandbox_members(config: dict, roots: set[int]) -> set[int]:
         except OSError:
             pass
     table = _process_table()
-    members |= {pid for pid, (_, session) in table.items() if session == config.get("session")}
+    members |= {pid for pid, (_, session, _) in table.items() if session == config.get("session")}
     seen, frontier = set(roots), set(roots)
     while frontier:
-        frontier = {pid for pid, (ppid, _) in table.items() if ppid in frontier and pid not in seen}
+        frontier = {pid for pid, (ppid, _, _) in table.items() if ppid in frontier and pid not in seen}
         seen |= frontier
-    members |= seen
-    return {pid for pid in members - roots if pid in table}
+    members = {pid for pid in members | seen if pid in table}
+    return {pid: table[pid][2] for pid in members - roots if not table[pid][2] or table[pid][0] in members}
 
 
 def _kill_until_gone(config: dict, roots: set[int], reap) -> bool:
@@ -173,19 +180,19 @@ def _kill_until_gone(config: dict, roots: set[int], reap) -> bool:
 
     Done means reaped, not only dead: a zombie's pid still answers `os.kill(pid, 0)`, so the next cell would see a
     killed daemon as alive. Our own children are reaped by `reap`; orphans by the supervisor (their subreaper), which
-    may run a moment later, so the rounds wait for it. Zombies are signalled too: SIGKILL does nothing to a dead
-    process, but a leader that shows "Z" because only its main thread exited still has live threads, which it ends.
+    may run a moment later, so the rounds wait for it.
     """
     for _ in range(1000):
         reap()
         members = _sandbox_members(config, roots)
         if not members:
             return True
-        for pid in members:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        for pid, dead in members.items():
+            if not dead:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):  # gone, and its pid reused by another user's process
+                    pass
         select.select([], [], [], 0.002)
     return False
 
@@ -193,7 +200,7 @@ def _kill_until_gone(config: dict, roots: set[int], reap) -> bool:
 def _reap_all() -> None:
     while True:
         try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+            if os.waitpid(-1, WAIT_ANY_CHILD)[0] == 0:
                 return
         except ChildProcessError:
             return
@@ -277,7 +284,7 @@ def _reap_children() -> None:
     exit_codes = {}
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, WAIT_ANY_CHILD)
         except ChildProcessError:
             break
         if pid == 0:
