@@ -221,6 +221,31 @@ def test_a_process_whose_main_thread_exited_does_not_outlive_its_cell(make_env):
     assert_restores_and_works(env)
 
 
+def test_cleanup_waits_for_the_zombies_a_sandbox_process_will_reap_and_kills_what_still_runs(monkeypatch):
+    """`_sandbox_members` on a made-up process table (pid -> parent, session, dead): the cleanup's rule without
+    /proc's timing. Roots: the supervisor 10 (the sandbox's session) and the interpreter 11."""
+    from trl_agentic.envs import _sandbox_child as child
+
+    table = {
+        10: (1, 10, False),  # supervisor
+        11: (10, 10, False),  # interpreter
+        12: (11, 10, False),  # a live child: killed
+        13: (10, 99, True),  # a setsid'ed orphan's zombie, the supervisor's to reap: waited for
+        14: (11, 10, True),  # the interpreter's zombie: waited for (reaped by `reap`)
+        15: (1, 10, True),  # a zombie of the session reparented outside (no subreaper): nobody here reaps it
+        16: (1, 10, False),  # a zombie leader whose threads still run (not dead), reparented outside: killed
+        20: (1, 20, False),  # the host: not the sandbox's
+    }
+    monkeypatch.setattr(child, "_process_table", lambda: table)
+    config = {"cgroup_procs": [], "session": 10}
+    assert child._sandbox_members(config, {10, 11}) == {12: False, 13: True, 14: True, 16: False}
+    killed = []
+    monkeypatch.setattr(child.os, "kill", lambda pid, sig: killed.append(pid))
+    monkeypatch.setattr(child.select, "select", lambda *args: None)
+    assert child._kill_until_gone(config, {10, 11}, reap=lambda: None) is False  # the table never changes
+    assert set(killed) == {12, 16}  # the dead are waited for, never signalled
+
+
 def test_cpu_of_all_processes_is_capped(make_env):
     env = make_env(max_cpus=0.2)
     processes = start(env)
