@@ -132,21 +132,24 @@ def test_persistent_fork_bomb_that_leaves_its_session_is_stopped(make_env):
     assert_restores_and_works(env)
 
 
+# A classic daemon: double fork, new session; its pid is left in `daemon`.
+DAEMON_CELL = (
+    "r, w = os.pipe()\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        os.write(w, str(os.getpid()).encode())\n"
+    "        time.sleep(600)\n"
+    "    os._exit(0)\n"
+    "daemon = int(os.read(r, 32))\n"
+    "print('started')"
+)
+
+
 def test_background_processes_do_not_outlive_their_cell(make_env):
     env = make_env()
     processes = start(env)
-    code = (
-        "server = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
-        "r, w = os.pipe()\n"
-        "if os.fork() == 0:\n"  # a classic daemon: double fork, new session
-        "    os.setsid()\n"
-        "    if os.fork() == 0:\n"
-        "        os.write(w, str(os.getpid()).encode())\n"
-        "        time.sleep(600)\n"
-        "    os._exit(0)\n"
-        "daemon = int(os.read(r, 32))\n"
-        "print('started')"
-    )
+    code = "server = subprocess.Popen(['sleep', '600'], start_new_session=True)\n" + DAEMON_CELL
     assert env.python(code) == "started"
     assert len(processes.settle(processes.own)) == processes.own  # from the host: only the sandbox's own processes
     for name in ("server.pid", "daemon"):
@@ -173,22 +176,11 @@ def test_a_cell_returns_only_once_its_daemons_are_reaped(make_env):
     env = make_env()
     start(env)
     supervisor = supervisor_pid(env)
-    code = (
-        "r, w = os.pipe()\n"
-        "if os.fork() == 0:\n"
-        "    os.setsid()\n"
-        "    if os.fork() == 0:\n"
-        "        os.write(w, str(os.getpid()).encode())\n"
-        "        time.sleep(600)\n"
-        "    os._exit(0)\n"
-        "daemon = int(os.read(r, 32))\n"
-        "print('started')"
-    )
     os.kill(supervisor, signal.SIGSTOP)
     resume = threading.Timer(0.2, os.kill, (supervisor, signal.SIGCONT))
     resume.start()
     try:
-        assert env.python(code) == "started"
+        assert env.python(DAEMON_CELL) == "started"
         error = attack(env, "os.kill(daemon, 0)")[1]
     finally:
         resume.cancel()
