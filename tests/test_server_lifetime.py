@@ -232,11 +232,17 @@ def test_a_command_that_stops_within_the_grace_is_not_killed(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_stop_takes_the_server_down_after_its_supervisor_died_alone():
+def test_stop_takes_the_server_down_after_its_supervisor_died_alone(monkeypatch):
     """`VLLMServer.stop()` signals the server's process group, not just its process (the supervisor): a supervisor
     SIGKILLed on its own (the OOM killer) leaves a server that ignores SIGTERM, and `stop()` still SIGKILLs it and its
-    engine process. The control: both outlive the supervisor."""
+    engine process, at the grace (0 here: not one wait), since no supervisor is left to. The control: both outlive
+    the supervisor."""
+    from trl_agentic.async_grpo import server as server_module
     from trl_agentic.async_grpo.server import VLLMServer
+
+    waits = []
+    sleep = server_module.time.sleep
+    monkeypatch.setattr(server_module.time, "sleep", lambda s: (waits.append(s), sleep(s)))
 
     server = VLLMServer("unused", shutdown_grace=0)
     server.process = subprocess.Popen(
@@ -255,7 +261,9 @@ def test_stop_takes_the_server_down_after_its_supervisor_died_alone():
         server.process.wait()
         time.sleep(1)
         assert _alive(command) and _alive(engine)  # the control: the server's parent-death SIGTERM is ignored
+        waits.clear()  # `time` is the module every caller shares: count stop()'s waits only
         server.stop()
+        assert waits == []  # the 30 s a live supervisor gets to SIGKILL at the grace were not waited for
         assert _wait_gone(command) and _wait_gone(engine)
     finally:
         for pid in pids:

@@ -72,8 +72,8 @@ class VLLMServer:
         dtype (`str`, *optional*, defaults to `"float32"`): Weights' dtype (TRL's async trainer default is float32).
         max_num_seqs (`int`, *optional*, defaults to `16`): Concurrent sequences (see the module docstring).
         shutdown_grace (`float`, *optional*, defaults to `30`): Seconds the server has to exit after SIGTERM (its
-            starter's death, or `stop()`) before it and its engine processes are SIGKILLed (off Linux, where there is no
-            supervisor, `stop()` SIGKILLs them 30 seconds later than that).
+            starter's death, or `stop()`) before it and its engine processes are SIGKILLed (by its supervisor; by
+            `stop()` where there is none, off Linux, or it died).
     """
 
     def __init__(
@@ -194,10 +194,14 @@ class VLLMServer:
 
     def stop(self) -> None:
         """SIGTERM to the server's process group; SIGKILL to what is left of it `shutdown_grace` + 30 seconds later
-        (the supervisor SIGKILLs the server at the grace)."""
-        if self.process is None or not self._signal_group(signal.SIGTERM):
+        (the supervisor SIGKILLs the server at the grace), or at the grace when the supervisor is gone (killed on its
+        own, as by the OOM killer) or there is none (off Linux): then nothing else enforces it."""
+        if self.process is None:
             return
-        deadline = time.monotonic() + self.shutdown_grace + 30
+        supervised = sys.platform.startswith("linux") and self.process.poll() is None
+        if not self._signal_group(signal.SIGTERM):
+            return
+        deadline = time.monotonic() + self.shutdown_grace + (30 if supervised else 0)
         while (self.process.poll() is None or self._group_left()) and time.monotonic() < deadline:
             time.sleep(0.2)
         self._signal_group(signal.SIGKILL)
