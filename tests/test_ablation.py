@@ -232,7 +232,7 @@ def test_a_run_skips_the_arms_whose_warm_start_needs_another_cpu_renders_and_fai
     err = capsys.readouterr().err
     assert "calculator seed 5 rollback_episodes: skipped: recorded on `AMD EPYC`" in err
     named = "; ".join(f"calculator seed 5 `{a}`" for a in arms[4:])
-    assert err.strip().endswith(f"Not computed (warm start recorded on another CPU kind): {named}.")
+    assert err.strip().endswith(f"Not computed (their seed's warm start cannot be reproduced here): {named}.")
     missing = ", ".join(f"`{a}`" for a in arms[4:])
     every = ", ".join(f"`{a}`" for a in arms)
     assert (
@@ -808,9 +808,9 @@ def test_a_recorded_cell_must_match_the_cells_it_was_derived_from():
 # ------------------------------------------------------------------------------------------------ a run
 
 
-def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """The calculator's calibration and all its arms for one seed on the tiny model, then a resume that computes
-    nothing, and a refusal of cells of other settings."""
+    nothing, a refusal of cells of other settings, and arms whose warm start cannot be reproduced skipped."""
     doc = tmp_path / "ablation.md"
     shutil.copy(ROOT / "docs" / "ablation.md", doc)
     readme = tmp_path / "README.md"
@@ -947,6 +947,28 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     assert main(argv) == 1 and not rft.exists()
     with pytest.raises(AssertionError, match="recomputed"):
         main([*argv, "--allow-other-cpu"])
+    # With it, a warm start that fails its loss check is trained once: the seed's other missing arms are skipped
+    # without training it again, what exists is rendered, and the run exits 1 naming each skipped arm.
+    tries = []
+
+    def mismatch(*args, **kwargs):
+        tries.append(args[6])  # the seed
+        raise cells_mod.WarmStartMismatchError("gave losses [0.8228], not the recorded [0.8169]")
+
+    monkeypatch.setattr(cells_mod, "_warm_start", mismatch)
+    (cells / "calculator" / "seed0" / "random.json").unlink()
+    renders = doc.read_text().count("rendered\n")
+    capsys.readouterr()
+    assert main([*argv, "--allow-other-cpu"]) == 1
+    assert tries == [0] and not rft.exists()
+    assert doc.read_text().count("rendered\n") == renders + 1
+    err = capsys.readouterr().err
+    assert "calculator seed 0 rft: skipped: gave losses [0.8228]" in err
+    assert "calculator seed 0 random: skipped: The warm start of" in err and "already failed its loss check" in err
+    assert err.strip().endswith(
+        "Not computed (their seed's warm start cannot be reproduced here): calculator seed 0 `rft`; calculator seed 0 "
+        "`random`."
+    )
 
 
 def test_a_log_search_run_trains_the_control_from_its_own_warm_start(tiny_model_dir, tmp_path, monkeypatch):

@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--allow-other-cpu",
         action="store_true",
-        help="Train a warm start recorded on another CPU kind again anyway (the loss check still guards the pairing); "
-        "without it, the missing arms that train from such a warm start are skipped and named.",
+        help="Train a warm start recorded on another CPU kind again anyway (the loss check still guards the pairing: "
+        "if it fails, that seed's missing arms are skipped and named); without it, they are skipped before training.",
     )
     a = parser.parse_args(argv)
     import yaml
@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     try:
                         cell = cells_mod.run_cell(task, seed, arm, ctx)
-                    except cells_mod.WarmStartHostError as error:  # refused before any training: try the next arm
+                    # Refused before any training, or its warm start's loss check failed (and will not be trained
+                    # again for the seed's other arms): go on with the next arm, render what exists, exit 1.
+                    except (cells_mod.WarmStartHostError, cells_mod.WarmStartMismatchError) as error:
                         print(f"{name} seed {seed} {arm.name}: skipped: {error}", file=sys.stderr, flush=True)
                         skipped.append(f"{name} seed {seed} `{arm.name}`")
                         continue
@@ -85,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         readme.write_text(report.replace_readme_block(readme.read_text(), report.readme_block(found, calibration)))
     print(text)
     if skipped:  # rendered with what exists, but the run did not compute every cell it was asked for
-        print(f"Not computed (warm start recorded on another CPU kind): {'; '.join(skipped)}.", file=sys.stderr)
+        print(
+            f"Not computed (their seed's warm start cannot be reproduced here): {'; '.join(skipped)}.", file=sys.stderr
+        )
         return 1
     return 0

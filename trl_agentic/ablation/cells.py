@@ -358,6 +358,9 @@ class Context:
     doc: Path
     overrides: dict
     allow_other_cpu: bool = False
+    # Seeds (task, seed) whose warm start, trained again in this run, failed its loss check: their other arms are
+    # skipped rather than trained again for nothing.
+    unreproduced: set = dataclasses.field(default_factory=set)
 
 
 def _read(path: Path, settings_hash: str, arm_settings: dict) -> dict | None:
@@ -560,7 +563,15 @@ def _compute(
     if warm is not None and not (adapter / "adapter_config.json").exists():
         if not ctx.allow_other_cpu:  # before 25 minutes of training that another CPU kind has not reproduced
             check_warm_start_host(warm, adapter.parent, record["cpu"])
-        _warm_start(model_path, dtype, built, task_args, model_args, args, seed, adapter, warm)
+        if (task.name, seed) in ctx.unreproduced:
+            raise WarmStartMismatchError(
+                f"The warm start of {adapter.parent} already failed its loss check in this run."
+            )
+        try:
+            _warm_start(model_path, dtype, built, task_args, model_args, args, seed, adapter, warm)
+        except WarmStartMismatchError:
+            ctx.unreproduced.add((task.name, seed))
+            raise
     started = time.perf_counter()
     # TRL's config has no agentic field; the warm start is evaluated as it was trained (the log search's deletions).
     eval_args = _parse({**full, **arm_.eval_overrides})[1] if arm_.trainer != "agentic" else args
@@ -656,6 +667,10 @@ class WarmStartHostError(RuntimeError):
     """The seed's warm start was recorded on another CPU kind, so training it again here would not reproduce it."""
 
 
+class WarmStartMismatchError(RuntimeError):
+    """The seed's warm start, trained again, did not give its recorded losses: its arms cannot be paired."""
+
+
 def check_warm_start_host(recorded: dict, seed_dir: Path, cpu: str) -> None:
     """Raise [`WarmStartHostError`] when the seed's warm-start cell names a CPU kind other than `cpu`.
 
@@ -674,7 +689,7 @@ def check_warm_start_host(recorded: dict, seed_dir: Path, cpu: str) -> None:
 
 
 def check_warm_start_losses(losses: list[float], recorded: dict, seed_dir: Path, cpu: str) -> None:
-    """Raise unless a warm start trained again gave the recorded cell's losses (within 1e-3).
+    """Raise [`WarmStartMismatchError`] unless a warm start trained again gave the recorded cell's losses (within 1e-3).
 
     Another CPU kind rounds differently (seed 5's cell, recorded on an AMD EPYC, did not reproduce on an Intel Xeon),
     so the error names both CPUs: the fix is then a host of the recorded kind, not deleting the seed's cells.
@@ -688,7 +703,7 @@ def check_warm_start_losses(losses: list[float], recorded: dict, seed_dir: Path,
         if where != cpu
         else "it was recorded on this CPU kind, so something else changed: "
     )
-    raise RuntimeError(
+    raise WarmStartMismatchError(
         f"The warm start of {seed_dir} trained again gave losses {losses}, not the recorded {expected}, so its arms "
         f"would not start from the same adapter; {hint}or delete that seed's cells to run it again."
     )
