@@ -964,7 +964,7 @@ def test_a_run_writes_every_cell_resumes_and_renders(tiny_model_dir, tmp_path, m
     assert doc.read_text().count("rendered\n") == renders + 1
     err = capsys.readouterr().err
     assert "calculator seed 0 rft: skipped: gave losses [0.8228]" in err
-    assert "calculator seed 0 random: skipped: The warm start of" in err and "already failed its loss check" in err
+    assert "calculator seed 0 random: skipped: The warm start " in err and "already failed its loss check" in err
     assert err.strip().endswith(
         "Not computed (their seed's warm start cannot be reproduced here): calculator seed 0 `rft`; calculator seed 0 "
         "`random`."

@@ -358,8 +358,8 @@ class Context:
     doc: Path
     overrides: dict
     allow_other_cpu: bool = False
-    # Seeds (task, seed) whose warm start, trained again in this run, failed its loss check: their other arms are
-    # skipped rather than trained again for nothing.
+    # Warm starts (adapter paths: the log search has two a seed) that, trained again in this run, failed their loss
+    # check: the arms that start from them are skipped rather than trained again for nothing.
     unreproduced: set = dataclasses.field(default_factory=set)
 
 
@@ -563,14 +563,12 @@ def _compute(
     if warm is not None and not (adapter / "adapter_config.json").exists():
         if not ctx.allow_other_cpu:  # before 25 minutes of training that another CPU kind has not reproduced
             check_warm_start_host(warm, adapter.parent, record["cpu"])
-        if (task.name, seed) in ctx.unreproduced:
-            raise WarmStartMismatchError(
-                f"The warm start of {adapter.parent} already failed its loss check in this run."
-            )
+        if adapter in ctx.unreproduced:
+            raise WarmStartMismatchError(f"The warm start {adapter} already failed its loss check in this run.")
         try:
             _warm_start(model_path, dtype, built, task_args, model_args, args, seed, adapter, warm)
         except WarmStartMismatchError:
-            ctx.unreproduced.add((task.name, seed))
+            ctx.unreproduced.add(adapter)
             raise
     started = time.perf_counter()
     # TRL's config has no agentic field; the warm start is evaluated as it was trained (the log search's deletions).
