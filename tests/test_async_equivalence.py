@@ -57,8 +57,9 @@ class NoWeightTransfer:
         pass
 
 
-def _samples():
+def _samples(agentic: bool = False):
     from trl_agentic.async_grpo.compat import worker_module
+    from trl_agentic.async_grpo.worker import AgenticRolloutSample
 
     rollout_sample = worker_module().RolloutSample
     rng = np.random.default_rng(0)
@@ -69,8 +70,11 @@ def _samples():
             completion = rng.integers(5, 250, size=3 + k).tolist()
             ids = prompt + completion
             mask = [0] * len(prompt) + [1] * len(completion)
+            # What the agentic worker adds: a group's size, each row's conversation and reward.
+            extra = dict(reward=float(k), episode=k, group_rows=4, baseline_rows=4) if agentic else {}
             samples.append(
-                rollout_sample(
+                (AgenticRolloutSample if agentic else rollout_sample)(
+                    **extra,
                     prompt=[{"role": "user", "content": "q"}],
                     completion=[{"role": "assistant", "content": "a"}],
                     input_ids=np.asarray(ids, dtype=np.int64),
@@ -87,7 +91,7 @@ def _samples():
     return samples
 
 
-def _train(trainer_cls, config_cls, model_dir, out, **extra):
+def _train(trainer_cls, config_cls, model_dir, out, trainer_kwargs=None, samples=None, **extra):
     from datasets import Dataset
     from peft import LoraConfig
 
@@ -111,7 +115,7 @@ def _train(trainer_cls, config_cls, model_dir, out, **extra):
         max_staleness=4,
         **extra,
     )
-    worker = ScriptedWorker(_samples())
+    worker = ScriptedWorker(samples or _samples())
     peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "q"}]}] * 4)
     with cpu_peak_flops():
@@ -123,6 +127,7 @@ def _train(trainer_cls, config_cls, model_dir, out, **extra):
             peft_config=peft,
             rollout_worker=worker,
             weight_transfer=NoWeightTransfer(),
+            **(trainer_kwargs or {}),
         )
     register_cpu_tree_attention()
     consumed = []
@@ -177,6 +182,24 @@ def test_a_feature_on_changes_the_advantage_rule_only_through_the_worker(tiny_mo
             assert torch.equal(a[key], b[key]), key
     for name in plain[2]:
         assert torch.equal(plain[2][name], on[2][name]), name
+
+
+def _three(batch, trainer):
+    return torch.full((batch.local_index.numel(),), 3.0)
+
+
+def test_an_estimator_passed_to_the_trainer_gives_the_advantages_trained_on(tiny_model_dir, tmp_path):
+    """`advantage_estimator=` given to the trainer (the config left at "grpo", no other feature) replaces the
+    worker's advantages, as it does in the synchronous trainer and as the same estimator named in the config does:
+    every trained token gets the estimator's 3.0, none the worker's -1.5 ... 1.5."""
+    from trl_agentic.async_grpo import AsyncAgenticGRPOConfig, AsyncAgenticGRPOTrainer
+
+    kwargs = {"advantage_estimator": _three}
+    samples = _samples(agentic=True)
+    batches = _train(AsyncAgenticGRPOTrainer, AsyncAgenticGRPOConfig, tiny_model_dir, tmp_path, kwargs, samples)[0]
+    assert len(batches) == 2
+    trained = torch.cat([b["advantages"][b["token_index"] >= 0] for b in batches])
+    assert trained.numel() > 0 and torch.equal(trained, torch.full_like(trained, 3.0))
 
 
 @pytest.mark.parametrize("token_level", [False, True])

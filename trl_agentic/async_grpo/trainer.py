@@ -23,6 +23,7 @@ reloaded under the same name would reuse the old adapter's cached prefix blocks)
 
 from __future__ import annotations
 
+import collections
 import os
 import uuid
 
@@ -46,6 +47,8 @@ from .worker import AgenticAsyncRolloutLoop, TRLRolloutLoop
 __all__ = ["AsyncAgenticGRPOTrainer"]
 
 logger = logging.get_logger(__name__)
+
+OBSERVED_ROWS_KEPT = 4096  # rows of `_observed_rows`
 
 _ADVANTAGE_FIELDS = (
     "negative_sample_reward",
@@ -160,7 +163,11 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
             tools = [*(tools or []), delete_context]
         env_classes = _environment_classes(environment_factory)
         user_turns = any(has_user_turns(cls) for cls in env_classes)
-        self._features_on = args.agentic_features_enabled or args.uses_agentic_loop or user_turns
+        # An estimator passed here counts as one in the config does: it runs in the estimator stage (and in TRL's
+        # plain worker setup it would be ignored).
+        self._features_on = (
+            args.agentic_features_enabled or args.uses_agentic_loop or user_turns or advantage_estimator is not None
+        )
         from ..models import resolve_model_path
 
         model = resolve_model_path(model)
@@ -181,7 +188,9 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
                 **kwargs,
             )
         register_cpu_tree_attention()
-        self._observed_rows: list[dict] = []  # every row the trainer consumed (kind, staleness, advantage, ...)
+        # The last rows the trainer consumed (kind, staleness, advantage, tokens): for inspection and tests, bounded so
+        # that a long run does not keep every row's tokens.
+        self._observed_rows: collections.deque[dict] = collections.deque(maxlen=OBSERVED_ROWS_KEPT)
         worker = self.rollout_worker
         is_trl_worker = isinstance(worker, trainer_module().AsyncRolloutWorker)
         if is_trl_worker:
