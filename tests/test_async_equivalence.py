@@ -202,6 +202,46 @@ def test_an_estimator_passed_to_the_trainer_gives_the_advantages_trained_on(tiny
     assert trained.numel() > 0 and torch.equal(trained, torch.full_like(trained, 3.0))
 
 
+def test_tracin_selects_a_micro_batch_at_the_weights_it_trains_with(tiny_model_dir, tmp_path, monkeypatch):
+    """accelerate's dispatcher collates micro-batch k+1 before micro-batch k trains: the TracIn filter runs when TRL
+    trains a micro-batch, so it scores (and refreshes V) at the step and the weights the micro-batch trains with."""
+    from datasets import Dataset
+
+    from trl_agentic.async_grpo import AsyncAgenticGRPOConfig, AsyncAgenticGRPOTrainer
+    from trl_agentic.async_grpo.tracin import AsyncTracIn
+
+    seen = {"select": [], "loss": []}
+
+    def state(trainer):
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        lora = [p.detach().clone() for n, p in model.named_parameters() if "lora_" in n]
+        return trainer.state.global_step, lora
+
+    def select(self, samples):
+        seen["select"].append(state(self.trainer))
+        return torch.ones(len(samples), dtype=torch.bool)
+
+    compute_loss = AsyncAgenticGRPOTrainer.compute_loss
+
+    def recording(self, model, inputs, *args, **kwargs):
+        seen["loss"].append(state(self))
+        return compute_loss(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncTracIn, "select", select)
+    monkeypatch.setattr(AsyncAgenticGRPOTrainer, "compute_loss", recording)
+    validation = Dataset.from_list([{"prompt": [{"role": "user", "content": "v"}]}] * 2)
+    kwargs = {"tracin_eval_dataset": validation}
+    samples = _samples(agentic=True)
+    _train(
+        AsyncAgenticGRPOTrainer, AsyncAgenticGRPOConfig, tiny_model_dir, tmp_path, kwargs, samples, tracin_enabled=True
+    )
+    assert len(seen["loss"]) == len(seen["select"]) == 2
+    assert [s[0] for s in seen["select"]] == [s[0] for s in seen["loss"]] == [0, 1]
+    for (_, scored), (_, trained) in zip(seen["select"], seen["loss"]):
+        assert all(torch.equal(a, b) for a, b in zip(scored, trained))
+    assert not all(torch.equal(a, b) for a, b in zip(seen["loss"][0][1], seen["loss"][1][1]))  # a step moved them
+
+
 @pytest.mark.parametrize("token_level", [False, True])
 def test_pack_with_token_advantages_matches_a_plain_loop(token_level):
     from trl_agentic.async_grpo.compat import trainer_module

@@ -112,9 +112,38 @@ def test_scores_are_row_loss_gradients_dotted_with_v(tiny_model_dir):
     assert (expected > 0).any() and (expected < 0).any()  # both signs: the selection below is not trivial
 
 
-@pytest.mark.parametrize("mode", ["positive", "top_fraction"])
-def test_filter_zeroes_the_rejected_rows_masks(tiny_model_dir, mode):
+def _collate(samples, tracin):
+    """The micro-batch as the trainer collates it: TRL's planner row and collator, our packing and the filter's tag."""
     from trl_agentic.async_grpo.compat import trainer_module
+    from trl_agentic.async_grpo.stage import token_advantage_collate
+
+    module = trainer_module()
+    row = module.TreeRow()
+    for s in samples:
+        row.add({**s, "metrics": {}})
+    collate = token_advantage_collate(module.DataCollatorForRollout(0), before=tracin.stash if tracin else None)
+    return collate([[row]])
+
+
+def _terms(batch):
+    """The loss terms TRL's `compute_loss` trains: (target position, old log-prob, advantage) in order, and its
+    normaliser."""
+    keep = batch["token_index"] >= 0
+    terms = list(
+        zip(
+            batch["token_index"][keep].tolist(),
+            batch["old_log_probs"][keep].tolist(),
+            batch["advantages"][keep].tolist(),
+        )
+    )
+    return terms, float(batch["global_n_tokens"][0])
+
+
+@pytest.mark.parametrize("mode", ["positive", "top_fraction"])
+def test_the_filter_trains_the_selected_rows_alone(tiny_model_dir, mode):
+    """At training time the filter drops the rejected rows' loss terms and TRL's normaliser counts the kept ones: the
+    loss terms TRL trains, and what it divides by, are exactly those of the micro-batch packed with the rejected
+    rows' masks zeroed (the reference: the selected rows alone), for the rows the hand-computed scores select."""
     from trl_agentic.async_grpo.tracin import AsyncTracIn
     from trl_agentic.tracin.selection import select_rows
 
@@ -123,19 +152,47 @@ def test_filter_zeroes_the_rejected_rows_masks(tiny_model_dir, mode):
     stub = _stub(model, tracin_selection=mode)
     tracin = AsyncTracIn.__new__(AsyncTracIn)
     tracin.trainer, tracin.direction, tracin.refreshed_at = stub, _direction(model), 3  # V is fresh: no refresh
+    tracin._pending, tracin._collated = {}, 0
     expected = _expected_scores(model, samples, tracin.direction, stub)
     keep = select_rows(expected, torch.ones(len(samples), dtype=torch.bool), mode=mode, fraction=0.5, min_selected=1)
-    masks = [s["completion_mask"].copy() for s in samples]
-    row = trainer_module().TreeRow()
-    for s in samples:
-        row.add(s)
-    tracin.filter_rows([row])
-    for s, mask, k in zip(samples, masks, keep.tolist()):
-        assert np.array_equal(s["completion_mask"], mask if k else np.zeros_like(mask))
+    assert 0 < int(keep.sum()) < len(samples)  # a real selection
+    masked = [dict(s, completion_mask=s["completion_mask"] * int(k)) for s, k in zip(samples, keep.tolist())]
+    reference = _collate(masked, None)
+    batch = _collate([dict(s) for s in samples], tracin)
+    assert _terms(batch)[1] > _terms(reference)[1]  # collated unfiltered: the filter has not run yet
+    assert stub._metrics["train"]["tracin/num_selected"] == []
+    trained = tracin.apply(batch)
+    assert "tracin_batch" not in trained and tracin._pending == {}
+    assert _terms(trained) == _terms(reference)
+    assert torch.equal(trained["input_ids"], reference["input_ids"])  # the same forward: rejected rows as context
     assert stub._metrics["train"]["tracin/num_selected"] == [float(keep.sum())]
-    # The packed micro-batch trains exactly the kept rows' tokens.
-    packed = row.pack()
-    assert packed["token_index"].numel() == sum(int(m[1:].sum()) for m, k in zip(masks, keep.tolist()) if k)
+    assert tracin.last["selected"].tolist() == keep.tolist()
+
+
+def test_a_micro_batch_with_no_row_selected_trains_a_zero_loss(tiny_model_dir):
+    """`tracin_min_selected=0` and no positive score: no row is trained (as the synchronous trainer would train none),
+    the micro-batch's terms stay (TRL's forward needs one) with advantage 0, so the loss and its gradient are 0. The
+    stash of a micro-batch collated but never trained (an earlier `train()`'s prefetch) is dropped."""
+    from trl_agentic.async_grpo.tracin import AsyncTracIn
+
+    model = lora_model(tiny_model_dir)
+    stub = _stub(model, tracin_selection="positive", tracin_min_selected=0)
+    tracin = AsyncTracIn.__new__(AsyncTracIn)
+    tracin.trainer, tracin.direction, tracin.refreshed_at = stub, _direction(model), 3
+    tracin._pending, tracin._collated = {}, 0
+    tracin.scores = lambda samples: -torch.arange(1.0, len(samples) + 1)
+    _collate(_samples(seed=1), tracin)  # never trained
+    batch = _collate(_samples(), tracin)
+    before = _terms(batch)
+    trained = tracin.apply(batch)
+    assert tracin._pending == {}
+    terms = _terms(trained)
+    assert [t[:2] for t in terms[0]] == [t[:2] for t in before[0]] and all(t[2] == 0.0 for t in terms[0])
+    assert terms[1] == before[1] and tracin.last["selected"].tolist() == [False] * 5
+    # With the default `tracin_min_selected=1` the best row is kept instead.
+    stub.args.tracin_min_selected = 1
+    tracin.apply(_collate(_samples(), tracin))
+    assert tracin.last["selected"].tolist() == [True, False, False, False, False]
 
 
 def test_a_zero_validation_direction_keeps_every_row_unscored(tiny_model_dir):
@@ -143,7 +200,6 @@ def test_a_zero_validation_direction_keeps_every_row_unscored(tiny_model_dir):
     reward was 0): every score would be 0, which says nothing about a row. Every row with a trained token is kept and
     its mask untouched, none is scored, as in the synchronous trainer (`direction_is_zero`); not the fallback's
     lowest-index row alone, which TRL's loss would then weight as the whole micro-batch."""
-    from trl_agentic.async_grpo.compat import trainer_module
     from trl_agentic.async_grpo.tracin import AsyncTracIn
     from trl_agentic.tracin.lora_gradient import LoraGradient
 
@@ -159,10 +215,7 @@ def test_a_zero_validation_direction_keeps_every_row_unscored(tiny_model_dir):
     assert tracin.direction_is_zero
     tracin.scores = lambda samples: pytest.fail("scored against a zero direction")
     masks = [s["completion_mask"].copy() for s in samples]
-    row = trainer_module().TreeRow()
-    for s in samples:
-        row.add(s)
-    tracin.filter_rows([row])
+    tracin.select(samples)
     for s, mask in zip(samples, masks):
         assert np.array_equal(s["completion_mask"], mask)
     metrics = stub._metrics["train"]
@@ -174,7 +227,7 @@ def test_a_zero_validation_direction_keeps_every_row_unscored(tiny_model_dir):
     assert not tracin.direction_is_zero
     scored = []
     tracin.scores = lambda samples: scored.append(len(samples)) or torch.tensor([-1.0, 2.0, 3.0, 4.0, -5.0])
-    tracin.filter_rows([row])
+    tracin.select(samples)
     assert scored == [5] and tracin.last["selected"].tolist() == [False, True, True, False, False]  # row 3: no token
 
 
@@ -315,7 +368,6 @@ def test_pausing_reentrant_checkpointing_keeps_what_the_trainer_enabled(tiny_mod
 def test_the_filter_runs_in_training_mode_from_step_0(tiny_model_dir):
     """TRL reads step 0's rows before `Trainer` puts the model in training mode: the filter puts it there first, so
     its passes run as training runs, checkpointed (non-reentrant: each layer twice in the scoring pass)."""
-    from trl_agentic.async_grpo.compat import trainer_module
     from trl_agentic.async_grpo.tracin import AsyncTracIn
 
     model = lora_model(tiny_model_dir)
@@ -324,11 +376,8 @@ def test_the_filter_runs_in_training_mode_from_step_0(tiny_model_dir):
     stub = _stub(model)
     tracin = AsyncTracIn.__new__(AsyncTracIn)
     tracin.trainer, tracin.direction, tracin.refreshed_at = stub, _direction(model), 3
-    row = trainer_module().TreeRow()
-    for s in _samples(n=2):
-        row.add(s)
     calls = []
     probe = model.base_model.model.model.layers[0].register_forward_pre_hook(lambda *args: calls.append(1))
-    tracin.filter_rows([row])
+    tracin.select(_samples(n=2))
     probe.remove()
     assert model.training and len(calls) == 2

@@ -407,7 +407,7 @@ def pack_with_token_advantages(row) -> dict:
 
 class token_advantage_collate:  # noqa: N801 - a callable used like TRL's collator instance
     """Wraps TRL's rollout collator: rows are packed with `pack_with_token_advantages`, and an optional `before`
-    hook sees the micro-batch's rows first (the TracIn filter)."""
+    hook sees the micro-batch's rows first and returns tensors to add to the packed batch (the TracIn filter's tag)."""
 
     def __init__(self, inner, before=None):
         self.inner = inner
@@ -415,11 +415,12 @@ class token_advantage_collate:  # noqa: N801 - a callable used like TRL's collat
 
     def __call__(self, examples):
         (rows,) = examples
-        if self.before is not None:
-            self.before(rows)
+        extra = self.before(rows) if self.before is not None else None
         for row in rows:
             row.pack = _bound_pack(row)
-        return self.inner(examples)
+        batch = self.inner(examples)
+        batch.update(extra or {})
+        return batch
 
 
 def _bound_pack(row):

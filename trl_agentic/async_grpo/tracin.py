@@ -7,7 +7,10 @@ tree-packed sequence in which a shared prefix token belongs to several rows. Wha
 (`tracin.hooks.LoraGhostHooks`), the selection (`tracin.selection.select_rows`), the schedule (`tracin.schedule.due`)
 and trl-agentic's rollout loop for the validation rollouts.
 
-Per micro-batch (the planner's rows, before TRL's collator packs them):
+Per micro-batch, when TRL trains it (`AsyncAgenticGRPOTrainer.training_step`, before its forward), at the weights it
+trains with: accelerate's dispatcher collates the next micro-batch before the current one trains, so the rows are only
+tagged at collate time (`stash`) and filtered here (`apply`), else they would be scored, and V refreshed, one optimizer
+step early, at the previous weights.
 
 1. V, the validation direction (refreshed every `tracin_val_refresh_steps` optimizer steps): `tracin_val_batch_size`
    validation prompts are rolled out `tracin_val_num_generations` times each with the current policy and made into
@@ -22,12 +25,16 @@ Per micro-batch (the planner's rows, before TRL's collator packs them):
    (`-sum_t min(r_t A_t, clip(r_t) A_t) / N_tokens / gradient_accumulation_steps`, `r_t` against the row's sampling
    log-probs, `N_tokens` the micro-batch's trained tokens), from one forward of the rows unpacked (a padded batch) and
    one backward through the hooks (no parameter gradient is touched).
-3. Selection: `select_rows` with the config's mode, at least one row (`max(tracin_min_selected, 1)`: a micro-batch
-   without a trained token would have no loss term at all). When V is exactly zero (no validation group had a reward
-   spread) every valid row is kept and none is scored, as in the synchronous trainer.
-4. Training: the rejected rows' `completion_mask` is zeroed before packing, so TRL's collator counts, and its loss
-   normalises by, the selected rows' tokens only: training on the masked micro-batch is training on the selected rows
-   alone (the rejected rows' tokens stay in the forward as context of nothing but themselves).
+3. Selection: `select_rows` with the config's mode and `tracin_min_selected` (0: a micro-batch may keep no row). When
+   V is exactly zero (no validation group had a reward spread) every valid row is kept and none is scored, as in the
+   synchronous trainer. The selection is per micro-batch: with `gradient_accumulation_steps` 1 (the default) that is
+   the optimizer step's rows, as in the synchronous trainer; above 1, each micro-batch keeps its own share, and since
+   TRL normalises each micro-batch by its own trained tokens, a row kept alone weighs as much as all the kept rows of
+   another micro-batch (TRL's weighting of micro-batches, here uneven because the selection is).
+4. Training: the rejected rows' loss terms are dropped from the packed micro-batch (`token_index` -1) and TRL's
+   normaliser (`global_n_tokens`) counts the selected rows' terms only: training on it is training on the selected rows
+   alone (the rejected rows' tokens stay in the forward as context of nothing but themselves). With no row selected,
+   every advantage is set to 0: the loss and its gradient are exactly 0.
 
 Gradient checkpointing (on by default in `AsyncGRPOConfig`): the hooks follow non-reentrant checkpointing (a
 region's LoRA inputs are taken from its recompute in the backward, `LoraGhostHooks`), so the scoring forward and V's
@@ -124,6 +131,10 @@ class AsyncTracIn:
         self.val_rows: list[dict] | None = None  # the last validation rollouts, reused until new ones are due
         self.rolled_out_at: int | None = None
         self.last: dict = {}
+        # Micro-batches collated but not yet trained, by id: accelerate's dispatcher collates the next micro-batch
+        # before the current one trains, so the filter runs when a micro-batch is trained, not when it is collated.
+        self._pending: dict[int, list[dict]] = {}
+        self._collated = 0
         self.validation = ValidationRollouts(trainer)
         self._prompts_checked = False
         self.disable_checkpointing = reentrant_checkpointing(trainer.args)
@@ -216,8 +227,37 @@ class AsyncTracIn:
             return nullcontext()
         return checkpointing_paused(self._model())
 
-    def filter_rows(self, rows) -> None:
-        """Score the micro-batch's rows (the planner's `TreeRow`s), select, and zero the rejected rows' masks."""
+    def stash(self, rows) -> dict:
+        """At collate time (`stage.token_advantage_collate`): keep the micro-batch's rows (the planner's `TreeRow`s)
+        for `apply`, and tag the packed batch with their id."""
+        self._collated += 1
+        self._pending[self._collated] = [s for row in rows for s in row.samples]
+        return {"tracin_batch": torch.tensor([self._collated])}
+
+    def apply(self, inputs: dict) -> dict:
+        """When TRL trains the packed micro-batch `inputs` (`training_step`, before its forward): score its rows at
+        the current weights (refreshing V first when due), select, and drop the rejected rows' loss terms
+        (`token_index` -1), with `global_n_tokens`, TRL's normaliser, counting the selected rows' terms only: the
+        loss TRL then computes is the one of the selected rows alone. With none selected, every advantage is 0: a
+        loss of exactly 0 (TRL's forward needs a term)."""
+        batch = int(inputs.pop("tracin_batch")[0])
+        samples = self._pending.pop(batch)
+        for stale in [k for k in self._pending if k < batch]:  # collated, never trained (an earlier `train()`)
+            del self._pending[stale]
+        selected = self.select(samples).to(inputs["segment_id"].device)
+        terms = inputs["token_index"] >= 0
+        rejected = terms & ~selected[inputs["segment_id"]]
+        kept = int((terms & ~rejected).sum())
+        if kept == 0:
+            inputs["advantages"] = torch.zeros_like(inputs["advantages"])
+        else:
+            inputs["token_index"] = inputs["token_index"].masked_fill(rejected, -1)
+            inputs["global_n_tokens"] = torch.full_like(inputs["global_n_tokens"], float(kept))
+        return inputs
+
+    def select(self, samples: list[dict]) -> torch.Tensor:
+        """Which of a micro-batch's rows (dicts with `input_ids`, `completion_mask`, `old_log_probs`, `advantage`)
+        are trained: V refreshed first when due, the rows scored, `select_rows`; the `tracin/*` metrics."""
         t, args = self.trainer, self.trainer.args
         model = self._model()
         if not model.training:
@@ -227,7 +267,6 @@ class AsyncTracIn:
             model.train()
         if due(t.state.global_step, self.refreshed_at, args.tracin_val_refresh_steps):
             self.refresh()
-        samples = [s for row in rows for s in row.samples]
         valid = torch.tensor([bool(np.asarray(s["completion_mask"]).any()) for s in samples])
         if self.direction_is_zero:
             # V = 0 (no validation group with a reward spread and a token to train): every score is 0 and says
@@ -242,11 +281,8 @@ class AsyncTracIn:
                 mode=args.tracin_selection,
                 fraction=args.tracin_top_fraction,
                 threshold=args.tracin_threshold,
-                min_selected=max(args.tracin_min_selected, 1),
+                min_selected=args.tracin_min_selected,
             )
-        for s, keep in zip(samples, selected.tolist()):
-            if not keep:
-                s["completion_mask"] = np.zeros_like(np.asarray(s["completion_mask"]))
         metrics = t._metrics["train"]
         n_valid = int(valid.sum())
         valid_scores = scores.detach().cpu().double()[valid]
@@ -255,6 +291,7 @@ class AsyncTracIn:
         metrics["tracin/score_mean"].append(valid_scores.mean().item() if n_valid else math.nan)
         metrics["tracin/score_pos_frac"].append((valid_scores > 0).double().mean().item() if n_valid else math.nan)
         self.last = {"scores": scores.detach().cpu(), "selected": selected.clone(), "valid": valid}
+        return selected
 
     def scores(self, samples: list[dict]) -> torch.Tensor:
         """`<grad ell_b, V>` per row (module docstring, step 2)."""

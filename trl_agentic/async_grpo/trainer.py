@@ -293,11 +293,18 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
         if self._features_on and self.accelerator.is_main_process:
             from .stage import token_advantage_collate
 
-            before = self._tracin.filter_rows if getattr(self, "_tracin", None) is not None else None
+            before = self._tracin.stash if getattr(self, "_tracin", None) is not None else None
             # accelerate's dispatcher iterates its `base_dataloader`, whose collate function is TRL's collator.
             target = getattr(dataloader, "base_dataloader", dataloader)
             target.collate_fn = token_advantage_collate(target.collate_fn, before=before)
         return dataloader
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """TRL's, after the TracIn filter (`tracin.AsyncTracIn.apply`): it runs here, at the weights the micro-batch
+        trains with, not when it is collated (accelerate collates the next micro-batch before this one trains)."""
+        if getattr(self, "_tracin", None) is not None and "tracin_batch" in inputs:
+            inputs = self._tracin.apply(inputs)
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def train(self, *args, **kwargs):
         try:
