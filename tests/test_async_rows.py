@@ -277,6 +277,41 @@ def test_a_trainer_side_estimator_sees_the_group_the_synchronous_trainer_would_a
     torch.testing.assert_close(scored.advantages[[0, 1, 4]], expected[[0, 1, 3]], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        ("parent -1", r"parent must be a local row index in \[0, 3\), got parent -1"),
+        ("two rows", r"returned \(2,\); it must return \(3,\) or \(3, T\)"),
+        ("wide", r"token-level advantages must have width 2"),
+    ],
+)
+def test_a_trainer_side_estimators_bad_result_is_refused_as_in_the_synchronous_trainer(returned, message):
+    """What the estimator returns is checked as `batch.check_estimate` checks it in the synchronous trainer: an added
+    row whose parent is -1 would otherwise be another row's child (Python's negative index), a result of the wrong
+    length or width silently cut."""
+    from trl_agentic.async_grpo.stage import estimate_group
+    from trl_agentic.estimators import EstimatorResult
+
+    rows = [_sequence(0, True), _sequence(0, True), _sequence(0, True)]
+    conversation = [0, 1, 2]
+    args = _args()
+    scored, trained = score_group_rows(rows, conversation, [1.0, 0.0, 0.0], 3, args)
+    inner_rows = []
+    stage, trainer, inner = _stage(args, [], lambda batch, t: None)
+    _push_group(inner, rows, conversation, scored, trained, group_id=1)
+    while not inner.empty():
+        inner_rows.append(inner.get())
+
+    def estimator(batch, host):
+        if returned == "parent -1":
+            extra = ExtraRow(RowKind.EXPANSION, -1, [1], [2], [1], None)
+            return EstimatorResult(torch.zeros(3), [extra], torch.zeros(1))
+        return torch.zeros(2) if returned == "two rows" else torch.zeros(3, 5)
+
+    with pytest.raises(ValueError, match=message):
+        estimate_group(inner_rows, estimator, stage._host)
+
+
 def _stage(args, seen: list, estimator):
     """The trainer-side estimator stage on a queue of its own, with a trainer holding what the stage reads."""
     import queue

@@ -8,7 +8,7 @@ import torch
 from datasets import Dataset
 
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
-from trl_agentic.batch import _check_estimate
+from trl_agentic.batch import check_estimate
 from trl_agentic.estimators import EstimatorResult, grpo_estimator
 from trl_agentic.rollout.types import ExtraRow, RowKind
 
@@ -51,7 +51,7 @@ def test_bad_extra_rows_are_refused_at_the_estimator_stage(parent, extra, messag
     advantages = torch.zeros(4)
     result = EstimatorResult(advantages=advantages, extra_rows=[_row(parent)], extra_advantages=extra)
     with pytest.raises(ValueError, match=message):
-        _check_estimate(result, num_rows=4, width=5)
+        check_estimate(result, num_rows=4, width=5)
 
 
 def test_good_extra_rows_pass_the_check():
@@ -60,7 +60,7 @@ def test_good_extra_rows_pass_the_check():
     rows = [_row(0), _row(3, length=7)]
     for extra in (torch.zeros(2), torch.zeros(2, 7), torch.zeros(2, 5), torch.zeros(2, 1)):
         result = EstimatorResult(advantages=torch.zeros(4), extra_rows=rows, extra_advantages=extra)
-        advantages, got_rows, got_extra = _check_estimate(result, num_rows=4, width=5)
+        advantages, got_rows, got_extra = check_estimate(result, num_rows=4, width=5)
         assert got_rows == rows and got_extra is extra
 
 

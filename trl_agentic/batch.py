@@ -149,7 +149,7 @@ def counted_rows(batch: dict) -> torch.Tensor:
     return counted.bool()
 
 
-def _check_estimate(result, num_rows: int, width: int):
+def check_estimate(result, num_rows: int, width: int):
     """What an advantage estimator returned, checked: `(advantages, extra rows, their advantages)`."""
     if isinstance(result, EstimatorResult):
         advantages, rows, extra = result.advantages, list(result.extra_rows), result.extra_advantages
@@ -417,7 +417,7 @@ class BatchAugmenter:
                 result = output["advantages"]
             else:
                 result = t.advantage_estimator(estimator_batch, t)
-            result, est_rows, est_adv = _check_estimate(
+            result, est_rows, est_adv = check_estimate(
                 result, batch["prompt_ids"].size(0), batch["completion_ids"].size(1)
             )
             if est_rows:
@@ -578,7 +578,7 @@ class BatchAugmenter:
         """Append rows created by the advantage estimator (members of their parent's group) with their advantages."""
         if not rows:
             return self._append_rows(batch, rows, device)  # only joins the other processes' forward passes
-        parents = torch.tensor([r.parent for r in rows], device=device)  # in range: `_check_estimate`
+        parents = torch.tensor([r.parent for r in rows], device=device)  # in range: `check_estimate`
         group_id, row_kind = batch["group_id"], batch["row_kind"]
         episode_id, segment_index, counted = batch["episode_id"], batch["segment_index"], batch["counted_row"]
         old = batch["advantages"]

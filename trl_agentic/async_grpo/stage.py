@@ -36,7 +36,7 @@ import time
 import numpy as np
 import torch
 
-from ..estimators import EstimatorResult
+from ..batch import check_estimate
 from ..rollout.types import RowKind
 from .compat import trainer_module
 from .rows import advantage_batch, baseline_mask, clamp_negatives, row_from_tokens
@@ -323,11 +323,9 @@ def estimate_group(group: list, estimator, host: EstimatorHost) -> list:
         # rows before `Trainer` puts the model in training mode (a full model comes from `from_pretrained` in eval
         # mode), and an estimator may take eval mode for an evaluation batch (RLVCR then returns episode advantages).
         model.train()
-    result = estimator(batch, host)
-    if isinstance(result, EstimatorResult):
-        advantages, extra, extra_adv = result.advantages, list(result.extra_rows), result.extra_advantages
-    else:
-        advantages, extra, extra_adv = result, [], None
+    # Checked as the synchronous trainer checks it: a wrong shape, or an added row's parent out of range (a negative
+    # index would silently pick another row), is an error naming what the estimator returned.
+    advantages, extra, extra_adv = check_estimate(estimator(batch, host), len(group), batch.completion_ids.size(1))
     advantages = clamp_negatives(advantages.detach().float().cpu(), kinds)
     for k, s in enumerate(group):
         s.advantage = _row_advantage(advantages[k], batch.prompt_ids.size(1), batch.prompt_mask[k], s)
