@@ -241,6 +241,25 @@ def test_tracin_selects_a_micro_batch_at_the_weights_it_trains_with(tiny_model_d
         assert all(torch.equal(a, b) for a, b in zip(scored, trained))
     assert not all(torch.equal(a, b) for a, b in zip(seen["loss"][0][1], seen["loss"][1][1]))  # a step moved them
 
+    # No row selected (`tracin_min_selected=0`): the micro-batches are not trained at all, so the adapter does not move
+    # (no gradient, and no optimizer update of momentum or weight decay either).
+    seen["select"].clear(), seen["loss"].clear()
+
+    def select_none(self, samples):
+        seen["select"].append(state(self.trainer))
+        return torch.zeros(len(samples), dtype=torch.bool)
+
+    monkeypatch.setattr(AsyncTracIn, "select", select_none)
+    extra = dict(tracin_enabled=True, tracin_min_selected=0, weight_decay=0.1)
+    samples = _samples(agentic=True)
+    out = _train(
+        AsyncAgenticGRPOTrainer, AsyncAgenticGRPOConfig, tiny_model_dir, tmp_path / "none", kwargs, samples, **extra
+    )
+    assert seen["loss"] == [] and [s[0] for s in seen["select"]] == [0, 1]  # TRL's loss never ran
+    first = seen["select"][0][1]
+    final = list(out[2].values())
+    assert len(first) == len(final) and all(torch.equal(a, b) for a, b in zip(first, final))
+
 
 @pytest.mark.parametrize("token_level", [False, True])
 def test_pack_with_token_advantages_matches_a_plain_loop(token_level):

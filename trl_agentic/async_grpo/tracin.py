@@ -33,8 +33,12 @@ step early, at the previous weights.
    another micro-batch (TRL's weighting of micro-batches, here uneven because the selection is).
 4. Training: the rejected rows' loss terms are dropped from the packed micro-batch (`token_index` -1) and TRL's
    normaliser (`global_n_tokens`) counts the selected rows' terms only: training on it is training on the selected rows
-   alone (the rejected rows' tokens stay in the forward as context of nothing but themselves). With no row selected,
-   every advantage is set to 0: the loss and its gradient are exactly 0.
+   alone (the rejected rows' tokens stay in the forward as context of nothing but themselves; an MoE router's
+   auxiliary loss, which TRL adds over the whole forward, still covers them). With no row selected the micro-batch is
+   not trained at all: no forward, no gradient, no trained tokens counted (under DeepSpeed, which counts micro-batches
+   in its backward, its advantages are set to 0 instead). TRL's collator metrics (`sample/trained_tokens_mean`,
+   `batch/masked_token_frac`) describe the micro-batch as collated, before the filter; `batch/trained_tokens_per_step`
+   and `tracin/*` describe it after.
 
 Gradient checkpointing (on by default in `AsyncGRPOConfig`): the hooks follow non-reentrant checkpointing (a
 region's LoRA inputs are taken from its recompute in the backward, `LoraGhostHooks`), so the scoring forward and V's
@@ -234,12 +238,14 @@ class AsyncTracIn:
         self._pending[self._collated] = [s for row in rows for s in row.samples]
         return {"tracin_batch": torch.tensor([self._collated])}
 
-    def apply(self, inputs: dict) -> dict:
+    def apply(self, inputs: dict, *, can_skip: bool = True) -> dict | None:
         """When TRL trains the packed micro-batch `inputs` (`training_step`, before its forward): score its rows at
         the current weights (refreshing V first when due), select, and drop the rejected rows' loss terms
         (`token_index` -1), with `global_n_tokens`, TRL's normaliser, counting the selected rows' terms only: the
-        loss TRL then computes is the one of the selected rows alone. With none selected, every advantage is 0: a
-        loss of exactly 0 (TRL's forward needs a term)."""
+        loss TRL then computes is the one of the selected rows alone. With no term selected, `None`: nothing to
+        train, so no forward and no gradient (an MoE router's auxiliary loss included); when the step cannot be
+        skipped (`can_skip=False`: DeepSpeed counts its micro-batches in its backward), every advantage is set to 0
+        instead, a policy loss of exactly 0."""
         batch = int(inputs.pop("tracin_batch")[0])
         samples = self._pending.pop(batch)
         for stale in [k for k in self._pending if k < batch]:  # collated, never trained (an earlier `train()`)
@@ -249,10 +255,12 @@ class AsyncTracIn:
         rejected = terms & ~selected[inputs["segment_id"]]
         kept = int((terms & ~rejected).sum())
         if kept == 0:
+            if can_skip:
+                return None
             inputs["advantages"] = torch.zeros_like(inputs["advantages"])
-        else:
-            inputs["token_index"] = inputs["token_index"].masked_fill(rejected, -1)
-            inputs["global_n_tokens"] = torch.full_like(inputs["global_n_tokens"], float(kept))
+            return inputs
+        inputs["token_index"] = inputs["token_index"].masked_fill(rejected, -1)
+        inputs["global_n_tokens"] = torch.full_like(inputs["global_n_tokens"], float(kept))
         return inputs
 
     def select(self, samples: list[dict]) -> torch.Tensor:

@@ -13,7 +13,8 @@ feature off). With a feature on:
 - the main process reads the worker's queue through `stage.AgenticRolloutQueue` (staleness per row kind; the
   estimator stage for `advantage_estimator != "grpo"`), and packs rows with per-token advantages when an estimator
   gives them;
-- `tracin_enabled` filters each micro-batch's rows by their TracIn score before packing (`tracin.AsyncTracIn`).
+- `tracin_enabled` filters each micro-batch's rows by their TracIn score when TRL trains it (`training_step`,
+  `tracin.AsyncTracIn`).
 
 Adapter names stay TRL's versioned names, `{lora_name}-v{N}` with a new `N` at every sync (vLLM #42125: an adapter
 reloaded under the same name would reuse the old adapter's cached prefix blocks); `lora_name` is
@@ -27,6 +28,7 @@ import collections
 import os
 import uuid
 
+import torch
 from transformers.utils import logging
 
 from ..envs.protocol import check_checkpointable, has_user_turns
@@ -303,7 +305,10 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
         """TRL's, after the TracIn filter (`tracin.AsyncTracIn.apply`): it runs here, at the weights the micro-batch
         trains with, not when it is collated (accelerate collates the next micro-batch before this one trains)."""
         if getattr(self, "_tracin", None) is not None and "tracin_batch" in inputs:
-            inputs = self._tracin.apply(inputs)
+            inputs = self._tracin.apply(inputs, can_skip=not self.is_deepspeed_enabled)
+            if inputs is None:  # no row selected: nothing trained, as TRL would count a micro-batch read
+                self._step_microbatches += 1
+                return torch.zeros((), device=self.args.device)
         return super().training_step(model, inputs, num_items_in_batch)
 
     def train(self, *args, **kwargs):
