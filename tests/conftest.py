@@ -63,6 +63,20 @@ def tiny_tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+@pytest.fixture
+def event_loop_thread():
+    """An event loop running in a daemon thread, as TRL runs the async tools' loop."""
+    import asyncio
+    import threading
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    loop.thread = thread  # for tests that check the loop survived
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+
+
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected: the positions are among the tests that run
 def pytest_collection_modifyitems(config, items):
     """Put the live tests (`tests/test_live_*.py`, minutes each on the embedded model) at positions 0, 2, 4, ...

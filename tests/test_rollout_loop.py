@@ -667,17 +667,6 @@ def test_a_user_turn_adding_its_own_delete_context_is_refused(tiny_tokenizer):
         run_tools_loop(b, ["Hi.<|im_end|>"], [{"add": env.add}], cfg(enable_context_snapshots=True), envs=[env])
 
 
-@pytest.fixture
-def event_loop_thread():
-    """An event loop running in a daemon thread, as TRL runs the async tools' loop."""
-    import asyncio
-
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-
-
 class AsyncEnv(LedgerEnv):
     async def slow(self, n: int) -> str:
         """

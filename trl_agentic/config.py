@@ -27,6 +27,7 @@ DEFAULT_ROLLBACK_ON_ERRORS = [
 
 # Failures that are not the model's (see `trl_agentic.errors`): retried in place, never trained on.
 DEFAULT_INFRA_ERROR_TYPES = ["InfrastructureError"]
+MAX_TOOL_TIMEOUT = 1e6  # seconds (11.6 days): well inside what a thread join or an event loop accepts
 
 _CHOICES = {
     "rollback_feedback": ("none", "hint"),
@@ -116,7 +117,8 @@ class AgenticGRPOConfig(GRPOConfig):
             Wall-clock limit in seconds of one tool call; a call past it is reported to the model as a `ToolTimeout`
             error (a model error) and its environment is retired: the rollout continues on a fresh instance restored
             to the state before the call, so the abandoned call cannot change it later. `0` (TRL's behaviour)
-            disables the limit.
+            disables the limit; at most `1e6`. An in-process tool that holds the GIL (a catastrophic regular
+            expression, a C extension) cannot be interrupted and returns late; run such code in a sandbox process.
         max_tool_output_chars (`int`, *optional*):
             Tool results (and error messages) longer than this are truncated, with a marker, before they reach the
             model. Unset (TRL's behaviour): no limit.
@@ -596,8 +598,13 @@ class AgenticGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"`max_snapshots_per_episode` must be a non-negative integer, got {self.max_snapshots_per_episode!r}."
             )
-        if self.tool_timeout is None or self.tool_timeout < 0:
-            raise ValueError(f"`tool_timeout` must be >= 0 (0 disables it), got {self.tool_timeout!r}.")
+        # Finite and bounded: threads and event loops refuse a wait past their platform's limit (inf, 1e10), and
+        # NaN compares false to everything, so either would fail every call at run time instead of here.
+        if not isinstance(self.tool_timeout, (int, float)) or not 0 <= self.tool_timeout <= MAX_TOOL_TIMEOUT:
+            raise ValueError(
+                f"`tool_timeout` must be a number of seconds from 0 (no limit) to {MAX_TOOL_TIMEOUT:g}, got "
+                f"{self.tool_timeout!r}."
+            )
         for name in ("rollback_on_errors", "infra_error_types"):
             patterns = getattr(self, name)
             if isinstance(patterns, str):  # a single pattern from the command line

@@ -63,7 +63,13 @@ def checkpoint_env(env: Any) -> Any:
     """
     if _custom_state_methods(env):
         return env._checkpoint()
-    return copy.deepcopy(vars(env))
+    try:
+        return copy.deepcopy(vars(env))
+    except Exception:
+        # State the start-up check could not see (made by `reset` or a tool: a lock, a socket, a file): the same
+        # actionable error, naming the attribute, rather than copy's bare "cannot pickle '_thread.lock' object".
+        check_checkpointable(env)
+        raise
 
 
 def restore_env(env: Any, state: Any) -> None:

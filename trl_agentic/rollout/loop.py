@@ -45,7 +45,7 @@ from typing import Any, Protocol
 from ..envs.protocol import checkpoint_env, has_user_turns, next_user_turn, restore_env
 from ..errors import tool_call_failed
 from .context import DELETE_CONTEXT_TOOL, apply_deletion, delete_context
-from .parsing import parse_tool_calls
+from .parsing import parse_tool_calls, too_deep
 from .tools import PARSE_ERROR, ErrorPolicy, ToolOutcome, failure, gather_async_calls, run_tool_call
 from .types import ExtraRow, LoopResult, LoopStats, RowKind
 
@@ -305,6 +305,18 @@ class AgenticRolloutLoop:
             parsed = parse_tool_calls(self.backend.decode(ids))
             if parsed.errors:  # TRL's parser gave up silently: tell the model what was wrong
                 r.calls, r.parse_errors = parsed.calls, parsed.errors
+        elif r.calls and (self.config.detects_malformed_calls or self.config.enable_context_snapshots):
+            # TRL's parser took them: arguments nested too deep for the copies rollback and deletion make are a
+            # parse error (TRL's own loop, with every feature off, runs them).
+            deep = [too_deep(c) for c in r.calls]
+            if any(deep):
+                r.calls = [c for c, error in zip(r.calls, deep) if not error]
+                r.parse_errors = [error for error in deep if error]
+                # The turn's message (kept in the conversation, copied for negative rows) as our parser gives it.
+                if r.calls:
+                    message["tool_calls"] = r.calls
+                else:
+                    message.pop("tool_calls")
         if r.calls or r.parse_errors:
             r.pending = _TOOLS  # in a cut turn too: TRL runs the calls its parser found (see the module docstring)
             return
@@ -593,8 +605,13 @@ class AgenticRolloutLoop:
         group = self._group_ids[i]
         if cfg.save_negative_samples and self._negatives_per_group.get(group, 0) < cfg.max_negative_samples_per_group:
             # The failed turn alone is trained on (its calls, then its masked error results); the turns before it
-            # are good and also in the regular row, so here they are context: the row's prompt.
+            # are good and also in the regular row, so here they are context: the row's prompt. The error results
+            # come after the last trained token, so they change no gradient: where they do not fit the budgets (a
+            # 200k-character traceback) they are left out, as the regular row would leave them out, rather than
+            # widening the whole batch to them.
             suffix = backend.tool_suffix_ids(tool_messages)
+            if not self._fits(r, suffix):
+                suffix = []
             start = r.turn_start
             self._extra_rows.append(
                 ExtraRow(

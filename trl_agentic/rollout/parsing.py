@@ -14,6 +14,9 @@ OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 # Bound the work on adversarial inputs: a turn with more calls than this is an error, not a parse.
 MAX_CALLS = 32
+# Arguments nested deeper than this are an error: the loop copies calls (negative rows, context deletion) with
+# `copy.deepcopy`, which recurses, and about 500 levels (1 KB of `[[[`) already exceed Python's recursion limit.
+MAX_ARGUMENT_DEPTH = 64
 
 
 @dataclass
@@ -58,7 +61,30 @@ def _parse_block(body: str) -> tuple[dict | None, str | None]:
         args = {}
     if not isinstance(args, dict):
         return None, f'"arguments" of tool {name!r} must be a JSON object, got {type(args).__name__}'
-    return {"type": "function", "function": {"name": name, "arguments": args}}, None
+    call = {"type": "function", "function": {"name": name, "arguments": args}}
+    error = too_deep(call)
+    return (None, error) if error else (call, None)
+
+
+def nesting_depth(value) -> int:
+    """How deeply lists and dicts nest in `value` (a scalar: 0, `{"a": [1]}`: 2), without recursion."""
+    depth, level = 0, [value]
+    while True:
+        containers = [x for x in level if isinstance(x, (list, dict))]
+        if not containers:
+            return depth
+        depth += 1
+        level = [v for x in containers for v in (x.values() if isinstance(x, dict) else x)]
+
+
+def too_deep(call: dict) -> str | None:
+    """The error of a call whose arguments nest deeper than `MAX_ARGUMENT_DEPTH`, else None."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if nesting_depth(arguments) > MAX_ARGUMENT_DEPTH:
+        name = function.get("name")
+        return f'"arguments" of tool {name!r} nest deeper than {MAX_ARGUMENT_DEPTH} levels'
+    return None
 
 
 def parse_tool_calls(text: str) -> ToolCallParse:

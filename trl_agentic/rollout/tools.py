@@ -25,6 +25,46 @@ class ToolTimeout(TimeoutError):
     """A tool did not return within `tool_timeout` seconds (a model error: e.g. arguments that make it compute forever)."""
 
 
+class ToolRaised(Exception):
+    """A tool raised a `BaseException` that is not an `Exception` (`SystemExit` from an `argparse` or `sys.exit`
+    inside it, `KeyboardInterrupt`, `GeneratorExit`, a stray `asyncio.CancelledError`): reported to the model under
+    that exception's type name, never raised in the trainer (where `SystemExit` would end training with status 0)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(_exception_text(error))
+        self.error_type = type(error).__name__
+
+
+def _reportable(error: BaseException) -> Exception:
+    return error if isinstance(error, Exception) else ToolRaised(error)
+
+
+def _exception_text(error: BaseException) -> str:
+    """The message a raised exception is shown with: `str(e)` as TRL shows it (`repr` for a `BaseException` that is not
+    an `Exception`, whose `str` is e.g. an exit code); one whose `__str__` fails still gets a message."""
+    try:
+        return str(error) if isinstance(error, Exception) else repr(error)
+    except Exception as e:  # noqa: BLE001
+        return f"<unprintable {type(error).__name__}: {type(e).__name__}>"
+
+
+class _Raised:
+    """What `_guarded` returns for a coroutine that raised: asyncio re-raises `SystemExit` and `KeyboardInterrupt` out
+    of the event loop, which would end the thread every async tool of the run shares."""
+
+    def __init__(self, error: BaseException):
+        self.error = _reportable(error)
+
+
+async def _guarded(coroutine):
+    try:
+        return await coroutine
+    except asyncio.CancelledError:
+        raise  # the timeout's cancellation
+    except BaseException as e:  # noqa: BLE001 - a tool's failure is reported, never raised in the event loop
+        return _Raised(e)
+
+
 # Model errors of the loop's own making, by type name.
 UNKNOWN_TOOL = "ToolNotFoundError"
 BAD_CALL = "ToolCallError"
@@ -123,7 +163,7 @@ def gather_async_calls(coroutines: list, timeout: float, async_loop: asyncio.Abs
     expired = ToolTimeout(f"tool did not return within {timeout:g} s")
 
     async def run() -> list:
-        tasks = [asyncio.ensure_future(c) for c in coroutines]
+        tasks = [asyncio.ensure_future(_guarded(c)) for c in coroutines]
         _, pending = await asyncio.wait(tasks, timeout=timeout or None)
         for task in pending:
             task.cancel()
@@ -131,12 +171,11 @@ def gather_async_calls(coroutines: list, timeout: float, async_loop: asyncio.Abs
         for task in tasks:
             if task in pending or task.cancelled():
                 results.append(expired)
-            elif task.exception() is not None:
-                error = task.exception()
-                # e.g. a SystemExit raised by a tool: reported, never raised in the trainer
-                results.append(error if isinstance(error, Exception) else RuntimeError(repr(error)))
+            elif task.exception() is not None:  # raised past `_guarded`: cannot happen, reported all the same
+                results.append(_reportable(task.exception()))
             else:
-                results.append(task.result())
+                result = task.result()
+                results.append(result.error if isinstance(result, _Raised) else result)
         return results
 
     future = asyncio.run_coroutine_threadsafe(run(), async_loop)
@@ -163,7 +202,12 @@ def failure(
 
 def _call_with_timeout(fn, kwargs: dict, timeout: float) -> Any:
     if not timeout:
-        return fn(**kwargs)
+        try:
+            return fn(**kwargs)
+        except KeyboardInterrupt:
+            raise  # in the trainer's thread it may be the user's Ctrl-C
+        except BaseException as e:  # noqa: BLE001 - SystemExit and the like: the tool's failure, reported
+            raise _reportable(e) from None
     box: dict[str, Any] = {}
 
     def target():
@@ -180,7 +224,7 @@ def _call_with_timeout(fn, kwargs: dict, timeout: float) -> Any:
     if thread.is_alive():
         raise ToolTimeout(f"tool did not return within {timeout:g} s")
     if "error" in box:
-        raise box["error"]
+        raise _reportable(box["error"])
     return box.get("result")
 
 
@@ -222,27 +266,39 @@ def run_tool_call(
         elif name in async_tools:
             if async_loop is None:
                 raise RuntimeError("no event loop available for async tools")
-            future = asyncio.run_coroutine_threadsafe(async_tools[name](**arguments), async_loop)
+            future = asyncio.run_coroutine_threadsafe(_guarded(async_tools[name](**arguments)), async_loop)
             try:
                 result = future.result(timeout or None)
             except TimeoutError as e:
                 future.cancel()
                 raise ToolTimeout(f"tool did not return within {timeout:g} s") from e
+            if isinstance(result, _Raised):
+                raise result.error
         else:
             return failure(name, UNKNOWN_TOOL, f"Tool {name} not found.", policy)
     except Exception as e:  # noqa: BLE001 - every failure must reach the model as a message
         names = error_type_names(e)
-        outcome = failure(name, names[0], truncate(str(e), max_chars), policy, names)
+        outcome = failure(name, names[0], truncate(printable(_exception_text(e)), max_chars), policy, names)
         outcome.timed_out = isinstance(e, ToolTimeout)
         return outcome
     # The tool returned: a result, whatever it says (TRL's loop does not count it as a failure either).
     if isinstance(result, list):  # content blocks: TRL passes them through as the message's content
         content, cut = truncate_blocks(result, max_chars)
         return ToolOutcome(name=name, content=content, category="ok", truncated=cut)
-    full = result if isinstance(result, str) else _to_text(result)
+    full = printable(result if isinstance(result, str) else _to_text(result))
     outcome = ToolOutcome(name=name, content=truncate(full, max_chars), category="ok")
     outcome.truncated = max_chars is not None and len(full) > max_chars
     return outcome
+
+
+def printable(text: str) -> str:
+    """`text` as a tokenizer can take it: a lone surrogate (a file name decoded with `surrogateescape`, `os.fsdecode`)
+    has no UTF-8 encoding and would crash it, so it is shown escaped (`\\udcff`)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _to_text(result: Any) -> str:

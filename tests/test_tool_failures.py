@@ -1,0 +1,237 @@
+"""Tool failures that are not ordinary exceptions reach the model as messages and never end, hang or crash training.
+
+Each case was found by an adversarial review (2026-12-06) and failed before its fix: `BaseException`s raised by tools
+(sync and async: `SystemExit` from an `argparse` inside a tool ended the process with status 0; one from an async
+tool killed the event loop every async tool of the run shares, so the next call hung), an exception whose `__str__`
+raises, text with a lone surrogate (the tokenizer crashes on it), arguments nested deeper than `copy.deepcopy` can
+recurse, an error result too long for any budget in a negative row, and an environment that cannot be checkpointed
+only after `reset`. Scripted generation (`rollout_helpers.ScriptBackend`) with the tiny model's real tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+from rollout_helpers import LedgerEnv, ScriptBackend, call, run_tools_loop, start
+
+from trl_agentic.config import DEFAULT_INFRA_ERROR_TYPES, DEFAULT_ROLLBACK_ON_ERRORS, AgenticGRPOConfig
+from trl_agentic.errors import render_tool_error
+from trl_agentic.rollout.loop import AgenticRolloutLoop, LoopConfig
+from trl_agentic.rollout.parsing import MAX_ARGUMENT_DEPTH, nesting_depth
+from trl_agentic.rollout.types import RowKind
+
+RAISED = [SystemExit(0), SystemExit(2), GeneratorExit(), asyncio.CancelledError(), KeyboardInterrupt()]
+
+
+def cfg(**overrides) -> LoopConfig:
+    base = dict(rollback_on_errors=list(DEFAULT_ROLLBACK_ON_ERRORS), infra_error_types=list(DEFAULT_INFRA_ERROR_TYPES))
+    return LoopConfig(**{**base, **overrides})
+
+
+def _tool_messages(trl_tuple) -> list[str]:
+    return [m["content"] for m in trl_tuple[1][0] if m["role"] == "tool"]
+
+
+def _raiser(error: BaseException):
+    def boom() -> str:
+        """
+        Fails.
+        """
+        raise error
+
+    return boom
+
+
+@pytest.mark.parametrize("timeout", [0.0, 5.0])
+@pytest.mark.parametrize("error", RAISED, ids=repr)
+def test_a_sync_tool_raising_a_base_exception_is_a_message(tiny_tokenizer, error, timeout):
+    """Reported under its type name, the rollout goes on to its next turn. The one exception: `KeyboardInterrupt` in
+    a call that runs in the trainer's own thread (`tool_timeout=0`), where it may be the user's Ctrl-C."""
+    b = ScriptBackend(tiny_tokenizer, [["Done.<|im_end|>"]])
+    if isinstance(error, KeyboardInterrupt) and not timeout:
+        with pytest.raises(KeyboardInterrupt):
+            run_tools_loop(b, [call("boom")], [{"boom": _raiser(error)}], cfg(tool_timeout=timeout))
+        return
+    _, _, trl_tuple, result = run_tools_loop(b, [call("boom")], [{"boom": _raiser(error)}], cfg(tool_timeout=timeout))
+    assert _tool_messages(trl_tuple) == [render_tool_error(repr(error))]
+    assert trl_tuple[1][0][-1]["content"] == "Done." and result.stats.tool_failures == 1
+
+
+@pytest.mark.parametrize("error", RAISED[:3] + RAISED[4:], ids=repr)
+def test_an_async_tool_raising_a_base_exception_leaves_the_event_loop_running(
+    tiny_tokenizer, event_loop_thread, error
+):
+    """Alone and gathered with another call: reported, and the event loop every async tool shares still runs, so a
+    later call returns (it hung forever with `tool_timeout=0`). asyncio re-raises `SystemExit` and
+    `KeyboardInterrupt` out of the loop; a raised `CancelledError` is the cancellation's own, reported as a timeout."""
+
+    async def fine() -> str:
+        """
+        Returns.
+        """
+        return "fine"
+
+    async def boom() -> str:
+        """
+        Fails.
+        """
+        raise error
+
+    alone = call("boom")
+    together = (
+        '<tool_call>{"name": "boom", "arguments": {}}</tool_call><tool_call>{"name": "fine", "arguments": {}}'
+        "</tool_call><|im_end|>"
+    )
+    for turn, expected in [(alone, [repr(error)]), (together, [repr(error), "fine"])]:
+        b = ScriptBackend(tiny_tokenizer, [["Done.<|im_end|>"]])
+        p, prompt_ids, completion_ids, completions, lps = start(b, [turn])
+        loop = AgenticRolloutLoop(b, cfg(), async_loop=event_loop_thread)
+        trl_tuple, _ = loop.run(
+            p, prompt_ids, completion_ids, completions, lps, [{}], [{"boom": boom, "fine": fine}], None
+        )
+        assert _tool_messages(trl_tuple) == [render_tool_error(expected[0]), *expected[1:]]
+        assert event_loop_thread.thread.is_alive()
+
+
+def test_an_exception_whose_str_raises_is_still_a_message(tiny_tokenizer):
+    class Opaque(Exception):
+        def __str__(self):
+            raise RuntimeError("no text")
+
+    b = ScriptBackend(tiny_tokenizer, [["Done.<|im_end|>"]])
+    _, _, trl_tuple, result = run_tools_loop(b, [call("boom")], [{"boom": _raiser(Opaque())}], cfg())
+    assert _tool_messages(trl_tuple) == [render_tool_error("<unprintable Opaque: RuntimeError>")]
+    assert result.stats.tool_failures == 1
+
+
+def test_a_lone_surrogate_reaches_the_model_escaped(tiny_tokenizer):
+    """A file name decoded with `surrogateescape` in a result, an error and the rollback hint built from it: each is
+    shown with the surrogate escaped (the tokenizer raised on it), in the result's case the text is otherwise kept."""
+
+    def listing() -> str:
+        """
+        Lists.
+        """
+        return "report-\udcff.txt"
+
+    def opening() -> str:
+        """
+        Opens.
+        """
+        raise TypeError("cannot open report-\udcff.txt")
+
+    b = ScriptBackend(tiny_tokenizer, [["Done.<|im_end|>"]])
+    _, _, trl_tuple, _ = run_tools_loop(b, [call("listing")], [{"listing": listing}], cfg())
+    assert _tool_messages(trl_tuple) == ["report-\\udcff.txt"]
+    b = ScriptBackend(tiny_tokenizer, [[call("listing")], ["Done.<|im_end|>"]])
+    config = cfg(enable_tool_rollback=True, rollback_feedback="hint")
+    _, _, trl_tuple, result = run_tools_loop(b, [call("opening")], [{"opening": opening, "listing": listing}], config)
+    assert "cannot open report-\\udcff.txt" in b.decode(b.calls[0][0])  # the hint the regenerated turn read
+    assert result.stats.rollback_attempts == 1
+
+
+class _NoDepthCheckBackend(ScriptBackend):
+    """Parses as TRL's `parse_response` does: any JSON object, however deep (the depth check is the loop's)."""
+
+    def parse(self, ids, prefix, row, tools=None):
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        if "<tool_call>" not in text:
+            return {"role": "assistant", "content": text}
+        body = text.split("<tool_call>")[1].split("</tool_call>")[0]
+        return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": json.loads(body)}]}
+
+
+@pytest.mark.parametrize("backend", [ScriptBackend, _NoDepthCheckBackend])
+@pytest.mark.parametrize("features", ["rollback", "snapshots"])
+def test_arguments_nested_too_deep_to_copy_are_a_parse_error(tiny_tokenizer, backend, features):
+    """600 levels (1.2 KB of `[[[`): a failing call's negative row and a later `delete_context` copy the call
+    recursively, which raised `RecursionError` out of the loop. Deeper than `MAX_ARGUMENT_DEPTH` is a
+    `ToolCallParseError` the model reads, whichever parser found the call; the rollout goes on."""
+    nested = "[" * 600 + "]" * 600
+    deep = '<tool_call>{"name": "add", "arguments": {"n": ' + nested + "}}</tool_call><|im_end|>"
+    env = LedgerEnv()
+    rollback = ["ToolCallParseError", *DEFAULT_ROLLBACK_ON_ERRORS]  # the malformed turn is rolled back and saved
+    config = (
+        cfg(enable_tool_rollback=True, save_negative_samples=True, rollback_on_errors=rollback)
+        if features == "rollback"
+        else cfg(enable_context_snapshots=True, malformed_tool_call_feedback=True)
+    )
+    b = backend(tiny_tokenizer, [[call("add", n=2)], ["Done.<|im_end|>"]])
+    _, _, trl_tuple, result = run_tools_loop(b, [deep], [{"add": env.add}], config, envs=[env])
+    message = f"\"arguments\" of tool 'add' nest deeper than {MAX_ARGUMENT_DEPTH} levels"
+    assert env.log == [2] and trl_tuple[1][0][-1]["content"] == "Done."
+    if features == "rollback":
+        assert [row.kind for row in result.extra_rows] == [RowKind.NEGATIVE]
+        assert result.extra_rows[0].error_messages == [message]
+        assert _tool_messages(trl_tuple) == ["2"]
+    else:
+        assert _tool_messages(trl_tuple) == [render_tool_error(message), "2"]
+
+
+def test_nesting_depth_counts_containers():
+    assert [nesting_depth(v) for v in (1, "x", {}, [], {"a": 1}, {"a": [1]}, [[[]]], {"a": {"b": {"c": [2]}}})] == [
+        0, 0, 1, 1, 1, 2, 3, 4,
+    ]  # fmt: skip
+    deep = []
+    for _ in range(5000):
+        deep = [deep]
+    assert nesting_depth(deep) == 5001  # no recursion
+
+
+def test_a_negative_row_leaves_out_an_error_result_no_budget_could_hold(tiny_tokenizer):
+    """A 200 000-character traceback under `max_completion_length=256`: the regular row leaves the result out (it
+    does not fit), and so does the negative row now; its trained tokens, the failed turn, are the same as with a
+    short error. The result came after the row's last trained token, so no gradient changes."""
+
+    def failing(size: int):
+        def add(n: int) -> str:
+            """
+            Adds.
+
+            Args:
+                n: A number.
+            """
+            raise TypeError("x" * size)
+
+        return add
+
+    rows = {}
+    for size in (10, 200_000):
+        b = ScriptBackend(tiny_tokenizer, [["Done.<|im_end|>"]])
+        b.max_completion_length = 256
+        config = cfg(enable_tool_rollback=True, save_negative_samples=True)
+        _, _, _, result = run_tools_loop(b, [call("add", n=1)], [{"add": failing(size)}], config)
+        (rows[size],) = result.extra_rows
+    short, long = rows[10], rows[200_000]
+    trained = [t for t, m in zip(short.completion_ids, short.tool_mask) if m]
+    assert [t for t, m in zip(long.completion_ids, long.tool_mask) if m] == trained
+    assert len(short.completion_ids) > len(trained)  # the short error is kept, as before
+    assert long.completion_ids == trained and long.prompt_ids == short.prompt_ids
+
+
+class LockAfterReset(LedgerEnv):
+    def reset(self, **kwargs):
+        super().reset(**kwargs)
+        self.lock = threading.Lock()
+
+
+@pytest.mark.parametrize("config", [dict(enable_tool_rollback=True), dict(tool_timeout=5.0)])
+def test_state_that_cannot_be_checkpointed_after_reset_gets_the_actionable_error(tiny_tokenizer, config):
+    """The start-up check sees an environment before `reset`; a lock made in `reset` failed later with copy's bare
+    "cannot pickle '_thread.lock' object". Now the error names the environment, the attribute and the fix."""
+    env = LockAfterReset()
+    env.reset()
+    b = ScriptBackend(tiny_tokenizer, [["Done.<|im_end|>"]])
+    with pytest.raises(TypeError, match=r"LockAfterReset cannot be checkpointed .* attribute 'lock' \(lock\)"):
+        run_tools_loop(b, [call("add", n=1)], [{"add": env.add}], cfg(**config), envs=[env])
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e10, -1.0])
+def test_a_tool_timeout_no_wait_can_take_is_refused_by_the_config(value):
+    """`inf` and `1e10` overflow a thread's join or the event loop's wait, NaN compares false to everything: each
+    failed every tool call at run time (reported to the model as failures). Refused before any model loads."""
+    with pytest.raises(ValueError, match="`tool_timeout` must be a number of seconds from 0"):
+        AgenticGRPOConfig(output_dir="unused", use_cpu=True, tool_timeout=value)
