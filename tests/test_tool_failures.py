@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 
 import pytest
@@ -48,16 +49,41 @@ def _raiser(error: BaseException):
 @pytest.mark.parametrize("timeout", [0.0, 5.0])
 @pytest.mark.parametrize("error", RAISED, ids=repr)
 def test_a_sync_tool_raising_a_base_exception_is_a_message(tiny_tokenizer, error, timeout):
-    """Reported under its type name, the rollout goes on to its next turn. The one exception: `KeyboardInterrupt` in
-    a call that runs in the trainer's own thread (`tool_timeout=0`), where it may be the user's Ctrl-C."""
+    """Reported under its type name, the rollout goes on to its next turn. Except, in a call that runs in the
+    trainer's own thread (`tool_timeout=0`), `SystemExit` and `KeyboardInterrupt`: there they may be the trainer's
+    (a SIGTERM handler's `sys.exit`, Ctrl-C), so they propagate, as in TRL."""
     b = ScriptBackend(tiny_tokenizer, [["Done.<|im_end|>"]])
-    if isinstance(error, KeyboardInterrupt) and not timeout:
-        with pytest.raises(KeyboardInterrupt):
+    if isinstance(error, (SystemExit, KeyboardInterrupt)) and not timeout:
+        with pytest.raises(type(error)):
             run_tools_loop(b, [call("boom")], [{"boom": _raiser(error)}], cfg(tool_timeout=timeout))
         return
     _, _, trl_tuple, result = run_tools_loop(b, [call("boom")], [{"boom": _raiser(error)}], cfg(tool_timeout=timeout))
     assert _tool_messages(trl_tuple) == [render_tool_error(repr(error))]
     assert trl_tuple[1][0][-1]["content"] == "Done." and result.stats.tool_failures == 1
+
+
+def test_a_signal_handlers_system_exit_during_a_tool_call_ends_the_rollout(tiny_tokenizer):
+    """The control of the rule above: a SIGTERM handler that calls `sys.exit` while a tool runs in the trainer's
+    thread is the trainer being stopped (a scheduler's preemption), not a tool failure to show the model."""
+    import os
+    import signal
+
+    def slow() -> str:
+        """
+        Waits for the signal.
+        """
+        os.kill(os.getpid(), signal.SIGUSR1)
+        threading.Event().wait(5)
+        return "not stopped"
+
+    previous = signal.signal(signal.SIGUSR1, lambda *_: sys.exit(143))
+    try:
+        b = ScriptBackend(tiny_tokenizer, [["Done.<|im_end|>"]])
+        with pytest.raises(SystemExit) as stopped:
+            run_tools_loop(b, [call("slow")], [{"slow": slow}], cfg(enable_tool_rollback=True))
+        assert stopped.value.code == 143
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 @pytest.mark.parametrize("error", RAISED[:3] + RAISED[4:], ids=repr)
@@ -131,6 +157,12 @@ def test_a_lone_surrogate_reaches_the_model_escaped(tiny_tokenizer):
     _, _, trl_tuple, result = run_tools_loop(b, [call("opening")], [{"opening": opening, "listing": listing}], config)
     assert "cannot open report-\\udcff.txt" in b.decode(b.calls[0][0])  # the hint the regenerated turn read
     assert result.stats.rollback_attempts == 1
+    # A model can write one itself: `"ad\\udcffd"` in JSON is a lone surrogate in the name of an unknown tool.
+    unknown = '<tool_call>{"name": "ad\\udcffd", "arguments": {}}</tool_call><|im_end|>'
+    b = ScriptBackend(tiny_tokenizer, [[call("listing")], ["Done.<|im_end|>"]])
+    config = cfg(enable_tool_rollback=True, rollback_feedback="hint", rollback_on_errors=["ToolNotFoundError"])
+    _, _, trl_tuple, result = run_tools_loop(b, [unknown], [{"listing": listing}], config)
+    assert "Tool ad\\udcffd not found." in b.decode(b.calls[0][0]) and result.stats.rollback_attempts == 1
 
 
 class _NoDepthCheckBackend(ScriptBackend):
@@ -145,20 +177,21 @@ class _NoDepthCheckBackend(ScriptBackend):
 
 
 @pytest.mark.parametrize("backend", [ScriptBackend, _NoDepthCheckBackend])
-@pytest.mark.parametrize("features", ["rollback", "snapshots"])
+@pytest.mark.parametrize("features", ["rollback", "snapshots", "tool_timeout"])
 def test_arguments_nested_too_deep_to_copy_are_a_parse_error(tiny_tokenizer, backend, features):
-    """600 levels (1.2 KB of `[[[`): a failing call's negative row and a later `delete_context` copy the call
-    recursively, which raised `RecursionError` out of the loop. Deeper than `MAX_ARGUMENT_DEPTH` is a
-    `ToolCallParseError` the model reads, whichever parser found the call; the rollout goes on."""
+    """600 levels (1.2 KB of `[[[`): a failing call's negative row, a later `delete_context` and the checkpoint of an
+    environment that keeps its arguments copy the call recursively, which raised `RecursionError` out of the loop.
+    Deeper than `MAX_ARGUMENT_DEPTH` is a `ToolCallParseError` the model reads, whichever parser found the call; the
+    rollout goes on."""
     nested = "[" * 600 + "]" * 600
     deep = '<tool_call>{"name": "add", "arguments": {"n": ' + nested + "}}</tool_call><|im_end|>"
     env = LedgerEnv()
     rollback = ["ToolCallParseError", *DEFAULT_ROLLBACK_ON_ERRORS]  # the malformed turn is rolled back and saved
-    config = (
-        cfg(enable_tool_rollback=True, save_negative_samples=True, rollback_on_errors=rollback)
-        if features == "rollback"
-        else cfg(enable_context_snapshots=True, malformed_tool_call_feedback=True)
-    )
+    config = {
+        "rollback": cfg(enable_tool_rollback=True, save_negative_samples=True, rollback_on_errors=rollback),
+        "snapshots": cfg(enable_context_snapshots=True),
+        "tool_timeout": cfg(tool_timeout=5.0),  # checkpoints the environment, whose log would keep the arguments
+    }[features]
     b = backend(tiny_tokenizer, [[call("add", n=2)], ["Done.<|im_end|>"]])
     _, _, trl_tuple, result = run_tools_loop(b, [deep], [{"add": env.add}], config, envs=[env])
     message = f"\"arguments\" of tool 'add' nest deeper than {MAX_ARGUMENT_DEPTH} levels"
@@ -169,6 +202,20 @@ def test_arguments_nested_too_deep_to_copy_are_a_parse_error(tiny_tokenizer, bac
         assert _tool_messages(trl_tuple) == ["2"]
     else:
         assert _tool_messages(trl_tuple) == [render_tool_error(message), "2"]
+
+
+def test_a_cut_turns_deep_call_runs_as_in_trl(tiny_tokenizer):
+    """A turn cut by the budget is never rolled back, saved or snapshotted, so nothing copies its calls: they run,
+    as TRL runs a cut turn's calls, however deep."""
+    nested = "[" * 100 + "]" * 100
+    cut = '<tool_call>{"name": "add", "arguments": {"n": ' + nested + "}}</tool_call>"  # no end of turn
+    env = LedgerEnv()
+    b = ScriptBackend(tiny_tokenizer, [])
+    config = cfg(enable_tool_rollback=True, save_negative_samples=True)
+    _, _, trl_tuple, result = run_tools_loop(b, [cut], [{"add": env.add}], config, envs=[env])
+    assert len(env.log) == 1 and nesting_depth(env.log[0]) == 100  # the call ran
+    assert result.stats.malformed_calls == 0 and result.extra_rows == []
+    assert trl_tuple[1][0][0]["tool_calls"][0]["function"]["name"] == "add"
 
 
 def test_nesting_depth_counts_containers():
@@ -229,7 +276,7 @@ def test_state_that_cannot_be_checkpointed_after_reset_gets_the_actionable_error
         run_tools_loop(b, [call("add", n=1)], [{"add": env.add}], cfg(**config), envs=[env])
 
 
-@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e10, -1.0])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e10, -1.0, True])
 def test_a_tool_timeout_no_wait_can_take_is_refused_by_the_config(value):
     """`inf` and `1e10` overflow a thread's join or the event loop's wait, NaN compares false to everything: each
     failed every tool call at run time (reported to the model as failures). Refused before any model loads."""

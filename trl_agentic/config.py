@@ -117,8 +117,11 @@ class AgenticGRPOConfig(GRPOConfig):
             Wall-clock limit in seconds of one tool call; a call past it is reported to the model as a `ToolTimeout`
             error (a model error) and its environment is retired: the rollout continues on a fresh instance restored
             to the state before the call, so the abandoned call cannot change it later. `0` (TRL's behaviour)
-            disables the limit; at most `1e6`. An in-process tool that holds the GIL (a catastrophic regular
-            expression, a C extension) cannot be interrupted and returns late; run such code in a sandbox process.
+            disables the limit; at most `1e6`. With a limit, a sync tool runs in a thread of its own, where a
+            `SystemExit` it raises (an `argparse` on bad input) is reported like any error; without, it runs in the
+            trainer's thread and `SystemExit` ends training, as in TRL. An in-process tool that holds the GIL (a
+            catastrophic regular expression, a C extension) cannot be interrupted and returns late; run such code in
+            a sandbox process.
         max_tool_output_chars (`int`, *optional*):
             Tool results (and error messages) longer than this are truncated, with a marker, before they reach the
             model. Unset (TRL's behaviour): no limit.
@@ -600,10 +603,11 @@ class AgenticGRPOConfig(GRPOConfig):
             )
         # Finite and bounded: threads and event loops refuse a wait past their platform's limit (inf, 1e10), and
         # NaN compares false to everything, so either would fail every call at run time instead of here.
-        if not isinstance(self.tool_timeout, (int, float)) or not 0 <= self.tool_timeout <= MAX_TOOL_TIMEOUT:
+        timeout = self.tool_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= MAX_TOOL_TIMEOUT:
             raise ValueError(
-                f"`tool_timeout` must be a number of seconds from 0 (no limit) to {MAX_TOOL_TIMEOUT:g}, got "
-                f"{self.tool_timeout!r}."
+                f"`tool_timeout` must be a number of seconds from 0 (no limit) to {MAX_TOOL_TIMEOUT:.0f}, got "
+                f"{timeout!r}."
             )
         for name in ("rollback_on_errors", "infra_error_types"):
             patterns = getattr(self, name)

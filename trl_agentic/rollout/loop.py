@@ -305,18 +305,17 @@ class AgenticRolloutLoop:
             parsed = parse_tool_calls(self.backend.decode(ids))
             if parsed.errors:  # TRL's parser gave up silently: tell the model what was wrong
                 r.calls, r.parse_errors = parsed.calls, parsed.errors
-        elif r.calls and (self.config.detects_malformed_calls or self.config.enable_context_snapshots):
-            # TRL's parser took them: arguments nested too deep for the copies rollback and deletion make are a
-            # parse error (TRL's own loop, with every feature off, runs them).
-            deep = [too_deep(c) for c in r.calls]
-            if any(deep):
-                r.calls = [c for c, error in zip(r.calls, deep) if not error]
-                r.parse_errors = [error for error in deep if error]
-                # The turn's message (kept in the conversation, copied for negative rows) as our parser gives it.
+        deep = [too_deep(c) for c in r.calls] if not r.cut else []  # a cut turn's calls run as in TRL, never copied
+        if any(deep):
+            # Arguments nested too deep for the copies this loop makes (negative rows, deletions, checkpoints) are a
+            # parse error the model reads (TRL's own loop, which runs when every feature is off, runs them).
+            r.calls = [c for c, error in zip(r.calls, deep) if not error]
+            r.parse_errors = [*r.parse_errors, *(error for error in deep if error)]
+            if message and "tool_calls" in message:  # the turn as kept in the conversation (copied for negatives)
                 if r.calls:
                     message["tool_calls"] = r.calls
                 else:
-                    message.pop("tool_calls")
+                    del message["tool_calls"]
         if r.calls or r.parse_errors:
             r.pending = _TOOLS  # in a cut turn too: TRL runs the calls its parser found (see the module docstring)
             return

@@ -14,7 +14,8 @@ OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 # Bound the work on adversarial inputs: a turn with more calls than this is an error, not a parse.
 MAX_CALLS = 32
-# Arguments nested deeper than this are an error: the loop copies calls (negative rows, context deletion) with
+# Arguments nested deeper than this are an error of the loop's (`too_deep`; the parser, like TRL's, takes them): it
+# copies calls and the environments that keep them (negative rows, context deletion, checkpoints) with
 # `copy.deepcopy`, which recurses, and about 500 levels (1 KB of `[[[`) already exceed Python's recursion limit.
 MAX_ARGUMENT_DEPTH = 64
 
@@ -61,9 +62,7 @@ def _parse_block(body: str) -> tuple[dict | None, str | None]:
         args = {}
     if not isinstance(args, dict):
         return None, f'"arguments" of tool {name!r} must be a JSON object, got {type(args).__name__}'
-    call = {"type": "function", "function": {"name": name, "arguments": args}}
-    error = too_deep(call)
-    return (None, error) if error else (call, None)
+    return {"type": "function", "function": {"name": name, "arguments": args}}, None
 
 
 def nesting_depth(value) -> int:

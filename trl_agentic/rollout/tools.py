@@ -28,7 +28,9 @@ class ToolTimeout(TimeoutError):
 class ToolRaised(Exception):
     """A tool raised a `BaseException` that is not an `Exception` (`SystemExit` from an `argparse` or `sys.exit`
     inside it, `KeyboardInterrupt`, `GeneratorExit`, a stray `asyncio.CancelledError`): reported to the model under
-    that exception's type name, never raised in the trainer (where `SystemExit` would end training with status 0)."""
+    that exception's type name, not raised in the trainer (where `SystemExit` would end training with status 0). Only
+    where it cannot be the trainer's own: a tool in the trainer's thread (`tool_timeout=0`) lets `SystemExit` and
+    `KeyboardInterrupt` through (`_call_with_timeout`)."""
 
     def __init__(self, error: BaseException):
         super().__init__(_exception_text(error))
@@ -191,8 +193,9 @@ def failure(
     name: str, error_type: str, message: str, policy: ErrorPolicy, names: list[str] | None = None
 ) -> ToolOutcome:
     """The outcome of a failed call: TRL's rendering of `message`, classified by `names` (default `[error_type]`)."""
+    message = printable(message)  # it also feeds the rollback hint, which is tokenized as it is
     return ToolOutcome(
-        name=name,
+        name=printable(name),
         content=render_tool_error(message),
         category=policy.category(names or [error_type]),
         error_type=error_type,
@@ -202,11 +205,13 @@ def failure(
 
 def _call_with_timeout(fn, kwargs: dict, timeout: float) -> Any:
     if not timeout:
+        # In the trainer's own thread a `SystemExit`, `KeyboardInterrupt` or a test timeout may be the trainer's (a
+        # SIGTERM handler calling `sys.exit`, Ctrl-C), not the tool's: they propagate, as in TRL. What a signal never
+        # delivers is the tool's failure. With `tool_timeout` the tool runs in a thread of its own, where any of them
+        # is the tool's and is reported.
         try:
             return fn(**kwargs)
-        except KeyboardInterrupt:
-            raise  # in the trainer's thread it may be the user's Ctrl-C
-        except BaseException as e:  # noqa: BLE001 - SystemExit and the like: the tool's failure, reported
+        except (GeneratorExit, asyncio.CancelledError) as e:
             raise _reportable(e) from None
     box: dict[str, Any] = {}
 
@@ -278,7 +283,7 @@ def run_tool_call(
             return failure(name, UNKNOWN_TOOL, f"Tool {name} not found.", policy)
     except Exception as e:  # noqa: BLE001 - every failure must reach the model as a message
         names = error_type_names(e)
-        outcome = failure(name, names[0], truncate(printable(_exception_text(e)), max_chars), policy, names)
+        outcome = failure(name, names[0], truncate(_exception_text(e), max_chars), policy, names)
         outcome.timed_out = isinstance(e, ToolTimeout)
         return outcome
     # The tool returned: a result, whatever it says (TRL's loop does not count it as a failure either).
