@@ -282,3 +282,18 @@ def test_a_tool_timeout_no_wait_can_take_is_refused_by_the_config(value):
     failed every tool call at run time (reported to the model as failures). Refused before any model loads."""
     with pytest.raises(ValueError, match="`tool_timeout` must be a number of seconds from 0"):
         AgenticGRPOConfig(output_dir="unused", use_cpu=True, tool_timeout=value)
+
+
+def test_a_call_whose_name_is_not_a_string_is_an_unknown_tool():
+    """A response parser may give any JSON value as the name: no crash where names and messages are escaped."""
+    from trl_agentic.rollout.tools import ErrorPolicy, run_tool_call
+
+    outcome = run_tool_call(
+        {"type": "function", "function": {"name": 7, "arguments": {}}},
+        {},
+        {},
+        timeout=0,
+        max_chars=None,
+        policy=ErrorPolicy([], []),
+    )
+    assert outcome.name == 7 and outcome.content == render_tool_error("Tool 7 not found.")

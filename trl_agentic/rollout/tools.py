@@ -298,7 +298,10 @@ def run_tool_call(
 
 def printable(text: str) -> str:
     """`text` as a tokenizer can take it: a lone surrogate (a file name decoded with `surrogateescape`, `os.fsdecode`)
-    has no UTF-8 encoding and would crash it, so it is shown escaped (`\\udcff`)."""
+    has no UTF-8 encoding and would crash it, so it is shown escaped (`\\udcff`). Anything but a string is returned
+    as it is (a parser may give a non-string tool name)."""
+    if not isinstance(text, str):
+        return text
     try:
         text.encode("utf-8")
         return text
