@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +45,7 @@ def _reportable(error: BaseException) -> Exception:
 def _exception_text(error: BaseException) -> str:
     """The message a raised exception is shown with: `str(e)` as TRL shows it (`repr` for a `BaseException` that is not
     an `Exception`, whose `str` is e.g. an exit code); one whose `__str__` fails still gets a message."""
-    try:
-        return str(error) if isinstance(error, Exception) else repr(error)
-    except Exception as e:  # noqa: BLE001
-        return f"<unprintable {type(error).__name__}: {type(e).__name__}>"
+    return _to_text(error, str if isinstance(error, Exception) else repr)
 
 
 class _Raised:
@@ -309,8 +307,8 @@ def printable(text: str) -> str:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _to_text(result: Any) -> str:
+def _to_text(result: Any, render: Callable[[Any], str] = str) -> str:
     try:
-        return str(result)
+        return render(result)
     except Exception as e:  # noqa: BLE001 - a result whose __str__ fails is still reported
         return f"<unprintable {type(result).__name__}: {type(e).__name__}>"
