@@ -22,6 +22,7 @@ from trl_agentic.config import DEFAULT_INFRA_ERROR_TYPES, DEFAULT_ROLLBACK_ON_ER
 from trl_agentic.errors import render_tool_error
 from trl_agentic.rollout.loop import AgenticRolloutLoop, LoopConfig
 from trl_agentic.rollout.parsing import MAX_ARGUMENT_DEPTH, nesting_depth
+from trl_agentic.rollout.tools import truncate, truncate_blocks
 from trl_agentic.rollout.types import RowKind
 
 RAISED = [SystemExit(0), SystemExit(2), GeneratorExit(), asyncio.CancelledError(), KeyboardInterrupt()]
@@ -163,6 +164,19 @@ def test_a_lone_surrogate_reaches_the_model_escaped(tiny_tokenizer):
     config = cfg(enable_tool_rollback=True, rollback_feedback="hint", rollback_on_errors=["ToolNotFoundError"])
     _, _, trl_tuple, result = run_tools_loop(b, [unknown], [{"listing": listing}], config)
     assert "Tool ad\\udcffd not found." in b.decode(b.calls[0][0]) and result.stats.rollback_attempts == 1
+
+
+def test_content_blocks_are_escaped_and_share_the_budget():
+    """Content-block results (TRL passes a list through as the message's content) get the same surrogate escape as a
+    string result, with or without a character budget; blocks without text are left as they are."""
+    image = {"type": "image", "url": "file:///x.png"}
+    blocks = [{"type": "text", "text": "report-\udcff.txt"}, image, {"type": "text", "text": "abcdef"}]
+    assert truncate_blocks(blocks, None) == ([{"type": "text", "text": "report-\\udcff.txt"}, image, blocks[2]], False)
+    out, cut = truncate_blocks(blocks, 20)
+    assert out[0] == {"type": "text", "text": "report-\\udcff.txt"} and out[1] is image
+    assert cut and out[2]["text"] == truncate("abcdef", 20 - len("report-\\udcff.txt"))
+    clean = [{"type": "text", "text": "ok"}]
+    assert truncate_blocks(clean, None)[0] is clean and truncate_blocks(clean, 5) == (clean, False)
 
 
 class _NoDepthCheckBackend(ScriptBackend):

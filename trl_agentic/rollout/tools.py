@@ -126,22 +126,24 @@ def truncate(text: str, max_chars: int | None) -> str:
 
 
 def truncate_blocks(blocks: list, max_chars: int | None) -> tuple[list, bool]:
-    """`truncate` for list content (content blocks): the text blocks share the `max_chars` budget, in order.
+    """`truncate` for list content (content blocks): the text blocks share the `max_chars` budget, in order, and are
+    made `printable`.
 
     Returns:
-        `(blocks, cut)`: the blocks (the input itself when nothing was cut) and whether any text was cut.
+        `(blocks, cut)`: the blocks (the input itself when no text changed) and whether any text was cut.
     """
-    if max_chars is None:
-        return blocks, False
-    out, left, cut = [], max_chars, False
+    out, left, cut, changed = [], max_chars, False, False
     for block in blocks:
         if isinstance(block, dict) and isinstance(block.get("text"), str):
-            text = truncate(block["text"], left)
-            cut = cut or text != block["text"]
-            left = max(0, left - len(text))
+            full = printable(block["text"])
+            text = truncate(full, left)
+            cut = cut or text != full
+            changed = changed or text != block["text"]
+            if left is not None:
+                left = max(0, left - len(text))
             block = {**block, "text": text}
         out.append(block)
-    return (out if cut else blocks), cut
+    return (out if changed else blocks), cut
 
 
 def gather_async_calls(coroutines: list, timeout: float, async_loop: asyncio.AbstractEventLoop | None) -> list:
