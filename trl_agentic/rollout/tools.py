@@ -59,8 +59,10 @@ class _Raised:
 async def _guarded(coroutine):
     try:
         return await coroutine
-    except asyncio.CancelledError:
-        raise  # the timeout's cancellation
+    except asyncio.CancelledError as e:
+        if asyncio.current_task().cancelling():
+            raise  # the timeout's cancellation
+        return _Raised(e)  # the tool's own, alone or gathered: an error like any other, not a timeout
     except BaseException as e:  # noqa: BLE001 - a tool's failure is reported, never raised in the event loop
         return _Raised(e)
 
