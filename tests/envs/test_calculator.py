@@ -31,6 +31,8 @@ from trl_agentic.envs.calculator import (
         ("-7 % 3", "2"),
         ("2 ** 10", "1024"),
         ("2 ** -1", "0.5"),
+        ("2 ** -100000", "0"),  # a negative exponent gives a float, which underflows: not "too large"
+        ("(-3) ** -3", "-0.037037037037"),
         ("-(3 - 5)", "2"),
         ("+4", "4"),
         ("1.5 * 4", "6"),

@@ -56,9 +56,10 @@ def _evaluate_node(node: ast.AST) -> int | float:
         left, right = _evaluate_node(node.left), _evaluate_node(node.right)
         if operator_type is ast.Pow:
             # Check before computing: 2 ** 10 ** 10 must fail instantly, not after minutes of work. The result has
-            # at least (bits(left) - 1) * right bits; float powers are O(1) and overflow on their own.
+            # at least (bits(left) - 1) * right bits; a negative exponent gives a float, and float powers are O(1) and
+            # overflow (or underflow to 0.0) on their own.
             if isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
-                if (abs(left).bit_length() - 1) * abs(right) > _MAX_BITS:
+                if right > 0 and (abs(left).bit_length() - 1) * right > _MAX_BITS:
                     raise ValueError(f"Result too large (more than {_MAX_BITS} bits).")
         if operator_type in (ast.Div, ast.FloorDiv, ast.Mod) and right == 0:
             raise ZeroDivisionError("division by zero")
