@@ -112,6 +112,21 @@ def test_scores_are_row_loss_gradients_dotted_with_v(tiny_model_dir):
     assert (expected > 0).any() and (expected < 0).any()  # both signs: the selection below is not trivial
 
 
+def test_scores_divide_by_the_accumulation_trl_trains_with(tiny_model_dir):
+    """TRL divides a micro-batch's loss by `current_gradient_accumulation_steps` (the training loop's count, which the
+    last window of an epoch can make smaller than the configured one): the scores are on that gradient's scale."""
+    from trl_agentic.async_grpo.tracin import AsyncTracIn
+
+    model = lora_model(tiny_model_dir)
+    samples = _samples()
+    stub = _stub(model)  # gradient_accumulation_steps=2 configured
+    tracin = AsyncTracIn.__new__(AsyncTracIn)
+    tracin.trainer, tracin.direction = stub, _direction(model)
+    configured = tracin.scores(samples).double()
+    stub.current_gradient_accumulation_steps = 3
+    torch.testing.assert_close(tracin.scores(samples).double(), configured * 2 / 3, rtol=1e-6, atol=1e-12)
+
+
 def _collate(samples, tracin):
     """The micro-batch as the trainer collates it: TRL's planner row and collator, our packing and the filter's tag."""
     from trl_agentic.async_grpo.compat import trainer_module

@@ -310,7 +310,10 @@ class AsyncTracIn:
                 losses, tokens = async_row_losses(
                     model, samples, temperature=t.temperature, epsilon_low=t.epsilon_low, epsilon_high=t.epsilon_high
                 )
-                loss = losses.sum() / tokens.clamp(min=1.0) / t.args.gradient_accumulation_steps
+                # TRL's divisor (`current_gradient_accumulation_steps`, set by the training loop; the configured
+                # value before the first step), so scores are on the scale of the gradient trained with.
+                accumulation = getattr(t, "current_gradient_accumulation_steps", t.args.gradient_accumulation_steps)
+                loss = losses.sum() / tokens.clamp(min=1.0) / accumulation
             return hooks.score_rows(loss, self.direction)
 
     # ----------------------------------------------------------------------------------------------- validation
