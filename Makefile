@@ -93,11 +93,11 @@ VLLM_XDIST ?= -n 2 --dist load
 # shown if it fails.
 test: install install-browser install-tcmalloc
 	@log=$$(mktemp); ( $(MAKE) --no-print-directory install-vllm > $$log 2>&1 ) & vllm=$$!; \
-	$(BIN)/python -m pytest -q -m "not slow and not distributed and not vllm" -p no:cacheprovider $(XDIST); fast=$$?; \
+	$(BIN)/python -m pytest -q -m "not slow and not distributed and not vllm" -p no:cacheprovider $(XDIST) --durations=15; fast=$$?; \
 	if ! wait $$vllm; then cat $$log; rm -f $$log; echo "make install-vllm failed"; exit 1; fi; \
 	rm -f $$log; exit $$fast
 	$(TCMALLOC_PRELOAD) $(BIN)/python -m pytest -q -m "(slow or distributed) and not vllm" -p no:cacheprovider $(XDIST) --durations=30
-	$(VLLM_BIN)/python -m pytest -q -m vllm -p no:cacheprovider $(VLLM_XDIST)
+	$(VLLM_BIN)/python -m pytest -q -m vllm -p no:cacheprovider $(VLLM_XDIST) --durations=10
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not distributed and not vllm" -p no:cacheprovider $(XDIST)
