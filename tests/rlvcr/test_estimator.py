@@ -37,6 +37,7 @@ A_PAIR = 0.5 / (math.sqrt(0.5) + 1e-4)  # GRPO advantage of rewards (1, 0) in a 
 # Confidence of each action under each level (level -> c).
 CONF = {
     "look": {1: 0.2, 2: 0.5, 3: 0.8, 4: 0.5},
+    '"look"': {1: 0.3, 2: 0.7, 3: 0.4, 4: 0.6},
     "take apple": {1: 0.9, 2: 0.3, 3: 0.6, 4: 0.3},
     "wait": {1: 0.4, 2: 0.4, 3: 0.4, 4: 0.4},
     "x": {1: 0.5, 2: 0.5, 3: 0.5, 4: 0.5},
@@ -285,20 +286,70 @@ def test_find_steps_custom_tags_tool_call_action(tiny_tokenizer):
     assert tiny_tokenizer.decode(ids[steps[0].action_start : steps[0].action_end]) == call
 
 
-def test_action_token_straddling_a_tag_is_left_out():
-    vocab = {1: "<level>2</level>", 2: "<think>x</think>", 3: "<action>lo", 4: "ok", 5: "</action>"}
+def test_an_action_token_that_begins_in_the_open_tag_is_an_action_token():
+    vocab = {1: "<level>2</level>", 2: "<think>x</think>\n", 3: "<action>lo", 4: "ok", 5: "</action>"}
 
     def decode(ids):
         return "".join(vocab[i] for i in ids)
 
     steps = find_steps([1, 2, 3, 4, 5], [1] * 5, [1] * 5, decode, DEFAULT_TAGS)
-    assert (steps[0].action_start, steps[0].action_end) == (3, 4)  # only "ok": "<action>lo" straddles the tag
-    vocab[3], vocab[4] = "<action>", "look</action>"
+    # "<action>lo" carries the open tag: it is cut from the canonical prefix the step is scored under.
+    assert (steps[0].action_start, steps[0].action_end, steps[0].lead) == (2, 4, "<action>")
+    vocab[2], vocab[3] = "<think>x</think>\n<act", "ion>lo"
+    assert (find_steps([1, 2, 3, 4, 5], [1] * 5, [1] * 5, decode, DEFAULT_TAGS)[0].lead) == "ion>"
+    # Other whitespace before the tag than the canonical "\n": the step's text cannot be kept, so it is not scored.
+    vocab[2], vocab[3] = "<think>x</think>", " <action>lo"
+    steps = find_steps([1, 2, 3, 4, 5], [1] * 5, [1] * 5, decode, DEFAULT_TAGS)
+    assert steps[0].parsed is None and steps[0].error == "action_tokens"
+    # A token that runs into the close tag stays outside (it follows the action, unscored); none left: not scored.
+    vocab[2], vocab[3], vocab[4] = "<think>x</think>\n", "<action>", "look</action>"
     steps = find_steps([1, 2, 3, 4], [1] * 4, [1] * 4, decode, DEFAULT_TAGS)
     assert steps[0].parsed is None and steps[0].error == "action_tokens"
 
 
-# ---- expandable rows ----
+class MergingTokenizer:
+    """Greedy longest match over characters and a few merges, as SmolLM2's BPE writes `<action>"look"` as `<`,
+    `action`, `>"`, ...: the first action token begins in the open tag."""
+
+    special = ["<|pad|>", "<|im_end|>", "<|im_start|>"]
+    pieces = special + ['>"', "action", "<", ">", "\n"] + [chr(c) for c in range(32, 127)]
+    pad_token_id = 0
+
+    def encode(self, text, add_special_tokens=False):
+        ids, i = [], 0
+        while i < len(text):
+            best = max((p for p in self.pieces if text.startswith(p, i)), key=len)
+            ids.append(self.pieces.index(best))
+            i += len(best)
+        return ids
+
+    def decode(self, ids, skip_special_tokens=False):
+        skip = len(self.special) if skip_special_tokens else 0
+        return "".join(self.pieces[i] for i in ids if i >= skip)
+
+
+def test_a_step_whose_first_action_token_begins_in_the_tag_is_scored_and_expanded_with_its_own_text():
+    """The action `"look"` is scored under each level and expanded as the policy wrote it (the first token `>"` was
+    left out of it, and with it the quote: `<action>look"</action>` was scored, and trained in expansion rows)."""
+    tok = MergingTokenizer()
+    own = step(2, "I should look first.", '"look"')
+    batch = make_batch(tok, [[(own, True)], [(STEP_FAIL, True)]], [1.0, 0.0], [0, 0])
+    assert '>"' in [tok.pieces[i] for i in batch.completion_ids[0].tolist()]
+    trainer = FakeTrainer(tok, rlvcr_args(rlvcr_mode="copo", rlvcr_expand=True))
+    result = rlvcr_estimator(batch, trainer)
+    think = {1: LEVEL1_THINK, 2: "I should look first.", 3: ALT[3], 4: ALT[4]}
+    scored = [text for text, _ in trainer.scored]
+    for level in (1, 2, 3, 4):
+        assert PROMPT + render_prefix(level, think[level]) + '"look"</action><|im_end|>' in scored
+    rows = result.extra_rows
+    assert [tok.decode(r.completion_ids) for r in rows] == [
+        render_prefix(level, think[level]) + '"look"</action><|im_end|>' for level in (1, 3, 4)
+    ]
+    assert all(len(r.logprobs) == len(r.completion_ids) for r in rows)
+    # Confidences of the quoted action (the fake scores by the action text): the level-2 step's CoPO weight.
+    n = len(tok.encode(own))
+    advantages = result.advantages[0, :n]
+    assert torch.allclose(advantages, torch.full_like(advantages, A_PAIR * copo_w(CONF['"look"'], 2)), atol=1e-5)
 
 
 def test_expandable_rows_policies(tiny_tokenizer):

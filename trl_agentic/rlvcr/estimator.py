@@ -185,29 +185,34 @@ def model_runs(completion_mask, tool_mask) -> list[tuple[int, int]]:
 
 def locate_action_tokens(
     text: str, offsets: list[tuple[int, int]], parsed: ParsedStep, tags: StepTags
-) -> tuple[int, int] | None:
-    """Token range `[i0, i1)` of the original action of a parsed step.
+) -> tuple[int, int, str] | None:
+    """Token range `[i0, i1)` of the original action of a parsed step, and the text its first token carries before
+    the action block's content.
 
-    The action tokens are the tokens that lie entirely inside the action block's content (between the action open
-    and close tags) and overlap the stripped action text; so a leading-space token (`" look"`) belongs to the action,
-    and a token that straddles a tag and the action does not (then the action is scored without it).
+    The action tokens are the tokens that overlap the stripped action text and end inside the action block's content
+    (between the action open and close tags); so a leading-space token (`" look"`) belongs to the action. A first
+    token may also begin in the open tag (SmolLM2 writes `<action>"look"` as `<`, `action`, `>"`, ...): it is an
+    action token, and the part before the content (`">"`, the *lead*) is cut from the canonical prefix the step is
+    scored and expanded under, so that text is exactly the step's own. A lead that is not the end of the canonical
+    `</think>\n<action>` (other whitespace) cannot be joined that way: no range then. A last token that runs into the
+    close tag stays outside the range (it follows the action as it is, unscored).
 
     Returns:
-        `tuple[int, int] | None`: the range, or `None` when no token qualifies.
+        `tuple[int, int, str] | None`: `(i0, i1, lead)`, or `None` when no token qualifies.
     """
     a0, a1 = parsed.action_span
     content_start = text.rfind(tags.action_open, 0, a0) + len(tags.action_open)
     content_end = text.find(tags.action_close, a1)
     if content_end < 0:
         content_end = len(text)
-    inside = [
-        i
-        for i, (s, e) in enumerate(offsets)
-        if e > s and s >= content_start and e <= content_end and e > a0 and s < a1
-    ]
-    if not inside:
+    overlapping = [i for i, (s, e) in enumerate(offsets) if e > s and e > a0 and s < a1 and e <= content_end]
+    if not overlapping:
         return None
-    return inside[0], inside[-1] + 1
+    first = overlapping[0]
+    lead = text[offsets[first][0] : content_start] if offsets[first][0] < content_start else ""
+    if lead and not f"{tags.think_close}\n{tags.action_open}".endswith(lead):
+        return None
+    return first, overlapping[-1] + 1, lead
 
 
 @dataclass
@@ -231,6 +236,7 @@ class StepInfo:
     error: str | None = None
     action_start: int = -1
     action_end: int = -1
+    lead: str = ""  # the text the first action token carries before the action content (`locate_action_tokens`)
     # Filled for expanded steps, per level 1..4: the thinking text (None when it could not be generated), its token
     # count and the tokens of its canonical prefix.
     thinking: dict = field(default_factory=dict)
@@ -271,7 +277,7 @@ def find_steps(
                 info.error = "action_tokens"
             else:
                 info.parsed = parsed
-                info.action_start, info.action_end = start + span[0], start + span[1]
+                info.action_start, info.action_end, info.lead = start + span[0], start + span[1], span[2]
         steps.append(info)
     return steps
 
@@ -522,7 +528,10 @@ def rlvcr_estimator(batch: AdvantageBatch, trainer) -> Tensor | EstimatorResult:
                 think = s.thinking[level]
                 if think is None:
                     continue
-                prefix = tokenizer.encode(render_prefix(level, think, tags), add_special_tokens=False)
+                canonical = render_prefix(level, think, tags)
+                # Without the lead the first action token carries: prefix + action is the step's own text.
+                canonical = canonical[: len(canonical) - len(s.lead)]
+                prefix = tokenizer.encode(canonical, add_special_tokens=False)
                 s.prefix_ids[level] = prefix
                 s.costs[level] = len(tokenizer.encode(think, add_special_tokens=False))
                 sequences.append(context + prefix + action + rest)
