@@ -123,6 +123,22 @@ def test_copo_weights_matches_plain_python():
         assert got == pytest.approx([e / mean for e in exps], abs=1e-12)
 
 
+def test_copo_weights_stay_finite_for_a_sharp_k():
+    """exp(k * c~) overflows from k ~ 710: the top level's weight was inf / inf = NaN, a NaN advantage in its
+    expansion row. The weights are a softmax times L, computed stably: the limit puts all of the mass on the top."""
+    conf = torch.tensor([[0.2, 0.5, 0.9, 0.4], [0.7, 0.7, 0.7, 0.7]], dtype=torch.float64)
+    for k in (800.0, 1e6, -800.0):
+        w = copo_weights(conf, k=k)
+        assert torch.isfinite(w).all() and torch.allclose(w.mean(dim=-1), torch.ones(2, dtype=torch.float64))
+        close(w[1:], [[1.0] * 4])
+    close(copo_weights(conf, k=800.0)[:1], [[0.0, 0.0, 4.0, 0.0]])
+    close(copo_weights(conf, k=-800.0)[:1], [[4.0, 0.0, 0.0, 0.0]])
+    for k in (1e-3, 2.0, 50.0):  # the same values as the plain formula where it does not overflow
+        c = torch.tensor([0.0, 3 / 7, 1.0, 2 / 7], dtype=torch.float64)
+        plain = torch.exp(k * c) / torch.exp(k * c).mean()
+        assert torch.allclose(copo_weights(conf, k=k)[0], plain, rtol=1e-12, atol=0)
+
+
 # ---- thinking_advantages ----
 
 # c = [0.2, 0.5, 0.9, 0.4], cost = [0, 50, 100, 300], alpha = 0.5, cost_max = 200:

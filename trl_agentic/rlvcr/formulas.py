@@ -124,7 +124,8 @@ def copo_weights(confidence: torch.Tensor, k: float = 2.0) -> torch.Tensor:
     c_norm = torch.where(
         flat, torch.full_like(c, 0.5), (c - c_min) / torch.where(flat, torch.ones_like(c_range), c_range)
     )
-    e = torch.exp(k * c_norm)
+    z = k * c_norm
+    e = torch.exp(z - z.amax(dim=-1, keepdim=True))  # the same ratios; exp(k) overflows from k ~ 710
     w = e / e.mean(dim=-1, keepdim=True)
     w = torch.where(bad_row, torch.ones_like(w), w)
     return w.to(_out_dtype(confidence))
