@@ -613,6 +613,7 @@ def test_thinking_is_capped_and_failed_alternatives_fall_back(tiny_tokenizer):
     assert len(scored) == 3
     assert torch.allclose(adv[0], torch.full_like(adv[0], A_PAIR), atol=1e-5)
     assert trainer._metrics["train"]["rlvcr/failed_alternatives"] == [1]
+    assert trainer._metrics["train"]["rlvcr/expanded_steps"] == [0]  # it fell back: not scored under the 4 levels
 
 
 def test_no_work_anywhere_means_no_generation(tiny_tokenizer):

@@ -610,7 +610,7 @@ def rlvcr_estimator(batch: AdvantageBatch, trainer) -> Tensor | EstimatorResult:
             len(valid),
             *(sum(1 for s in valid if s.parsed.level == level) for level in LEVELS),
             think_tokens,
-            len(items),
+            int(torch.isfinite(confidence).all(dim=-1).sum()),  # scored under every level; not a fallen-back step
             invalid,
             float(finite_conf.sum()) if finite_conf.numel() else 0.0,
             finite_conf.numel(),
