@@ -262,6 +262,48 @@ def test_the_api_never_aliases_the_calls_arguments():
     assert env._apis["TwitterAPI"].tweets[tweet["id"]]["mentions"] == ["@industryexperts", "@technewsworld"]
 
 
+def test_an_argument_name_that_is_code_is_refused_and_never_runs(tmp_path):
+    """The checker `eval`s the recorded call string, as BFCL's own pipeline does with its decoder's strings: a JSON key
+    written as code ran it in the trainer (touched the file). It is now the `TypeError` of an unknown argument, and
+    not recorded."""
+    task = get_task("multi_turn_base_0")
+    env = environment_class(tool_group(task))()
+    env.reset(bfcl_id=task.id)
+    marker = tmp_path / "ran"
+    key = f"file_name=__import__('os').system('touch {marker}') or 'a.txt',content"
+    for name in (key, "class", "a b", "x)"):
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
+            env.touch(**{name: "x"})
+    assert env._turn_calls == [[]]
+    official_verdict(task, [[f"touch({key}='x')"]] + [[] for _ in task.ground_truth[1:]])  # the old recording
+    assert marker.exists()  # the checker itself runs whatever string it is given: only ours are checked
+    marker.unlink()
+    official_verdict(task, env._turn_calls + [[] for _ in task.ground_truth[1:]])
+    assert not marker.exists()
+
+
+def test_a_call_gets_the_argument_values_the_checker_gets():
+    """A `NaN` argument (JSON allows it, Python's literal syntax does not) fails in the environment as in the checker's
+    replay, and the state is the checker's. Natively, it set the fuel level to nan and reported success."""
+    from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
+
+    task = get_task("multi_turn_base_50")
+    assert task.involved_classes == ["VehicleControlAPI"]
+    env = environment_class(tool_group(task))()
+    env.reset(bfcl_id=task.id)
+    with pytest.raises(NameError, match="name 'nan' is not defined"):
+        env.fillFuelTank(fuelAmount=float("nan"))
+    env.fillFuelTank(fuelAmount=2.5)
+    results, instances = multi_turn_utils.execute_multi_turn_func_call(
+        env._turn_calls[0], task.initial_config, task.involved_classes, "test_env_replay", task.id, is_evaL_run=True
+    )
+    for key in [k for k in vars(multi_turn_utils) if k.startswith("test_env_replay_")]:
+        del vars(multi_turn_utils)[key]
+    assert results[0] == "Error during execution: name 'nan' is not defined"
+    fuel = env._apis["VehicleControlAPI"].fuelLevel
+    assert fuel == instances["VehicleControlAPI"].fuelLevel and fuel == fuel  # not nan
+
+
 def test_a_fresh_instance_restored_from_a_checkpoint_continues_the_episode():
     """What the loop does after a timed-out call: a new instance of the class, restored, its tools re-bound by name
     (including a held-out function a user turn added)."""

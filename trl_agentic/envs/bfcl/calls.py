@@ -11,11 +11,44 @@ from __future__ import annotations
 
 import ast
 import inspect
+import keyword
+from collections.abc import Callable
+from typing import Any
 
 
 def format_call(name: str, arguments: dict) -> str:
-    """A structured call as the call string BFCL's decoders produce (and the checker evaluates)."""
+    """A structured call as the call string BFCL's decoders produce (and the checker evaluates).
+
+    Raises:
+        `TypeError`: For an argument name that is not a Python identifier, as Python's own call raises for a name the
+            method does not take. BFCL's decoder pastes names into the string as they are, and the checker `eval`s
+            it: a name such as `x=__import__('os').system(...),y` would run the model's code in the trainer.
+    """
+    for key in arguments:
+        if not (isinstance(key, str) and key.isidentifier() and not keyword.iskeyword(key)):
+            raise TypeError(f"{name}() got an unexpected keyword argument {key!r}")
     return f"{name}({','.join(f'{key}={value!r}' for key, value in arguments.items())})"
+
+
+def run_call(call: str, method: Callable) -> Any:
+    """Run a `format_call` string on the API method with the argument values the checker's `eval` of it gets: fresh
+    objects (the APIs keep argument objects in their state, e.g. a tweet's `mentions` list, which must not alias the
+    conversation's messages), and a `NameError` for a value Python's literal syntax cannot write (JSON's `NaN` is
+    `nan`: the checker, and BFCL's inference, fail the call; natively it set a fuel level to nan and succeeded).
+    Unlike the checker, a method name followed by `(` inside a string argument is not rewritten (BFCL's
+    `_process_method_calls` inserts its instance's name there, which differs between the model's and the ground
+    truth's runs).
+
+    Args:
+        call (`str`): A call string of `format_call` (keyword arguments only).
+        method (`Callable`): The API instance's bound method.
+    """
+    node = ast.parse(call, mode="eval").body
+    values = {
+        keyword_.arg: eval(compile(ast.Expression(keyword_.value), "<call>", "eval"), {"__builtins__": {}})  # noqa: S307
+        for keyword_ in node.keywords
+    }
+    return method(**values)
 
 
 def parse_call(call: str) -> tuple[str, list, dict]:

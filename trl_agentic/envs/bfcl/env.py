@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 
 from ...errors import ToolCallError
 from ..protocol import UserTurn
-from .calls import format_call
+from .calls import format_call, run_call
 from .checker import official_verdict, turn_credit
 from .data import BFCLTask, build_api_instances, function_docs, get_task
 from .schema import make_tool_function
@@ -134,12 +134,9 @@ class BFCLEnv:
         if self._task is None:
             raise RuntimeError("Call reset(bfcl_id=...) before using the tools.")
         # Recorded before running: a call that raises is replayed (and raises) in the checker as well.
-        self._calls[self._turn].append(format_call(name, arguments))
-        method = getattr(self._apis[self._owners[name]], name)
-        # A copy, as the checker's own evaluation of the call string gets fresh values: the APIs keep argument objects
-        # in their state (e.g. a tweet's `mentions` list, extended by a later `mention` call), which must not alias the
-        # arguments of the conversation's messages.
-        result = method(**copy.deepcopy(arguments))
+        call = format_call(name, arguments)
+        self._calls[self._turn].append(call)
+        result = run_call(call, getattr(self._apis[self._owners[name]], name))  # the values the checker's run gets
         if isinstance(result, dict) and set(result) == {"error"} and isinstance(result["error"], str):
             # The API's failure report: raised, so that the loops count it (TRL renders `str({"error": message})`).
             raise ToolCallError(result["error"], error_type=API_ERROR)
