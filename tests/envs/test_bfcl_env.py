@@ -181,6 +181,35 @@ def test_long_context_states_are_loaded_like_the_checker():
     assert len(repr(vars(long_fs))) > 2 * len(repr(vars(short_fs)))
 
 
+def test_a_long_context_episode_and_its_verdicts_leave_later_episodes_as_they_were():
+    """TravelAPI's long-context credit cards are `long_context` module dicts that `_load_scenario` merges by reference:
+    a booking, rolled back, still charged the card of every later episode, and each verdict on it (the checker's
+    replay) charged it again (8200 -> 8000 -> 7800 ...)."""
+    from bfcl_eval.eval_checker.multi_turn_eval.func_source_code import long_context
+
+    task = get_task("multi_turn_long_context_153")
+    assert task.involved_classes == ["TravelAPI"]
+    card = "4567890145678901"
+    official = long_context.CREDIT_CARD_EXTENSION[card]["balance"]
+    env = environment_class(tool_group(task))()
+    env.reset(bfcl_id=task.id)
+    api = env._apis["TravelAPI"]
+    booking = dict(card_id=card, travel_date="2024-12-15", travel_from="SFO", travel_to="LAX", travel_class="economy")
+    before = checkpoint_env(env)
+    assert env.book_flight(access_token=api.access_token, **booking)["booking_status"]
+    assert env._apis["TravelAPI"].credit_card_list[card]["balance"] < official  # charged in this episode
+    restore_env(env, before)
+    conversation = [
+        ["book_flight(access_token='abc123xyz'," + ",".join(f"{k}={v!r}" for k, v in booking.items()) + ")"]
+    ]
+    for _ in range(2):
+        official_verdict(task, conversation + [[] for _ in task.ground_truth[1:]])
+    fresh = environment_class(tool_group(task))()
+    fresh.reset(bfcl_id=task.id)
+    assert fresh._apis["TravelAPI"].credit_card_list[card]["balance"] == official
+    assert long_context.CREDIT_CARD_EXTENSION[card]["balance"] == official
+
+
 # -- rollback on a real API -------------------------------------------------------------------------------------------
 
 

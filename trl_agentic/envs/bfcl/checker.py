@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import threading
 
-from .data import BFCLTask
+from .data import BFCLTask, long_context_module_state_kept
 
 _counter = itertools.count()
 _lock = threading.Lock()
@@ -41,7 +41,10 @@ def _run_checker(task: BFCLTask, turn_calls: list[list[str]], ground_truth: list
     decoded = [[[call] for call in calls] for calls in turn_calls]
     model_name = _unique_model_name()
     try:
-        return multi_turn_checker(decoded, ground_truth, task.test_entry(), task.category, model_name)
+        if not task.long_context:
+            return multi_turn_checker(decoded, ground_truth, task.test_entry(), task.category, model_name)
+        with long_context_module_state_kept():
+            return multi_turn_checker(decoded, ground_truth, task.test_entry(), task.category, model_name)
     finally:
         namespace = vars(multi_turn_utils)
         for key in [k for k in namespace if k.startswith(model_name + "_")]:

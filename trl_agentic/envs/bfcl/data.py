@@ -9,10 +9,12 @@ package's `bfcl_eval.utils` / `bfcl_eval.constants.eval_config` are never import
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -199,5 +201,38 @@ def build_api_instances(task: BFCLTask) -> dict[str, object]:
         if class_name not in STATELESS_CLASSES:
             config = copy.deepcopy(task.initial_config.get(class_name, {}))
             instance._load_scenario(config, long_context=task.long_context)
+            if task.long_context:
+                # `_load_scenario` merges `long_context`'s module-level dicts by reference (TravelAPI's extension
+                # credit cards and bookings): a booking charged the card of every later episode, past a rollback.
+                instance = copy.deepcopy(instance)
         instances[class_name] = instance
     return instances
+
+
+_module_state_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def long_context_module_state_kept():
+    """Restore, on exit, the contents of `bfcl_eval`'s `long_context` module-level lists and dicts, in place (the API
+    modules import them by name). The checker's own instances share them (see `build_api_instances`), so each replay
+    of a long-context conversation charged its bookings to every later episode and verdict. Serialised: the state is
+    global."""
+    from bfcl_eval.eval_checker.multi_turn_eval.func_source_code import long_context
+
+    with _module_state_lock:
+        saved = {
+            name: copy.deepcopy(value)
+            for name, value in vars(long_context).items()
+            if not name.startswith("_") and isinstance(value, (dict, list))
+        }
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                current = getattr(long_context, name)
+                if isinstance(current, dict):
+                    current.clear()
+                    current.update(value)
+                else:
+                    current[:] = value
