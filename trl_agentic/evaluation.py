@@ -84,6 +84,9 @@ class HFGenerationBackend:
             the other unfinished rows, so that a batch does not run at full width until its longest turn ends (a
             sampled batch of 16 often holds one rambling row). Each row samples from the same distribution as in one
             call: a continuation is conditioned on the same tokens. `None` (default): one call per turn.
+        typed_arguments: Type tool-call arguments with the tool's JSON schema, as TRL's response parser does in
+            training (`"7"` becomes `7` for an integer parameter); `False` keeps the model's JSON values, as BFCL runs
+            them.
     """
 
     multi_process = False
@@ -101,10 +104,12 @@ class HFGenerationBackend:
         prefix_caching: bool = True,
         max_turn_tokens: int | None = None,
         chunk_tokens: int | None = None,
+        typed_arguments: bool = True,
     ):
         if chunk_tokens is not None and chunk_tokens < 1:
             raise ValueError(f"`chunk_tokens` must be positive or None, got {chunk_tokens}.")
         self.chunk_tokens = chunk_tokens
+        self.typed_arguments = typed_arguments
         self.model = model
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer)
@@ -204,7 +209,7 @@ class HFGenerationBackend:
 
         tools = list(self.tools_per_row[row]) if tools is None else tools
         self.peak_context[row] = max(self.peak_context.get(row, 0), len(prefix) + len(ids))
-        return parse_response(self.tokenizer, ids, prefix=prefix, tools=tools)
+        return parse_response(self.tokenizer, ids, prefix=prefix, tools=tools if self.typed_arguments else None)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -270,6 +275,7 @@ def evaluate_policy(
     batch_by: str | None = None,
     context_snapshots: bool = False,
     context_stub_text: str = "[deleted]",
+    typed_arguments: bool = True,
 ) -> EvalResult:
     """
     Roll out a policy on held-out problems with the multi-turn tool loop and score it.
@@ -327,6 +333,10 @@ def evaluate_policy(
             with it.
         context_stub_text (`str`, *optional*, defaults to `"[deleted]"`):
             What replaces a deleted message (`context_stub_text` of the training config).
+        typed_arguments (`bool`, *optional*, defaults to `True`):
+            Type tool-call arguments with each tool's JSON schema, as TRL's response parser does in training (`"7"`
+            becomes `7` for an integer parameter). `False` keeps the model's JSON values, as a benchmark that runs
+            them unchanged does (BFCL: `trl_agentic.envs.bfcl.evaluate`).
 
     Returns:
         [`EvalResult`]: The metrics and one record per problem.
@@ -380,6 +390,7 @@ def evaluate_policy(
                 prefix_caching=prefix_caching,
                 max_turn_tokens=max_turn_tokens,
                 chunk_tokens=chunk_tokens,
+                typed_arguments=typed_arguments,
             )
             # A fresh environment after a timed-out call (multi-environment mode: the class of the old one).
             backend.environment_factory = None if isinstance(environment_factory, dict) else environment_factory

@@ -121,3 +121,47 @@ def test_batches_never_mix_environments():
     batches = [[r["k"] for r in chunk] for chunk in _chunks(rows, 2, "environment")]
     assert batches == [[0, 1], [2], [3, 4], [5, 6], [7], [8]]
     assert [[r["k"] for r in c] for c in _chunks(rows, 4, None)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+
+
+def test_bfcl_evaluation_runs_the_models_json_values_untyped(tiny_tokenizer, monkeypatch):
+    """TRL's response parser types arguments with the tool's schema (`"lines": "1"` becomes `1`), as in training;
+    BFCL runs the model's JSON values, so `tail(lines='1')` is the model's error. `trl-agentic eval` parses
+    untyped: its verdicts were lenient on wrongly typed arguments (a review of 2026-12-06: multi_turn_base_40 valid
+    for us, invalid for BFCL)."""
+    from types import SimpleNamespace
+
+    import trl_agentic.evaluation as evaluation
+    from trl_agentic.envs.bfcl.data import get_task
+    from trl_agentic.envs.bfcl.env import environment_class, tool_group
+    from trl_agentic.envs.bfcl.evaluate import evaluate_bfcl
+    from trl_agentic.envs.protocol import tool_methods
+
+    tok = evaluation.with_response_schema(tiny_tokenizer)
+    task = get_task("multi_turn_base_40")
+    env = environment_class(tool_group(task))()
+    env.reset(bfcl_id=task.id)
+    tools = list(tool_methods(env).values())
+    prefix = tok.apply_chat_template(
+        [{"role": "user", "content": "x"}], tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    emitted = {"name": "tail", "arguments": {"file_name": "Q4_summary.doc", "lines": "1"}}
+    ids = tok(f"<tool_call>\n{json.dumps(emitted)}\n</tool_call>{tok.eos_token}", add_special_tokens=False)[
+        "input_ids"
+    ]
+    parsed = {}
+    for typed in (True, False):
+        backend = SimpleNamespace(tokenizer=tok, tools_per_row={0: tools}, peak_context={}, typed_arguments=typed)
+        [call] = evaluation.HFGenerationBackend.parse(backend, ids, prefix, 0)["tool_calls"]
+        parsed[typed] = call["function"]["arguments"]["lines"]
+    assert parsed == {True: 1, False: "1"}  # the typing is real, so leaving it out is what keeps "1"
+
+    seen = {}
+
+    def record(*args, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(evaluation, "evaluate_policy", record)
+    with pytest.raises(RuntimeError, match="recorded"):
+        evaluate_bfcl(None, tok, [{"environment": tool_group(task).name, "bfcl_id": task.id}], progress=False)
+    assert seen["typed_arguments"] is False

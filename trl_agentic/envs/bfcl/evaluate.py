@@ -3,7 +3,8 @@
 `trl-agentic eval --model_name_or_path smollm2-135m [--adapter_path DIR] --categories base miss_param` (see
 [`BFCLEvalArguments`]) rolls the model out on the chosen tasks with the project's multi-turn tool loop
 (`trl_agentic.evaluation.evaluate_policy`: the chat template with the task's tools as TRL renders them, TRL's response
-parser, the environment's user turns) and scores every conversation with the official checker (`reward.bfcl_reward`).
+parser without its typing of arguments by the tools' schemas, as BFCL runs the model's JSON values, the environment's
+user turns) and scores every conversation with the official checker (`reward.bfcl_reward`).
 Accuracy is the share of valid conversations per category, as in BFCL's leaderboard; `turn_credit` is our per-turn
 partial credit (not BFCL's), reported beside `no_call_turn_credit`, what a conversation that never calls a tool gets
 on the same tasks (`checker.no_call_turn_credit`).
@@ -184,6 +185,7 @@ def evaluate_bfcl(
         desc=desc,
         max_turn_tokens=max_turn_tokens,
         batch_by="environment",
+        typed_arguments=False,  # BFCL runs the model's JSON values: `"lines": "1"` is not the integer 1
     )
     tasks = [None] * len(rows)
     for k, row, record in zip(order, ordered, result.records):
