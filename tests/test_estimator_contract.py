@@ -88,3 +88,35 @@ def test_a_bad_parent_stops_at_the_estimator_stage_of_the_trainer(tiny_model_dir
         trainer._generate_and_score_completions(list(dataset))
     assert "_estimate" in [frame.name for frame in info.traceback]
     assert "_append_estimator_rows" not in [frame.name for frame in info.traceback]
+
+
+def test_an_estimator_passed_to_the_trainer_counts_as_one_named_in_the_config(tiny_model_dir, tmp_path):
+    """`advantage_estimator=fn` takes precedence over the config, and is treated like `advantage_estimator="pkg:fn"`:
+    refused with GDPO's `normalize_then_sum` (which keeps TRL's advantages: the callable was silently never called)
+    and with `row_selection`, and `bnpo` weighs tokens equally (its rows may be added: with TRL's per-micro-batch
+    normaliser a sparse micro-batch's tokens weighed twice)."""
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Say hi."}]] * 4})
+
+    def args(**overrides):
+        base = dict(
+            output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4
+        )
+        return AgenticGRPOConfig(**{**base, "num_generations": 4, "max_completion_length": 8, **overrides})
+
+    def build(config, **kwargs):
+        return AgenticGRPOTrainer(
+            model=tiny_model_dir, reward_funcs=[reward, reward], args=config, train_dataset=dataset, **kwargs
+        )
+
+    gdpo = args(multi_objective_aggregation="normalize_then_sum")
+    build(gdpo)  # GDPO alone is TRL's
+    with pytest.raises(ValueError, match="multi_objective_aggregation"):
+        build(gdpo, advantage_estimator=grpo_like)
+    with pytest.raises(ValueError, match="row_selection"):
+        build(args(row_selection="random"), advantage_estimator=grpo_like)
+    assert build(args(loss_type="bnpo"), advantage_estimator=grpo_like)._equal_token_weights
+    assert not build(args(loss_type="bnpo"))._equal_token_weights  # TRL's batch, TRL's normaliser
+
+
+def grpo_like(batch, trainer):
+    return grpo_estimator(batch, trainer)

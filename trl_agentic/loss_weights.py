@@ -70,8 +70,15 @@ class RowWeightedLossMixin:
 
     @property
     def _equal_token_weights(self) -> bool:
-        """Whether batches can differ from TRL's (rows added, dropped or padded): then `bnpo` weighs tokens equally."""
-        return bool(self.args.agentic_features_enabled or getattr(self, "_uses_agentic_loop", False))
+        """Whether batches can differ from TRL's (rows added, dropped or padded): then `bnpo` weighs tokens equally.
+        An estimator passed to the trainer counts as the config's name does (it may add rows)."""
+        from .estimators import grpo_estimator
+
+        return bool(
+            self.args.agentic_features_enabled
+            or getattr(self, "_uses_agentic_loop", False)
+            or getattr(self, "advantage_estimator", grpo_estimator) is not grpo_estimator
+        )
 
     def _compute_loss(self, model, inputs):
         training = self.model.training

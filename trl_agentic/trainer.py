@@ -15,7 +15,7 @@ from trl import GRPOTrainer
 from .batch import BatchAugmenter
 from .config import AgenticGRPOConfig
 from .envs.protocol import check_checkpointable, has_user_turns
-from .estimators import resolve_estimator
+from .estimators import grpo_estimator, resolve_estimator
 from .generation import GenerationMixin
 from .gloo_exit import register_gloo_exit_pause
 from .loss_weights import RowWeightedLossMixin
@@ -160,10 +160,21 @@ class AgenticGRPOTrainer(RowSelectionMixin, GenerationMixin, TracInMixin, RowWei
             from .models import resolve_model_path
 
             model = resolve_model_path(model)
-        if args.agentic_features_enabled and args.multi_objective_aggregation != "sum_then_normalize":
+        # The estimator that runs (a callable passed here takes precedence over the config's name): resolved before
+        # the model loads, and what decides below, not the config's string alone.
+        estimator = resolve_estimator(advantage_estimator or args.advantage_estimator)
+        if (
+            args.agentic_features_enabled or estimator is not grpo_estimator
+        ) and args.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
-                "`multi_objective_aggregation` must be 'sum_then_normalize' when rollback or snapshots are on: "
-                "negative and snapshot rows have a single reward, not one per reward function."
+                "`multi_objective_aggregation` must be 'sum_then_normalize' when rollback, snapshots, TracIn or an "
+                "advantage estimator is on: negative and snapshot rows have a single reward, not one per reward "
+                "function, and an estimator takes the summed rewards (GDPO would keep TRL's advantages, ignoring it)."
+            )
+        if estimator is not grpo_estimator and args.row_selection != "none":
+            raise ValueError(
+                f"`row_selection={args.row_selection!r}` selects among the regular rollouts and sets their advantages: "
+                "it cannot be combined with an advantage estimator (passed as `advantage_estimator=`)."
             )
         # TRL builds its vLLM engine in here; LoRA support must be on from creation (docs/vllm.md).
         with lora_sync_vllm(args.use_vllm and args.vllm_lora_sync):
@@ -186,7 +197,7 @@ class AgenticGRPOTrainer(RowSelectionMixin, GenerationMixin, TracInMixin, RowWei
             if args.enable_tool_rollback or args.tool_timeout or has_user_turns(env):
                 check_checkpointable(env)
         self._uses_agentic_loop = args.uses_agentic_loop or bool(conversations)
-        self.advantage_estimator = resolve_estimator(advantage_estimator or args.advantage_estimator)
+        self.advantage_estimator = estimator
         self._loop_config = LoopConfig.from_args(args)
         self._rng = random.Random(args.seed)
         self._augmenter = BatchAugmenter(self)
