@@ -251,3 +251,36 @@ def test_config_refuses_combinations_and_bad_values(tmp_path):
         )
     with pytest.raises(ValueError, match="row_selection"):
         AgenticGRPOConfig(**base, row_selection="best")
+
+
+def test_keeping_every_row_trains_as_trl_with_masked_truncated_rows(tiny_model_dir, tmp_path):
+    """`row_selection_fraction=1.0` keeps every row, so the step is TRL's. A truncated row masked by
+    `mask_truncated_completions` still counts in the per-row losses' row count, as in TRL (`counted_rows`): the
+    recount dropped the two masked rows of four, which doubled every other row's weight in `grpo`."""
+    texts = ["a<|im_end|>", "bbb<|im_end|>", "cccccccccccc", "dddddddddddd"]  # the last two: cut at 8 tokens
+
+    def scripted(trainer):
+        tok = trainer.processing_class
+
+        def generate(prompt_ids, *args, **kwargs):
+            return [tok.encode(texts[k % 4], add_special_tokens=False) for k in range(len(prompt_ids))], None
+
+        return generate
+
+    settings = dict(
+        per_device_train_batch_size=4, num_generations=4, loss_type="grpo", mask_truncated_completions=True
+    )
+    plain, dataset = _trainer(tiny_model_dir, tmp_path / "plain", **settings)
+    plain._generate_single_turn = scripted(plain)
+    batch = plain._generate_and_score_completions(list(dataset)[:4])
+    assert int((batch["completion_mask"].sum(1) > 0).sum()) == 2  # two rows masked as truncated
+    trainer, _ = _trainer(
+        tiny_model_dir, tmp_path / "all", row_selection="random", row_selection_fraction=1.0, **settings
+    )
+    trainer.model.load_state_dict(plain.model.state_dict())
+    trainer._last_rewards_per_func = plain._last_rewards_per_func
+    selected = trainer._select_rows(dict(batch))
+    assert int(selected["num_rows_in_batch"]) == 4
+    g_plain = _grad(plain, plain._compute_loss(plain.model, batch))
+    assert g_plain.abs().sum() > 0
+    torch.testing.assert_close(_grad(trainer, trainer._compute_loss(trainer.model, selected)), g_plain)

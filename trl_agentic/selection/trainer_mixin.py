@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..advantages import group_advantages
+from ..batch import counted_rows
 from .rules import max_variance_rows, random_rows, successful_rows
 
 
@@ -65,21 +66,22 @@ class RowSelectionMixin:
             groups = torch.arange(len(values), device=dropped.device) // self.num_generations
             advantages = group_advantages(dropped, groups, scale=self.scale_rewards)
             batch = dict(batch, advantages=advantages[start : start + n_local].to(device=device, dtype=torch.float32))
-            return self._recount(_take_rows(batch, mine, n_local))
+            taken = _take_rows(batch, mine, n_local)
+            return self._recount(taken, counted_rows(taken))
         if mode == "successful":
             batch = dict(batch, advantages=mine.to(torch.float32))
         masked = dict(batch)
         tool_mask = batch.get("tool_mask", torch.ones_like(batch["completion_mask"]))
         masked["tool_mask"] = tool_mask * mine.unsqueeze(1).to(tool_mask.dtype)
-        return self._recount(masked)
+        return self._recount(masked, counted_rows(batch) & mine)
 
-    def _recount(self, batch: dict) -> dict:
-        """The trained token and row counts of the selected rows (global), as TracIn recomputes them."""
+    def _recount(self, batch: dict, counted: torch.Tensor) -> dict:
+        """The trained tokens and the counted rows (`counted`: the selected rows `counted_rows` counts, so a selected
+        row that `mask_truncated_completions` masks still counts, as in TRL) over every process, as TracIn does."""
         loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
-        trained = loss_mask.sum(dim=1) > 0
         for key, value in (
             ("num_items_in_batch", self.accelerator.gather(loss_mask.sum()).sum()),
-            ("num_rows_in_batch", self.accelerator.gather(trained.sum()).sum()),
+            ("num_rows_in_batch", self.accelerator.gather(counted.sum()).sum()),
         ):
             old = batch.get(key)
             batch[key] = value if old is None else value.to(device=old.device, dtype=old.dtype).reshape(old.shape)
