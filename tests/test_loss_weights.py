@@ -125,6 +125,25 @@ def test_static_entropy_bonus_with_top_entropy_quantile(tiny_model_dir, tmp_path
     assert _assert_policy_only_rescaled(trainer, padded, off={"_entropy_bonus_enabled": False}) > 1e-4
 
 
+def test_the_entropy_mask_collective_runs_once_whatever_the_factor(tiny_model_dir, tmp_path):
+    """`get_high_entropy_mask` gathers over every process. Recomputing it for a micro-batch whose factor is not 1
+    (here padding: 5/4) ran one collective more there than on a process whose factor is 1: ranks out of step (bnpo's
+    factor depends on each rank's own tokens). TRL's own call is reused."""
+    trainer, padded = _trainer(tiny_model_dir, tmp_path, entropy_coef=0.3, top_entropy_quantile=0.5)
+    calls = []
+    original = trainer.get_high_entropy_mask
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    trainer.get_high_entropy_mask = counted
+    _assert_policy_only_rescaled(trainer, padded, off={"_entropy_bonus_enabled": False})
+    calls.clear()
+    trainer._compute_loss(trainer.model, padded)
+    assert len(calls) == 1 and trainer.get_high_entropy_mask is counted
+
+
 @pytest.fixture(scope="module")
 def tiny_moe_dir(tiny_model_dir, tmp_path_factory):
     """A tiny random Qwen3-MoE with the tiny model's tokenizer; its router's auxiliary loss is on."""

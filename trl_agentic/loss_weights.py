@@ -98,29 +98,32 @@ class RowWeightedLossMixin:
         coef = self.entropy_coef
         if self.use_adaptive_entropy and not self._last_world_entropy <= self.args.entropy_target:
             coef = 0.0  # TRL gates the bonus on the previous window's entropy, read before its update
-        captured = {}
-        had_own = "_get_per_token_logps_and_entropies" in self.__dict__
-        original = self._get_per_token_logps_and_entropies
+        # The high-entropy mask too: `get_high_entropy_mask` gathers over every process, so computing it again here,
+        # where only processes whose factor is not 1 come, would leave the others one collective behind.
+        captured, originals = {}, {}
+        for name in ("_get_per_token_logps_and_entropies", "get_high_entropy_mask"):
+            originals[name] = (name in self.__dict__, getattr(self, name))
 
-        def capture(*args, **kwargs):
-            captured["out"] = original(*args, **kwargs)
-            return captured["out"]
+            def capture(*args, _name=name, _original=originals[name][1], **kwargs):
+                captured[_name] = _original(*args, **kwargs)
+                return captured[_name]
 
-        self._get_per_token_logps_and_entropies = capture
+            setattr(self, name, capture)
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
-            if had_own:
-                self._get_per_token_logps_and_entropies = original
-            else:
-                del self._get_per_token_logps_and_entropies
-        _, entropies, aux_loss = captured["out"]
+            for name, (had_own, original) in originals.items():
+                if had_own:
+                    setattr(self, name, original)
+                else:
+                    delattr(self, name)
+        _, entropies, aux_loss = captured["_get_per_token_logps_and_entropies"]
         accumulation = self.current_gradient_accumulation_steps if training else 1.0
         other = torch.zeros((), dtype=loss.dtype, device=loss.device)
         if self._entropy_bonus_enabled:
             mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
             if self.top_entropy_quantile < 1.0:
-                mask = mask * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+                mask = mask * captured["get_high_entropy_mask"]
             other = other - coef * (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
         if self.aux_loss_enabled:
             other = other + self.router_aux_loss_coef * aux_loss / accumulation
