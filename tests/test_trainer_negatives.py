@@ -348,3 +348,35 @@ def test_a_negative_row_is_never_pushed_up(tiny_model_dir, tiny_tokenizer, tmp_p
     expected = group_advantages(rewards, torch.zeros(5, dtype=torch.long), baseline_mask=in_baseline)
     assert expected[4] > 0
     torch.testing.assert_close(batch["advantages"][regular], expected[:4])
+
+
+def test_the_negative_rows_mean_advantage_is_over_their_trained_tokens(tiny_model_dir, tmp_path):
+    """With token-level advantages (an estimator's, or rows widened for longer extra rows) a row's advantage in the
+    metrics is the mean over its trained tokens, as in the completion logs, not over the padded width (-0.5 here)."""
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Add something."}]] * 4})
+    args = AgenticGRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=64,
+        enable_tool_rollback=True,
+        save_strategy="no",
+    )
+    trainer = AgenticGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=total_reward,
+        environment_factory=CounterEnv,
+        train_dataset=dataset,
+        args=args,
+    )
+    batch = {
+        "row_kind": torch.tensor([RowKind.REGULAR, RowKind.NEGATIVE]),
+        "advantages": torch.tensor([[0.5] * 6, [-1.5, -1.5, 0, 0, 0, 0]]),
+        "completion_mask": torch.tensor([[1] * 6, [1, 1, 0, 0, 0, 0]]),
+        "tool_mask": torch.ones(2, 6, dtype=torch.long),
+    }
+    trainer._augmenter._log_metrics("train", batch, None, torch.tensor([0, 0]), torch.tensor([0, 1]))
+    assert trainer._metrics["train"]["negatives/mean_advantage"][-1] == pytest.approx(-1.5)

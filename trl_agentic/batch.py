@@ -149,6 +149,16 @@ def counted_rows(batch: dict) -> torch.Tensor:
     return counted.bool()
 
 
+def row_advantages(batch: dict) -> torch.Tensor:
+    """Each row's advantage as logs show it: the `(B,)` advantages, or token-level ones averaged over the row's
+    trained tokens (not the padded width: a row's padding and masked tokens hold 0)."""
+    advantages = batch["advantages"].float()
+    if advantages.dim() == 1:
+        return advantages
+    mask = (batch["completion_mask"] * batch.get("tool_mask", 1)).float()
+    return (advantages * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+
 def check_estimate(result, num_rows: int, width: int):
     """What an advantage estimator returned, checked: `(advantages, extra rows, their advantages)`."""
     if isinstance(result, EstimatorResult):
@@ -670,11 +680,7 @@ class BatchAugmenter:
         segment of a rollout that deleted context, and the extra rows (negatives, snapshot segments)."""
         t = self.trainer
         logs = t._logs
-        advantages = batch["advantages"].float()
-        if advantages.dim() == 2:  # token-level: the mean over the row's trained tokens
-            mask = (batch["completion_mask"] * batch.get("tool_mask", 1)).float()
-            advantages = (advantages * mask).sum(1) / mask.sum(1).clamp(min=1.0)
-        values = advantages.tolist()
+        values = row_advantages(batch).tolist()
         starts = (loop_result.segment_starts if loop_result is not None else None) or [0] * num_local
         extras = [
             (e.prompt_messages, e.messages, values[num_local + k], RowKind(e.kind).name.lower())
@@ -717,8 +723,7 @@ class BatchAugmenter:
         t = self.trainer
         metrics = t._metrics[mode]
         device = t.accelerator.device
-        kinds, adv = batch["row_kind"], batch["advantages"]
-        adv_row = adv if adv.dim() == 1 else adv.mean(dim=1)
+        kinds, adv_row = batch["row_kind"], row_advantages(batch)
         negative = kinds == RowKind.NEGATIVE
         stats = loop_result.stats if loop_result is not None else None
         local = torch.tensor(
