@@ -376,6 +376,37 @@ def test_constructor_validates_limits():
         PythonSandboxEnv(without=("seccomp",))
 
 
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("timeout", float("nan")),  # every call a SandboxTimeout (a model error)
+        ("timeout", float("inf")),  # OverflowError at the first call
+        ("timeout", 1e300),
+        ("timeout", True),
+        ("max_cpus", float("nan")),
+        ("replay_timeout_factor", float("inf")),
+        ("memory_limit_mb", float("nan")),  # these: SandboxUnavailable at every start, every rollout dropped
+        ("memory_limit_mb", 300.5),
+        ("max_processes", 8.5),
+        ("max_file_mb", 1.5),
+        ("max_output_chars", 1000.5),  # SandboxCrashed at every call
+        ("max_disk_mb", True),
+    ],
+)
+def test_limits_that_only_fail_at_run_time_are_refused_when_built(field, value):
+    """Each of these passed the constructor's comparisons (`nan` passes any) and broke every call at run time."""
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        PythonSandboxEnv(**{field: value})
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, True])
+def test_the_sandbox_timeout_task_argument_is_checked_before_any_model_loads(value):
+    from trl_agentic.tasks import TaskArguments
+
+    with pytest.raises(ValueError, match="sandbox_timeout"):
+        TaskArguments(task="python", sandbox_timeout=value)
+
+
 # ---------------------------------------------------------------------------------------------- the isolation policy
 
 

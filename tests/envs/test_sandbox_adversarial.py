@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 
 import pytest
 from rollout_helpers import ScriptBackend, call, run_tools_loop
@@ -286,8 +287,66 @@ def test_memory_bomb_across_many_processes_is_stopped(make_env):
     text, error = attack(env, code)
     assert isinstance(error, SandboxMemoryError), text
     assert "memory limit (128 MiB for all its processes together)" in text
-    assert len(processes.settle(processes.own)) == processes.own
+    # Closed with the cell (it is not recorded, so its effects go too), nothing of it left; the episode restarts.
+    assert processes.settle(0) == set()
     assert_restores_and_works(env)
+
+
+def test_a_cell_whose_child_was_killed_for_memory_leaves_no_state_behind(make_env):
+    """The cell itself ran to its end, but one of its processes was killed over the memory limit: a
+    `SandboxMemoryError`, so the cell is not recorded for replay. Its effects stayed in the running interpreter (`x`),
+    so a later restore, replaying the recorded cells, diverged (`SandboxRestoreError`). The interpreter is closed
+    now: the episode goes on without the cell, and restores."""
+    env = make_env(memory_limit_mb=128, max_disk_mb=8, max_file_mb=4, timeout=30)
+    start(env)
+    code = (
+        "x = 42\n"
+        "hog = 'import time\\nb = bytearray(100 << 20)\\nfor i in range(0, len(b), 4096): b[i] = 1\\ntime.sleep(2)'\n"
+        "procs = [subprocess.Popen([sys.executable, '-c', hog]) for _ in range(3)]\n"
+        "print([p.wait() for p in procs])"
+    )
+    text, error = attack(env, code)
+    assert isinstance(error, SandboxMemoryError), text
+    assert "NameError" in attack(env, "x")[0]
+    assert_restores_and_works(env)
+
+
+@pytest.mark.timeout(120)  # the defect was a hang: past this, the test fails instead of blocking the suite
+def test_a_large_cell_sent_to_an_interpreter_that_does_not_read_times_out(make_env):
+    """The command pipe holds 64 KiB. A cell's thread stopped its own process after the call returned, so the next
+    call's 200 KB command could not be written: the write blocked forever, past the time limit (and `close` behind
+    it). The write has the cell's deadline now."""
+    env = make_env(timeout=30)
+    start(env)
+    env.python(
+        "import threading\nthreading.Thread(target=lambda: (time.sleep(0.5), os.kill(os.getpid(), 19))).start()"
+    )
+    time.sleep(1.5)  # the interpreter is stopped (SIGSTOP) by now
+    big = "data = " + repr("x" * 200_000) + "\nlen(data)"
+    with time_limit(env, 3.0):
+        text, error = attack(env, big)
+    assert isinstance(error, SandboxTimeout), text
+    env.reset()
+    assert env.python("1 + 1") == "2"
+
+
+def test_a_sandbox_starts_and_runs_past_file_descriptor_1024(make_env):
+    """A trainer with many open files gives a new sandbox descriptors past 1024, which `select` refused with a bare
+    `ValueError` (neither a model nor an infrastructure error). `poll` has no such limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        assert max(held) > 1024
+        env = make_env()
+        assert env.python("print(6 * 7)") == "42"
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 # ------------------------------------------------------------------------------------------------------------- disk

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 from .errors import CodeError, SandboxError, SandboxRestoreError, SandboxUnavailable
 from .sandbox_isolation import resolve_isolation
 from .sandbox_process import SandboxProcess
+
+MAX_SANDBOX_TIMEOUT = 1e6  # seconds; as `tool_timeout`'s bound (a larger one overflows the poll's milliseconds)
+
+
+def _check_real(name: str, value) -> None:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
 
 
 class PythonSandboxEnv:
@@ -94,8 +104,25 @@ class PythonSandboxEnv:
         isolation: str = "required",
         without: tuple[str, ...] = (),
     ):
-        if timeout <= 0:
-            raise ValueError(f"`timeout` must be positive, got {timeout}.")
+        # Types and finiteness first: `nan` passes every comparison below, and a non-integer size only fails when
+        # the sandbox starts (every call an infrastructure failure).
+        for name, value in (
+            ("timeout", timeout),
+            ("max_cpus", max_cpus),
+            ("replay_timeout_factor", replay_timeout_factor),
+        ):
+            _check_real(name, value)
+        for name, value in (
+            ("memory_limit_mb", memory_limit_mb),
+            ("max_output_chars", max_output_chars),
+            ("max_processes", max_processes),
+            ("max_file_mb", max_file_mb),
+            ("max_disk_mb", max_disk_mb),
+        ):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise ValueError(f"`{name}` must be an integer, got {value!r}.")
+        if not 0 < timeout <= MAX_SANDBOX_TIMEOUT:
+            raise ValueError(f"`timeout` must be positive and at most {MAX_SANDBOX_TIMEOUT:g} s, got {timeout}.")
         if memory_limit_mb < 64:
             raise ValueError(
                 f"`memory_limit_mb` must be at least 64 (the interpreter needs it), got {memory_limit_mb}."
@@ -108,8 +135,8 @@ class PythonSandboxEnv:
             raise ValueError(f"need 1 <= `max_file_mb` <= `max_disk_mb`, got {max_file_mb} and {max_disk_mb}.")
         if max_cpus <= 0:
             raise ValueError(f"`max_cpus` must be positive, got {max_cpus}.")
-        if replay_timeout_factor < 1:
-            raise ValueError(f"`replay_timeout_factor` must be at least 1, got {replay_timeout_factor}.")
+        if not 1 <= replay_timeout_factor <= 100:
+            raise ValueError(f"`replay_timeout_factor` must be between 1 and 100, got {replay_timeout_factor}.")
         self.timeout = float(timeout)
         self.replay_timeout_factor = float(replay_timeout_factor)
         self.isolation_policy = isolation

@@ -43,6 +43,16 @@ def _minimal_env(workdir: str, executable: str = sys.executable) -> dict[str, st
     }
 
 
+def _wait(fd: int, event: int, seconds: float) -> bool:
+    """Whether `fd` is ready for `event` (or hung up / failed, which the read or write then reports) within `seconds`.
+    `poll`, not `select`: a trainer with many open files gives a new sandbox descriptors past `select`'s 1024."""
+    if seconds <= 0:
+        seconds = 0.0
+    poller = select.poll()
+    poller.register(fd, event)
+    return bool(poller.poll(min(seconds, 1e6) * 1000.0))
+
+
 def _teardown(popen: subprocess.Popen, workdir: str | None, cgroup: CellCgroup | None, capture, owner_pid: int):
     # Module-level so `weakref.finalize` can call it without keeping the handle alive.
     if os.getpid() != owner_pid:
@@ -196,6 +206,7 @@ class SandboxProcess:
         self._finalizer = weakref.finalize(
             self, _teardown, self._popen, self.workdir, self.cgroup, self._capture, os.getpid()
         )
+        os.set_blocking(self._popen.stdin.fileno(), False)  # `_send` writes with a deadline
         self._buffer = b""
         # A well-behaved child never sends more than this per message (text is clipped in the child).
         self._max_message_bytes = 16 * max_output_chars + 65536
@@ -233,25 +244,42 @@ class SandboxProcess:
             the exception class name if the code raised.
 
         Raises:
-            `SandboxTimeout`, `SandboxCrashed`: the sandbox is closed after these. `SandboxMemoryError`: the cell went
-            over the memory limit (the sandbox is closed if its interpreter died).
+            `SandboxTimeout`, `SandboxCrashed`, `SandboxMemoryError` (a process of the cell went over the memory
+            limit): the sandbox is closed after these, so a cell that failed leaves no state behind.
         """
         if not self.alive:
             raise SandboxCrashed("the interpreter was already closed")
         oom_kills = self.cgroup.oom_kills() if self.cgroup is not None else 0
+        deadline = time.monotonic() + timeout
         try:
-            self._popen.stdin.write((json.dumps({"code": code}) + "\n").encode())
-            self._popen.stdin.flush()
-        except (BrokenPipeError, ValueError):
-            pass  # the interpreter died: _receive reads its death report or EOF
-        try:
-            message = self._receive(time.monotonic() + timeout, timeout, oom_kills)
+            self._send((json.dumps({"code": code}) + "\n").encode(), deadline)
+            message = self._receive(deadline, timeout, oom_kills)
         except SandboxTimeout:
             raise SandboxTimeout(f"the cell exceeded its time limit ({timeout:g} s) and was stopped") from None
         killed = (self.cgroup.oom_kills() if self.cgroup is not None else 0) - oom_kills
         if killed > 0:
+            # The cell ran to its end but a process of it was killed: closed, so that its effects are gone as the
+            # cell is not recorded (a restore would replay the cells without it and diverge).
+            self.close()
             raise SandboxMemoryError(self._over_memory(killed))
         return message
+
+    def _send(self, data: bytes, deadline: float) -> None:
+        """Write a command within the cell's deadline. The pipe holds 64 KiB: an interpreter that does not read (a
+        thread of an earlier cell holding the GIL, a stopped process) blocked a larger cell's write forever, past
+        the limit (and `close`, behind the writer's lock). Raw, non-blocking writes: the buffered writer is unused."""
+        fd = self._popen.stdin.fileno()
+        view = memoryview(data)
+        while view:
+            if not _wait(fd, select.POLLOUT, deadline - time.monotonic()):
+                self.close()
+                raise SandboxTimeout("execution exceeded its time limit")
+            try:
+                view = view[os.write(fd, view) :]
+            except BlockingIOError:
+                continue
+            except (BrokenPipeError, OSError):
+                return  # the interpreter died: _receive reads its death report or EOF
 
     def close(self) -> None:
         """Kills every process of the sandbox and removes its cgroup and working directory. Idempotent."""
@@ -267,9 +295,7 @@ class SandboxProcess:
         phase = "startup" if timeout is None else "execution"
         fd = self._popen.stdout.fileno()
         while b"\n" not in self._buffer:
-            remaining = deadline - time.monotonic()
-            ready = select.select([fd], [], [], remaining)[0] if remaining > 0 else []
-            if not ready:
+            if not _wait(fd, select.POLLIN, deadline - time.monotonic()):
                 self.close()
                 raise SandboxTimeout(f"{phase} exceeded its time limit")
             chunk = os.read(fd, 1 << 16)
@@ -305,7 +331,7 @@ class SandboxProcess:
     def _stderr_tail(self) -> str:
         # Only launcher/bubblewrap/supervisor failures reach the real stderr; read what is there without blocking.
         fd = self._popen.stderr.fileno()
-        if not select.select([fd], [], [], 0.2)[0]:
+        if not _wait(fd, select.POLLIN, 0.2):
             return ""
         text = os.read(fd, 1 << 16).decode("utf-8", "replace").strip()
         return f": {text[-500:]}" if text else ""
