@@ -130,7 +130,12 @@ def _report_death(report_fd: int, capture_fd: int, status: int) -> None:
     # A fatal error (e.g. "Fatal Python error: ... MemoryError") lands in the capture file, which is the child's fd 2.
     size = os.fstat(capture_fd).st_size
     tail = os.pread(capture_fd, 2000, max(size - 2000, 0)).decode("utf-8", "replace")
-    memory = any(marker in tail for marker in MEMORY_MARKERS)
+    # Only the interpreter's own fatal error counts, not the cell's output ("checking for out of memory" printed
+    # before `os._exit(1)` made a crash a memory error, which rollback matches by type).
+    memory = any(
+        line.startswith("Fatal Python error") and any(marker in line for marker in MEMORY_MARKERS)
+        for line in tail.splitlines()
+    )
     try:
         _write_message(report_fd, {"dead": True, "how": how, "memory": memory, "detail": tail[-500:]})
     except OSError:
