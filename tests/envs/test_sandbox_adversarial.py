@@ -349,6 +349,40 @@ def test_a_sandbox_starts_and_runs_past_file_descriptor_1024(make_env):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+_RESPONSE_PIPE = (
+    "import stat\n"
+    "def _fifo(n):\n"
+    "    try:\n"
+    "        return stat.S_ISFIFO(os.fstat(n).st_mode)\n"
+    "    except OSError:\n"
+    "        return False\n"
+    "fd = max(int(n) for n in os.listdir('/proc/self/fd') if n.isdigit() and _fifo(int(n)))\n"
+)
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        b"[1]\n",
+        b"{}\n",
+        b'{"dead": true}\n',
+        b'{"text": 5, "error_type": null, "n": 2}\n',
+        b'{"text": "x", "error_type": null}\n',
+    ],
+)
+def test_a_message_a_cell_writes_to_the_protocol_pipe_is_not_an_answer(make_env, forged):
+    """A cell can write to the interpreter's response pipe. Another shape escaped as a bare `KeyError` &c.; a
+    well-formed extra line was taken for the answer, and every later call got the answer of the call before. Each
+    answer now echoes its command's number: anything else ends the interpreter, a model error, and the episode
+    goes on with its own answers."""
+    env = make_env()
+    start(env)
+    text, error = attack(env, _RESPONSE_PIPE + f"os.write(fd, {forged!r})")
+    assert isinstance(error, SandboxError), text
+    assert [env.python(f"print({c!r})") for c in "AB"] == ["A", "B"]
+    assert_restores_and_works(env)
+
+
 # ------------------------------------------------------------------------------------------------------------- disk
 
 

@@ -15,8 +15,9 @@ table.
 - interpreter: redirects fds 1/2 to the capture file, applies rlimits, drops capabilities, and runs the cells. After
   each cell it kills every process the cell started: nothing outlives its cell.
 
-Commands: `{"code": str}`. Responses: `{"ready": true, "isolation": {...}}` once, then one
-`{"text": str, "error_type": str | null}` per command, or a final `{"dead": true, ...}` from the supervisor.
+Commands: `{"code": str, "n": int}`. Responses: `{"ready": true, "isolation": {...}}` once, then one
+`{"text": str, "error_type": str | null, "n": int}` per command (its `n`: the cell's code can write to the pipe too,
+and a message it wrote must not pass for the answer), or a final `{"dead": true, ...}` from the supervisor.
 """
 
 import ast
@@ -378,15 +379,16 @@ def _interpret(config: dict, pid_namespace: bool, capture_fd: int) -> None:
     limit = config["max_output_chars"]
     stdout, stderr = sys.stdout, sys.stderr
     namespace = {"__name__": "__main__", "__builtins__": builtins}
-    # Pre-built so that an interpreter close to its memory limit can still answer.
-    out_of_memory = (json.dumps({"text": "MemoryError", "error_type": "MemoryError"}) + "\n").encode()
     _write_message(responses, {"ready": True, "isolation": isolation})
 
     # Between cells, children that exit (e.g. forked copies still unwinding) are reaped as they go. During a cell the
     # user's own SIGCHLD disposition applies, so subprocess.run() & co. collect their children themselves.
     user_sigchld = signal.signal(signal.SIGCHLD, lambda *_: _reap_children())
     for line in commands:
-        code = json.loads(line)["code"]
+        command = json.loads(line)
+        code, number = command["code"], command["n"]
+        # Pre-built per command (the echoed number lets the parent tell this answer from one a cell wrote itself).
+        out_of_memory = (json.dumps({"text": "MemoryError", "error_type": "MemoryError", "n": number}) + "\n").encode()
         signal.signal(signal.SIGCHLD, user_sigchld)
         # User code may have replaced sys.stdout or closed fds 1/2 in an earlier cell: re-point them every time.
         os.ftruncate(capture_fd, 0)
@@ -421,7 +423,7 @@ def _interpret(config: dict, pid_namespace: bool, capture_fd: int) -> None:
             if total > len(output):
                 output += f"\n...[truncated {total - len(output)} chars]"
             text = "\n".join(part for part in (output.rstrip("\n"), error) if part)
-            _write_message(responses, {"text": text, "error_type": error_type})
+            _write_message(responses, {"text": text, "error_type": error_type, "n": number})
         except MemoryError:
             os.write(responses, out_of_memory)
     os._exit(0)

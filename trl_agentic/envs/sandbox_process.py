@@ -53,6 +53,28 @@ def _wait(fd: int, event: int, seconds: float) -> bool:
     return bool(poller.poll(min(seconds, 1e6) * 1000.0))
 
 
+def _well_formed(message, command: int | None) -> bool:
+    """Whether `message` is what `_sandbox_child` sends: a death report, the ready message (`command` None, at
+    start-up), or the answer to command number `command`."""
+    if not isinstance(message, dict):
+        return False
+    if message.get("dead") is True:
+        return (
+            isinstance(message.get("how"), str)
+            and isinstance(message.get("memory"), bool)
+            and isinstance(message.get("detail"), str)
+        )
+    if command is None:
+        return message.get("ready") is True and isinstance(message.get("isolation"), dict)
+    return (
+        set(message) == {"text", "error_type", "n"}
+        and isinstance(message["text"], str)
+        and (message["error_type"] is None or isinstance(message["error_type"], str))
+        and message["n"] == command
+        and not isinstance(message["n"], bool)
+    )
+
+
 def _teardown(popen: subprocess.Popen, workdir: str | None, cgroup: CellCgroup | None, capture, owner_pid: int):
     # Module-level so `weakref.finalize` can call it without keeping the handle alive.
     if os.getpid() != owner_pid:
@@ -208,6 +230,7 @@ class SandboxProcess:
         )
         os.set_blocking(self._popen.stdin.fileno(), False)  # `_send` writes with a deadline
         self._buffer = b""
+        self._commands = 0  # commands sent; each answer echoes its number
         # A well-behaved child never sends more than this per message (text is clipped in the child).
         self._max_message_bytes = 16 * max_output_chars + 65536
         try:
@@ -251,8 +274,9 @@ class SandboxProcess:
             raise SandboxCrashed("the interpreter was already closed")
         oom_kills = self.cgroup.oom_kills() if self.cgroup is not None else 0
         deadline = time.monotonic() + timeout
+        self._commands += 1
         try:
-            self._send((json.dumps({"code": code}) + "\n").encode(), deadline)
+            self._send((json.dumps({"code": code, "n": self._commands}) + "\n").encode(), deadline)
             message = self._receive(deadline, timeout, oom_kills)
         except SandboxTimeout:
             raise SandboxTimeout(f"the cell exceeded its time limit ({timeout:g} s) and was stopped") from None
@@ -316,8 +340,15 @@ class SandboxProcess:
         try:
             message = json.loads(line)
         except ValueError:
+            message = None
+        # The cell's code can write to the response pipe too: a message of another shape, or one more than the one
+        # expected (every later call would get the answer of the call before), ends the interpreter.
+        # The cell's code can write to the response pipe too: a message of another shape, or not the answer to this
+        # command (one it wrote, or the answer to an earlier command after it did: every later call would get the
+        # answer of the call before), ends the interpreter.
+        if not _well_formed(message, None if timeout is None else self._commands):
             self.close()
-            raise SandboxCrashed(f"the interpreter sent a malformed message: {line[:200]!r}") from None
+            raise SandboxCrashed(f"the interpreter sent a message that is not the answer: {line[:200]!r}")
         if message.get("dead"):
             killed = (self.cgroup.oom_kills() if self.cgroup is not None else 0) - oom_kills
             self.close()
