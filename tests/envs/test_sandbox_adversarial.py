@@ -349,6 +349,30 @@ def test_a_sandbox_starts_and_runs_past_file_descriptor_1024(make_env):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def test_a_process_forked_from_the_trainer_does_not_hold_a_sandboxs_command_pipe(make_env):
+    """A DataLoader or `multiprocessing` worker forked after a sandbox started inherited the write end of its command
+    pipe, so closing the sandbox never saw the hang-up: every reset waited 2 s and fell back to SIGKILL. In a fork,
+    the pipe's descriptor now points to /dev/null."""
+    import multiprocessing
+
+    env = make_env()
+    start(env)
+    fd = env._process._popen.stdin.fileno()
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
+    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while os.readlink(f"/proc/{worker.pid}/fd/{fd}").startswith("pipe:") and time.monotonic() < deadline:
+            time.sleep(0.01)  # the fork hook runs as the worker starts
+        assert os.readlink(f"/proc/{worker.pid}/fd/{fd}") == os.devnull
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")  # the trainer's own is untouched
+        assert env.python("state") == "'before'"
+    finally:
+        worker.kill()
+        worker.join()
+
+
 _RESPONSE_PIPE = (
     "import stat\n"
     "def _fifo(n):\n"

@@ -43,6 +43,31 @@ def _minimal_env(workdir: str, executable: str = sys.executable) -> dict[str, st
     }
 
 
+_live_processes: weakref.WeakSet = weakref.WeakSet()
+
+
+def _release_command_pipes() -> None:
+    """In a process forked from the trainer (a DataLoader or `multiprocessing` worker): the sandboxes' command pipes
+    point to /dev/null, so that closing a sandbox in the trainer hangs its pipe up at once (each close otherwise
+    waited 2 s for a hang-up that the fork's copy of the pipe held back). `dup2`, not `close`: the fd number stays
+    valid for the copied file objects that close it later."""
+    for process in list(_live_processes):
+        try:
+            fd = process._popen.stdin.fileno()
+            null = os.open(os.devnull, os.O_WRONLY)
+        except (OSError, ValueError):
+            continue
+        try:
+            os.dup2(null, fd)
+        except OSError:
+            pass
+        finally:
+            os.close(null)
+
+
+os.register_at_fork(after_in_child=_release_command_pipes)
+
+
 def _wait(fd: int, event: int, seconds: float) -> bool:
     """Whether `fd` is ready for `event` (or hung up / failed, which the read or write then reports) within `seconds`.
     `poll`, not `select`: a trainer with many open files gives a new sandbox descriptors past `select`'s 1024."""
@@ -229,6 +254,7 @@ class SandboxProcess:
             self, _teardown, self._popen, self.workdir, self.cgroup, self._capture, os.getpid()
         )
         os.set_blocking(self._popen.stdin.fileno(), False)  # `_send` writes with a deadline
+        _live_processes.add(self)
         self._buffer = b""
         self._commands = 0  # commands sent; each answer echoes its number
         # A well-behaved child never sends more than this per message (text is clipped in the child).
