@@ -42,7 +42,9 @@ class PythonSandboxEnv:
     - a replay that does not reproduce a cell's outcome → `SandboxRestoreError`, a model error (see below);
     - the sandbox cannot start → `SandboxUnavailable` (an infrastructure error: retried, not the model's fault).
 
-    A cell's processes never outlive it: when a call returns, everything the cell started has been killed.
+    A cell's processes never outlive it: when a call returns, every process the cell started has been killed. Not its
+    threads: a thread the cell started keeps running between calls (inside the interpreter, within the cpu and pids
+    cgroups), and may start processes there, which the next call's end kills; `reset` and a restore end them all.
 
     The state for rollback (`_checkpoint`/`_restore`) is the list of cells that ran to completion, each with its
     outcome: the cells that succeeded *and* the cells that raised (their statements before the exception did run).
@@ -77,7 +79,7 @@ class PythonSandboxEnv:
             bounded by the memory cgroup (each file is kernel memory charged to the sandbox).
         max_cpus (`float`, *optional*, defaults to `1.0`):
             Cores the sandbox's processes may use together (cpu cgroup): a call uses at most `max_cpus x timeout` of
-            CPU time.
+            CPU time (threads a cell leaves running use the same cores between calls).
         replay_timeout_factor (`float`, *optional*, defaults to `3.0`):
             A replayed cell's limit is this times `timeout`: it ran to completion within `timeout` before, so only a
             slower machine (load) or code that now runs forever can stop it. A replay slower than that is a
