@@ -38,6 +38,17 @@ def test_top_fraction_counts_valid_rows_and_breaks_ties_by_index():
     assert sum(_select(scores, valid, mode="top_fraction", fraction=0.01)) == 1
 
 
+@pytest.mark.parametrize("fraction,n,kept", [(0.14, 50, 7), (0.28, 25, 7), (0.56, 50, 28), (0.5, 5, 3)])
+def test_top_fraction_keeps_the_ceiling_of_the_exact_fraction(fraction, n, kept):
+    """0.14 * 50 is 7.000000000000001 in floating point: 8 rows were kept, where the random control at the same
+    fraction (`selection.rules.random_rows`) keeps 7."""
+    from trl_agentic.selection.rules import random_rows
+
+    scores = [float(k) for k in range(n)]
+    assert sum(_select(scores, [True] * n, mode="top_fraction", fraction=fraction)) == kept
+    assert sum(random_rows(scores, fraction, seed=0)) == kept
+
+
 def test_min_selected_fallback_takes_the_best_valid_rows():
     scores = [-0.5, -0.1, -0.3, 5.0, -0.1]
     valid = [True, True, True, False, True]

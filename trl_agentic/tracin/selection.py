@@ -80,7 +80,9 @@ def select_rows(
         selected = eligible & (scores > threshold)
     else:
         n_valid = int(valid.sum())
-        selected = _top_valid(scores, eligible, math.ceil(fraction * n_valid))
+        # Less 1e-9, as `selection.rules.random_rows` (the random control at the same fraction): 0.14 * 50 is
+        # 7.000000000000001 in floating point, and kept 8 rows.
+        selected = _top_valid(scores, eligible, math.ceil(fraction * n_valid - 1e-9))
 
     if int(selected.sum()) < min_selected:
         selected = _top_valid(scores, eligible, min_selected)
