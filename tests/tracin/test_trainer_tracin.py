@@ -563,6 +563,26 @@ def test_validation_rollouts_are_reused_and_v_recomputed_at_the_current_weights(
     assert not torch.allclose(seen[0][2], seen[1][2])
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "bnpo", "dapo"])
+def test_v_is_the_gradient_of_the_loss_over_a_validation_batch_that_does_not_split_evenly(
+    tiny_model_dir, tmp_path, loss_type
+):
+    """3 prompts x 2 completions = 6 validation rows, in chunks of 4 and 2: V is the gradient of TRL's loss over the
+    whole batch, every row weighed as that loss weighs it. Summing the chunks' own means gave the short chunk's rows
+    twice the weight under the row-mean losses (cosine 0.91 to the true V)."""
+    trainer = make_trainer(tiny_model_dir, tmp_path, loss_type=loss_type, tracin_val_batch_size=3)
+    recorder = Recorder(trainer)
+    before = trainable(trainer.model)
+    trainer.train()
+    load(trainer.model, before)
+    trainer.model.train()
+    val = dict(recorder.val_batches[0])
+    assert val["prompt_ids"].size(0) == 6 and trainer.args.per_device_train_batch_size == 4
+    val.pop("num_rows_in_batch", None)
+    direction = torch.cat([torch.cat([g.A.reshape(-1), g.B.reshape(-1)]) for g in trainer._tracin.direction.values()])
+    assert_close(direction, brute_force_direction(trainer, val))
+
+
 @pytest.mark.parametrize("checkpointing", ["non_reentrant", "reentrant"])
 def test_gradient_checkpointing_gives_the_same_scores(tiny_model_dir, tmp_path, checkpointing):
     reference = make_trainer(tiny_model_dir, tmp_path / "reference")

@@ -42,7 +42,7 @@ from transformers.utils import logging
 
 from ..batch import counted_rows
 from ..estimators import zero_without_reward_spread
-from ..loss_weights import ROW_MEAN_LOSSES
+from ..loss_weights import LOCAL_TOKEN_LOSSES, ROW_MEAN_LOSSES
 from ..rollout.types import RowKind
 from .hooks import LoraGhostHooks, checkpointing_paused, reentrant_checkpointing
 from .layers import validate_tracin_model
@@ -509,13 +509,23 @@ class TracInMixin:
         """V: the gradient of TRL's loss on the validation batch, per LoRA layer, averaged over processes."""
         model = self.model
         direction = None
+        rows, tokens = _rows(batch), _loss_mask(batch).sum().clamp(min=1.0)
         with self._tracin_hooks() as hooks, self._tracin_quiet():
             for chunk in _row_slices(batch, self.args.per_device_train_batch_size):
                 # TRL's own loss on each chunk: the validation batch is not split into training micro-batches, so the
-                # row weighting of `loss_weights.py` (which assumes that split) does not apply.
+                # row weighting of `loss_weights.py` (which assumes that split) does not apply. Each chunk's loss is
+                # weighed by its share of the batch, so that the sum is TRL's loss over the whole validation batch
+                # (the chunks' own means weighed the rows of a short last chunk more: 6 rows in chunks of 4 and 2
+                # gave the last two rows twice the weight of the others under `grpo`).
                 chunk.pop("num_rows_in_batch", None)
+                if self.loss_type in ROW_MEAN_LOSSES:
+                    share = _rows(chunk) / rows
+                elif self.loss_type in LOCAL_TOKEN_LOSSES:
+                    share = float(_loss_mask(chunk).sum().clamp(min=1.0) / tokens)
+                else:  # normalised by the batch's `num_items_in_batch`, which every chunk shares
+                    share = 1.0
                 with hooks.record():
-                    loss = self._tracin_base_loss(model, chunk)
+                    loss = self._tracin_base_loss(model, chunk) * share
                 direction = hooks.accumulate_gradient(loss, into=direction)
         return all_reduce_(direction, op="mean")
 
