@@ -656,6 +656,22 @@ def test_render_gives_the_hand_computed_verdicts():
     assert row.endswith("| 300 / 500 |")
 
 
+def test_an_arm_that_deleted_context_has_its_completion_tokens_marked_as_no_count():
+    """TRL's `completions/mean_length` covers the last segment of a rollout that deleted context only: the snapshot
+    arm's column is marked and the note says what it leaves out; an arm that never deleted is not marked."""
+    found = {
+        ("logsearch", 0, "snapshots"): _cell("logsearch", 0, "snapshots", 5, fired={"snapshots/rows": 80}),
+        ("logsearch", 0, "trl_fit"): _cell("logsearch", 0, "trl_fit", 5),
+    }
+    lines = report.render_results(found, {}, "x").splitlines()
+    snapshots = next(line for line in lines if line.startswith("| logsearch | context snapshots | 1 |"))
+    control = next(
+        line for line in lines if line.startswith("| logsearch | TRL GRPOTrainer, budget fits both files | 1 |")
+    )
+    assert "| 1000 † |" in snapshots and "| 1000 |" in control and "†" not in control
+    assert any(line.startswith("† Not a count of the tokens this arm generated") for line in lines)
+
+
 def test_partial_seeds_failed_checks_and_stale_registrations_are_flagged():
     found = {k: v for k, v in _synthetic().items() if k[1] < 3}
     found["calculator", 0, "warmstart"]["preregistration"] = "old"

@@ -431,13 +431,24 @@ def _arm_lines(cells: dict) -> list[str]:
             if arm.trainer == "warmstart":
                 spreads = [c["spread_check"]["fraction"] for c in found if "spread_check" in c]
             spread_text = f"{_mean(spreads):.0%}" if spreads else "–"
+            # TRL's `completions/mean_length` is taken over the rows it holds: with context deletion, the last segment
+            # of each rollout only (the closed ones are snapshot rows), so it is no count of this arm's tokens.
+            segments_left_out = any((c.get("fired") or {}).get("snapshots/rows") for c in found)
             lines.append(
                 f"| {task.name} | {arm.label} | {n} | {_fmt(sampled.mean)} {_interval(sampled)} | "
                 f"{_fmt(greedy.mean)} {_interval(greedy)} | {train:.0f} | {evaluation:.0f} | {steps:.1f} | "
                 f"{rollouts_text if arm.trainer != 'warmstart' else '-'} | {spread_text} | "
-                f"{tokens:.0f} | {passes_text} | {peak:.0f} | {fired_text} |"
+                f"{tokens:.0f}{' †' if segments_left_out else ''} | {passes_text} | {peak:.0f} | {fired_text} |"
             )
-    lines.append("")
+    lines += [
+        "",
+        "† Not a count of the tokens this arm generated: TRL's `completions/mean_length` averages the rows TRL holds, "
+        "which with context deletion are the last segment of each rollout (the closed segments are snapshot rows), so "
+        "the tokens of every earlier segment are left out (a review of 2026-12-06; on the tiny model's scripted "
+        "rollouts the true count was 6x the logged one). *Token passes* count every token; the findings compare the "
+        "log search's arms by those.",
+        "",
+    ]
     return lines
 
 
