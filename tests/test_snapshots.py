@@ -410,6 +410,9 @@ def test_a_deletion_that_would_not_fit_is_refused_and_the_model_is_told(tiny_tok
     assert result.extra_rows == [] and result.stats.snapshots == 0 and result.num_segments == [1]
     assert prompt_ids[0] == p0 and b.calls == [[p0 + b.enc(turn1) + suffix(b, "2")], [context_after]]
     assert completion_ids[0] == context_after[len(p0) :] + b.enc(DONE)
+    # The loop refused the call: a failed call in the counts and the record (it was counted a success), no rollback.
+    assert result.stats.tool_calls == 2 and result.stats.tool_failures == 1 and result.tool_failed == [[False, True]]
+    assert result.stats.rollback_attempts == 0
 
 
 def test_the_worked_example_of_the_docs():

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..envs.protocol import checkpoint_env, has_user_turns, next_user_turn, restore_env
-from ..errors import tool_call_failed
+from ..errors import FailedToolMessage, tool_call_failed
 from .context import DELETE_CONTEXT_TOOL, apply_deletion, delete_context
 from .parsing import parse_tool_calls, too_deep
 from .tools import PARSE_ERROR, ErrorPolicy, ToolOutcome, failure, gather_async_calls, run_tool_call
@@ -673,9 +673,15 @@ class AgenticRolloutLoop:
         new_msgs, _ = apply_deletion(r.prompt_msgs, ids, cfg.context_stub_text)
         new_prompt = backend.render_prompt(new_msgs, i, **self._tools_kwarg(i))
         if len(new_prompt) >= backend.max_model_len - 1:
-            # No room to generate even after the deletion: keep the segment, and do not tell the model otherwise.
+            # No room to generate even after the deletion: keep the segment, and do not tell the model otherwise. The
+            # loop refused the call: a failed call (`tool_call_failed`, `tools/failure_frequency`), not a rollback.
             for _, message in deletes:
-                message["content"] = "Context not deleted: the shortened conversation is still too long."
+                refused = FailedToolMessage(
+                    message, content="Context not deleted: the shortened conversation is still too long."
+                )
+                for messages in (tool_messages, r.completion_msgs, r.prompt_msgs):
+                    messages[:] = [refused if m is message else m for m in messages]
+            stats.tool_failures += len(deletes)
             return False
         stats.snapshots += 1
         # Freed = the context the next turn would have had (segment + tool results) minus the one it gets.
