@@ -287,6 +287,16 @@ def test_dead_interpreter_raises_sandbox_crashed_and_recovers(make_env):
         assert not isinstance(info.value, SandboxMemoryError), code
 
 
+def test_an_interpreter_that_runs_out_of_memory_between_cells_is_a_memory_error(make_env):
+    """A cell keeps memory within 2 MiB of the limit; the next, 8 MB cell cannot even be read. That death is the
+    interpreter's own (told by its exit code, not by text a cell could print): a `SandboxMemoryError`."""
+    env = make_env(memory_limit_mb=256, timeout=30)
+    fill = "hog = []\ntry:\n    while True:\n        hog.append(bytearray(1 << 20))\nexcept MemoryError:\n    pass\n"
+    env.python(fill + "hog.pop()\nhog.pop()\nprint(len(hog) > 0)")
+    with pytest.raises(SandboxMemoryError, match="ran out of memory reading the cell"):
+        env.python("s = " + repr("x" * (8 << 20)) + "\nlen(s)")
+
+
 def test_output_is_truncated_in_the_child(make_env):
     env = make_env(max_output_chars=1000, max_file_mb=4)
     text = env.python("print('a' * 5000)")

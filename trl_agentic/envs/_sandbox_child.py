@@ -45,6 +45,8 @@ LINUX_CAPABILITY_VERSION_3 = 0x20080522
 MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "out of memory")
 # The launcher exits with this code when it cannot join the cgroups: the parent reports the sandbox unavailable.
 EXIT_CGROUP_FAILED = 97
+# The interpreter exits with this code when the protocol's own work between cells runs out of memory.
+EXIT_OUT_OF_MEMORY = 98
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -126,6 +128,8 @@ def _supervise(config: dict) -> None:
 def _report_death(report_fd: int, capture_fd: int, status: int) -> None:
     if os.WIFSIGNALED(status):
         how = f"was killed by signal {signal.Signals(os.WTERMSIG(status)).name}"
+    elif os.WEXITSTATUS(status) == EXIT_OUT_OF_MEMORY:
+        how = "ran out of memory reading the cell or ending the one before"
     else:
         how = f"exited with code {os.WEXITSTATUS(status)}"
     # A fatal error (e.g. "Fatal Python error: ... MemoryError") lands in the capture file, which is the child's fd 2.
@@ -133,7 +137,7 @@ def _report_death(report_fd: int, capture_fd: int, status: int) -> None:
     tail = os.pread(capture_fd, 2000, max(size - 2000, 0)).decode("utf-8", "replace")
     # Only the interpreter's own fatal error counts, not the cell's output ("checking for out of memory" printed
     # before `os._exit(1)` made a crash a memory error, which rollback matches by type).
-    memory = any(
+    memory = (os.WIFEXITED(status) and os.WEXITSTATUS(status) == EXIT_OUT_OF_MEMORY) or any(
         line.startswith("Fatal Python error") and any(marker in line for marker in MEMORY_MARKERS)
         for line in tail.splitlines()
     )
@@ -376,14 +380,24 @@ def _interpret(config: dict, pid_namespace: bool, capture_fd: int) -> None:
         _drop_capabilities()
 
     my_pid = os.getpid()
-    limit = config["max_output_chars"]
-    stdout, stderr = sys.stdout, sys.stderr
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     _write_message(responses, {"ready": True, "isolation": isolation})
 
     # Between cells, children that exit (e.g. forked copies still unwinding) are reaped as they go. During a cell the
     # user's own SIGCHLD disposition applies, so subprocess.run() & co. collect their children themselves.
     user_sigchld = signal.signal(signal.SIGCHLD, lambda *_: _reap_children())
+    try:
+        _serve(commands, responses, config, namespace, capture_fd, pid_namespace, my_pid, user_sigchld)
+    except MemoryError:
+        # The protocol's own work (reading the next command, ending the cell's processes) ran out of memory, not a
+        # cell (its MemoryError is answered): a memory death, told by the exit code, not by the output's text.
+        os._exit(EXIT_OUT_OF_MEMORY)
+    os._exit(0)
+
+
+def _serve(commands, responses, config, namespace, capture_fd, pid_namespace, my_pid, user_sigchld) -> None:
+    limit = config["max_output_chars"]
+    stdout, stderr = sys.stdout, sys.stderr
     for line in commands:
         command = json.loads(line)
         code, number = command["code"], command["n"]
@@ -426,7 +440,6 @@ def _interpret(config: dict, pid_namespace: bool, capture_fd: int) -> None:
             _write_message(responses, {"text": text, "error_type": error_type, "n": number})
         except MemoryError:
             os.write(responses, out_of_memory)
-    os._exit(0)
 
 
 if __name__ == "__main__":
