@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from .estimators import grpo_estimator
+
 ROW_MEAN_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
 # Normalised by the micro-batch's own token count in TRL.
 LOCAL_TOKEN_LOSSES = ("bnpo",)
@@ -72,8 +74,6 @@ class RowWeightedLossMixin:
     def _equal_token_weights(self) -> bool:
         """Whether batches can differ from TRL's (rows added, dropped or padded): then `bnpo` weighs tokens equally.
         An estimator passed to the trainer counts as the config's name does (it may add rows)."""
-        from .estimators import grpo_estimator
-
         return bool(
             self.args.agentic_features_enabled
             or getattr(self, "_uses_agentic_loop", False)

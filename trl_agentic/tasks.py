@@ -193,13 +193,9 @@ class TaskArguments:
         for name in ("num_train_tasks", "num_eval_tasks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"`{name}` must be non-negative, got {getattr(self, name)}.")
-        from .envs.python_sandbox import MAX_SANDBOX_TIMEOUT
+        from .envs.python_sandbox import check_timeout
 
-        timeout = self.sandbox_timeout
-        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout <= MAX_SANDBOX_TIMEOUT):
-            raise ValueError(
-                f"`sandbox_timeout` must be positive and at most {MAX_SANDBOX_TIMEOUT:g} s, got {self.sandbox_timeout}."
-            )
+        check_timeout("sandbox_timeout", self.sandbox_timeout)
         if self.sandbox_isolation not in ("required", "best_effort"):
             raise ValueError(
                 f"`sandbox_isolation` must be 'required' or 'best_effort', got {self.sandbox_isolation!r}."

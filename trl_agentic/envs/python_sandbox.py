@@ -17,6 +17,14 @@ def _check_real(name: str, value) -> None:
         raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
 
 
+def check_timeout(name: str, value) -> None:
+    """A sandbox call's limit, `name` as the caller calls it (`PythonSandboxEnv`, `TaskArguments`): positive, finite,
+    at most `MAX_SANDBOX_TIMEOUT` seconds."""
+    _check_real(name, value)
+    if not 0 < value <= MAX_SANDBOX_TIMEOUT:
+        raise ValueError(f"`{name}` must be positive and at most {MAX_SANDBOX_TIMEOUT:g} s, got {value}.")
+
+
 class PythonSandboxEnv:
     """
     TRL environment with one tool, `python`, backed by a persistent interpreter in an isolated subprocess.
@@ -108,11 +116,8 @@ class PythonSandboxEnv:
     ):
         # Types and finiteness first: `nan` passes every comparison below, and a non-integer size only fails when
         # the sandbox starts (every call an infrastructure failure).
-        for name, value in (
-            ("timeout", timeout),
-            ("max_cpus", max_cpus),
-            ("replay_timeout_factor", replay_timeout_factor),
-        ):
+        check_timeout("timeout", timeout)
+        for name, value in (("max_cpus", max_cpus), ("replay_timeout_factor", replay_timeout_factor)):
             _check_real(name, value)
         for name, value in (
             ("memory_limit_mb", memory_limit_mb),
@@ -123,8 +128,6 @@ class PythonSandboxEnv:
         ):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 raise ValueError(f"`{name}` must be an integer, got {value!r}.")
-        if not 0 < timeout <= MAX_SANDBOX_TIMEOUT:
-            raise ValueError(f"`timeout` must be positive and at most {MAX_SANDBOX_TIMEOUT:g} s, got {timeout}.")
         if memory_limit_mb < 64:
             raise ValueError(
                 f"`memory_limit_mb` must be at least 64 (the interpreter needs it), got {memory_limit_mb}."

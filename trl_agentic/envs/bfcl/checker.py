@@ -19,6 +19,7 @@ conversation that answers every user turn without a call; read every turn-credit
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 
@@ -41,9 +42,7 @@ def _run_checker(task: BFCLTask, turn_calls: list[list[str]], ground_truth: list
     decoded = [[[call] for call in calls] for calls in turn_calls]
     model_name = _unique_model_name()
     try:
-        if not task.long_context:
-            return multi_turn_checker(decoded, ground_truth, task.test_entry(), task.category, model_name)
-        with long_context_module_state_kept():
+        with long_context_module_state_kept() if task.long_context else contextlib.nullcontext():
             return multi_turn_checker(decoded, ground_truth, task.test_entry(), task.category, model_name)
     finally:
         namespace = vars(multi_turn_utils)
