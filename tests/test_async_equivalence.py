@@ -91,7 +91,7 @@ def _samples(agentic: bool = False):
     return samples
 
 
-def _train(trainer_cls, config_cls, model_dir, out, trainer_kwargs=None, samples=None, **extra):
+def _train(trainer_cls, config_cls, model_dir, out, trainer_kwargs=None, samples=None, trainer_hook=None, **extra):
     from datasets import Dataset
     from peft import LoraConfig
 
@@ -130,6 +130,8 @@ def _train(trainer_cls, config_cls, model_dir, out, trainer_kwargs=None, samples
             **(trainer_kwargs or {}),
         )
     register_cpu_tree_attention()
+    if trainer_hook is not None:
+        trainer_hook(trainer)
     consumed = []
     original = trainer.compute_loss
 

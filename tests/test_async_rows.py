@@ -331,6 +331,7 @@ def _stage(args, seen: list, estimator):
         model=torch.nn.Linear(1, 1).eval(),  # eval mode, as a full model before the first training step
         model_version=0,
         _observed_rows=[],
+        _trained_groups=set(),  # TRL's set of groups trained (or consumed)
     )
     inner = queue.Queue()
     return AgenticRolloutQueue(trainer, inner, estimator=recording), trainer, inner
@@ -373,7 +374,7 @@ def test_a_group_with_no_trained_row_reaches_the_estimator_and_nothing_of_it_is_
     from trl_agentic.estimators import grpo_estimator
 
     args, seen = _args(), []
-    stage, _, inner = _stage(args, seen, grpo_estimator)
+    stage, trainer, inner = _stage(args, seen, grpo_estimator)
     lost = [_sequence(0, True, lost=True), _sequence(0, True, lost=True)]
     scored, trained = score_group_rows(lost, [0, 1], [0.0, 0.0], 2, args)
     assert trained == []
@@ -391,6 +392,7 @@ def test_a_group_with_no_trained_row_reaches_the_estimator_and_nothing_of_it_is_
     expected = (values - values.mean()) / (values.std() + 1e-4)
     torch.testing.assert_close(torch.tensor([s.advantage for s in out]), expected, atol=1e-5, rtol=0)
     assert second.loss_mask.sum(dim=1).tolist() == [1, 1, 1]
+    assert trainer._trained_groups == {1}  # consumed (TRL's collator adds group 2 when it packs its rows)
 
 
 def test_the_negative_cap_keeps_the_earliest_failures_as_the_synchronous_loop_does(tiny_tokenizer):

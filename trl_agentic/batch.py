@@ -211,9 +211,22 @@ def kept_negatives(negatives: list[tuple[int, int]], group_size: int, cap: int) 
     return keep
 
 
-def _import(path: str):
+def snapshot_reward(path: str | None):
+    """The `snapshot_reward_func` callable named `"module:function"` (None: no term). Both trainers call it before the
+    model loads, so that a path that does not import is an error naming the field there, not in the batch (or, in the
+    asynchronous trainer, in the rollout worker's child process, whose traceback reaches only its stderr)."""
+    if not path:
+        return None
     module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    try:
+        function = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(
+            f"`snapshot_reward_func={path!r}` cannot be imported: {type(error).__name__}: {error}"
+        ) from error
+    if not callable(function):
+        raise ValueError(f"`snapshot_reward_func={path!r}` is not callable (a {type(function).__name__}).")
+    return function
 
 
 def baseline_mask(kinds: torch.Tensor, args) -> torch.Tensor:
@@ -238,7 +251,7 @@ class BatchAugmenter:
     def __init__(self, trainer):
         self.trainer = trainer
         args = trainer.args
-        self.segment_reward = _import(args.snapshot_reward_func) if args.snapshot_reward_func else None
+        self.segment_reward = snapshot_reward(args.snapshot_reward_func)
         self._warned_negative_reward = False
         # Group ids (global) of the last batch's groups without reward spread (`without_reward_spread`); None for GDPO.
         self.last_groups_without_spread: torch.Tensor | None = None

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from trl import GRPOTrainer
 
-from .batch import BatchAugmenter
+from .batch import BatchAugmenter, snapshot_reward
 from .config import AgenticGRPOConfig
 from .envs.protocol import check_checkpointable, has_user_turns
 from .estimators import grpo_estimator, resolve_estimator
@@ -146,6 +146,7 @@ class AgenticGRPOTrainer(RowSelectionMixin, GenerationMixin, TracInMixin, RowWei
                 "`peft.PeftModel` with LoRA adapters."
             )
         _check_tool_names(tools, environment_factory, args)
+        snapshot_reward(args.snapshot_reward_func)  # a path that does not import fails here, naming the field
         if args.enable_context_snapshots:
             if environment_factory is None and not tools:
                 raise ValueError(

@@ -40,6 +40,7 @@ from ..batch import check_estimate
 from ..rollout.types import RowKind
 from .compat import trainer_module
 from .rows import advantage_batch, baseline_mask, clamp_negatives, row_from_tokens
+from .worker import is_consumed_marker
 
 __all__ = [
     "AgenticRolloutQueue",
@@ -230,6 +231,13 @@ class AgenticRolloutQueue:
         while not self._ready:
             sample = self._inner.get(timeout=timeout)  # `queue.Empty` reaches TRL's dataset, which polls again
             if getattr(sample, "group_rows", 0) <= 0:  # not trl-agentic's worker: no groups to wait for
+                if self._estimator is not None:
+                    raise RuntimeError(
+                        f"An advantage estimator runs on a group's rows, but the rollout worker pushed a "
+                        f"{type(sample).__name__} without its group's size (`group_rows`): only trl-agentic's loop in "
+                        "TRL's `AsyncRolloutWorker` pushes them. Use TRL's worker, or leave `advantage_estimator` at "
+                        '"grpo" and pass no estimator.'
+                    )
                 self._ready.extend([sample] if getattr(sample, "trained", True) else [])
                 continue
             if self._pending and self._pending[0].group_id != sample.group_id:
@@ -243,8 +251,17 @@ class AgenticRolloutQueue:
 
     def _release(self) -> None:
         group, self._pending = self._pending, []
-        rows = self._estimate(group) if self._estimator is not None else group
-        self._ready.extend(self._in_random_order([s for s in rows if getattr(s, "trained", True)]))
+        real = [s for s in group if not is_consumed_marker(s)]
+        rows = self._estimate(real) if self._estimator is not None and real else real
+        trained = [s for s in rows if getattr(s, "trained", True)]
+        if not trained:
+            # TRL counts a group as trained when its collator packs one of its rows: its checkpoints resume from the
+            # first group never counted (`_save_checkpoint`'s `prompt_index`), and `num_train_epochs` ends when the
+            # epoch's groups are counted. A group with no row to train (every conversation truncated under
+            # `mask_truncated_completions`, or lost) is consumed all the same; uncounted, every later checkpoint
+            # would resume at it (and train again what followed), and the epoch would run on past its end.
+            self._trainer._trained_groups.add(int(group[0].group_id))
+        self._ready.extend(self._in_random_order(trained))
 
     def _in_random_order(self, rows: list) -> list:
         """A group's rows in a random order, one permutation per group drawn from the run's seed and the group id.

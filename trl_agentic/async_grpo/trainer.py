@@ -31,6 +31,7 @@ import uuid
 import torch
 from transformers.utils import logging
 
+from ..batch import snapshot_reward
 from ..envs.protocol import check_checkpointable, has_user_turns
 from ..estimators import resolve_estimator
 from ..rollout.context import delete_context
@@ -61,6 +62,19 @@ _ADVANTAGE_FIELDS = (
     "snapshot_reward_func",
     "scale_rewards",
     "advantage_std_floor",
+)
+
+# Settings TRL's rollout worker carries out in trl-agentic's loop (`_use_agentic_loop`); another worker makes its own
+# rollouts and rows, so they do nothing there (the trainer warns). An estimator needs the worker's groups: the stage
+# refuses a worker's rows without them.
+_WORKER_FIELDS = (
+    "enable_tool_rollback",
+    "enable_context_snapshots",
+    "tool_timeout",
+    "max_tool_output_chars",
+    "malformed_tool_call_feedback",
+    "max_turn_tokens",
+    "mask_truncated_completions",
 )
 
 
@@ -154,6 +168,8 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
         if not isinstance(model, str):
             raise TypeError("AsyncAgenticGRPOTrainer takes the model as a name or folder (the vLLM server serves it).")
         _refuse_environment_rewards(reward_funcs)
+        # Imported in the worker's child, where an error reaches only the child's stderr: checked here first.
+        snapshot_reward(args.snapshot_reward_func)
         if args.tracin_enabled and peft_config is None:
             raise ValueError("`tracin_enabled=True` needs a PEFT LoRA policy: pass `peft_config` (a `LoraConfig`).")
         if args.enable_context_snapshots:
@@ -209,11 +225,17 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
         if args.mask_truncated_completions and is_trl_worker:
             _use_agentic_loop(worker, "`mask_truncated_completions`")  # TRL's worker has no such option
             worker._loop_kwargs["mask_truncated_completions"] = True
-        elif args.mask_truncated_completions and worker is not None:
-            logger.warning(
-                "`mask_truncated_completions` has no effect with a rollout worker other than TRL's: the rows are "
-                f"the ones {type(worker).__name__} makes."
-            )
+        elif worker is not None:
+            ignored = [name for name in _WORKER_FIELDS if getattr(args, name)]
+            if ignored:
+                logger.warning(
+                    f"{', '.join(f'`{name}`' for name in ignored)} ha{'s' if len(ignored) == 1 else 've'} no effect "
+                    f"with a rollout worker other than TRL's: the rollouts and rows are the ones "
+                    f"{type(worker).__name__} makes."
+                )
+        # The queue stage runs with a feature on, and with `mask_truncated_completions` alone: it counts the groups the
+        # worker pushed no trained row of as consumed (`stage.AgenticRolloutQueue`).
+        self._stage_on = self._features_on or (args.mask_truncated_completions and is_trl_worker)
         if not self._features_on:
             return
         for cls in env_classes:
@@ -286,7 +308,7 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
             # Read by TRL's queue dataset when it waits for rollouts (every `poll_interval_s`).
             self._worker_check_health = worker.check_health
             worker.check_health = self._check_health
-        if self._features_on and self.accelerator.is_main_process and self.rollout_queue is not None:
+        if self._stage_on and self.accelerator.is_main_process and self.rollout_queue is not None:
             from .stage import AgenticRolloutQueue
 
             if not hasattr(self.rollout_queue, "_observe"):

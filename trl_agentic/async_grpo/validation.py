@@ -32,7 +32,6 @@ import asyncio
 import collections
 import concurrent.futures
 import copy
-import importlib
 import inspect
 import math
 import random
@@ -44,6 +43,7 @@ import torch
 from transformers.utils import logging
 
 from ..advantages import without_reward_spread
+from ..batch import snapshot_reward
 from ..envs.protocol import tool_methods, with_observation
 from ..estimators import zero_without_reward_spread
 from ..rollout.loop import AgenticRolloutLoop, LoopConfig
@@ -163,9 +163,7 @@ class ValidationRollouts:
         self._estimator = getattr(trainer, "advantage_estimator", None)
         self._estimator_host = EstimatorHost(trainer) if self._estimator is not None else None
         self._renderer: ChatRenderer | None = None  # chosen at the first refresh, from its environments' tools
-        path = getattr(args, "snapshot_reward_func", None)
-        module, _, name = (path or "").partition(":")
-        self._segment_reward = getattr(importlib.import_module(module), name) if path else None
+        self._segment_reward = snapshot_reward(getattr(args, "snapshot_reward_func", None))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         # Idle environments by environment name (None: a single factory), as TRL's worker pools them; drawn and

@@ -39,7 +39,6 @@ import asyncio
 import concurrent.futures
 import copy
 import functools
-import importlib
 import inspect
 import math
 import random
@@ -50,6 +49,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
+
+from ..batch import snapshot_reward
 from ..rollout.loop import AgenticRolloutLoop, LoopConfig
 from ..rollout.rendering import ChatRenderer
 from ..rollout.types import RowKind
@@ -90,6 +92,30 @@ class AgenticRolloutSample(RolloutSample):
     baseline_rows: int = 0
     policy_versions: tuple = (0, 0)
     trained: bool = True
+
+
+def consumed_marker(group) -> AgenticRolloutSample:
+    """What the worker pushes for a group it has no row of to push (every conversation truncated under
+    `mask_truncated_completions`, or lost): no tokens, not trained, a group of one. The trainer side counts the group
+    as consumed (`stage.AgenticRolloutQueue`), as TRL counts a group one of whose rows it trained."""
+    return AgenticRolloutSample(
+        prompt=[],
+        completion=[],
+        input_ids=np.zeros(0, dtype=np.int64),
+        completion_mask=np.zeros(0, dtype=np.int64),
+        old_log_probs=np.zeros(0, dtype=np.float32),
+        advantage=0.0,
+        model_version=group.model_version,
+        group_id=group.group_id,
+        metrics={},
+        group_rows=1,
+        trained=False,
+    )
+
+
+def is_consumed_marker(sample) -> bool:
+    """Whether `sample` is a `consumed_marker` (a real row has at least its prompt's tokens)."""
+    return not getattr(sample, "trained", True) and len(sample.input_ids) == 0
 
 
 class _Stopping(Exception):
@@ -195,11 +221,6 @@ def _without_truncated_conversations(samples: list, group, stop_token_ids) -> li
     return out
 
 
-def _import(path: str):
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
 def die_with_trainer() -> None:
     """In the rollout worker's child process: have the kernel send it SIGTERM when the trainer process, which spawned
     it, dies, however it dies (Linux; elsewhere nothing).
@@ -259,9 +280,7 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
             return
         self._loop_config = LoopConfig(**agentic["loop"])
         self._adv_args = SimpleNamespace(**agentic["advantage"])
-        self._segment_reward = (
-            _import(self._adv_args.snapshot_reward_func) if self._adv_args.snapshot_reward_func else None
-        )
+        self._segment_reward = snapshot_reward(self._adv_args.snapshot_reward_func)
         self._renderer = ChatRenderer(self.tokenizer, self.chat_template, self.chat_template_kwargs)
         self._seed_rng = random.Random(agentic.get("seed", 0))
         self._seed_lock = threading.Lock()
@@ -395,7 +414,7 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
         if self._agentic is None:
             if self._mask_truncated:
                 stops = {*self.eos_token_ids, self.tokenizer.pad_token_id} - {None}
-                return _without_truncated_conversations(samples, group, stops)
+                return _without_truncated_conversations(samples, group, stops) or [consumed_marker(group)]
             return samples
         rows = [row for rows in group.completions_sequences for row in rows]
         conversation = [c for c, rows in enumerate(group.completions_sequences) for _ in rows]
@@ -438,6 +457,7 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
         for sample in out:
             sample.group_rows, sample.baseline_rows = len(out), int(sum(scored.keep))
         kinds = [s.row_kind for s in out if s.trained]
+        out = out or [consumed_marker(group)]
         self._counters["groups/rows_total"] += len(kinds)
         self._counters["negatives/rows_total"] += kinds.count(int(RowKind.NEGATIVE))
         self._counters["snapshots/rows_total"] += kinds.count(int(RowKind.SNAPSHOT))
