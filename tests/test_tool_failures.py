@@ -19,7 +19,7 @@ import pytest
 from rollout_helpers import LedgerEnv, ScriptBackend, call, run_tools_loop, start
 
 from trl_agentic.config import DEFAULT_INFRA_ERROR_TYPES, DEFAULT_ROLLBACK_ON_ERRORS, AgenticGRPOConfig
-from trl_agentic.errors import render_tool_error
+from trl_agentic.errors import InfrastructureError, ToolCallError, render_tool_error
 from trl_agentic.rollout.loop import AgenticRolloutLoop, LoopConfig
 from trl_agentic.rollout.parsing import MAX_ARGUMENT_DEPTH, nesting_depth
 from trl_agentic.rollout.tools import truncate, truncate_blocks
@@ -312,3 +312,30 @@ def test_a_call_whose_name_is_not_a_string_is_an_unknown_tool():
         policy=ErrorPolicy([], []),
     )
     assert outcome.name == 7 and outcome.content == render_tool_error("Tool 7 not found.")
+
+
+@pytest.mark.parametrize(
+    "raised, category",
+    [
+        (lambda: InfrastructureError("sandbox did not start"), "infra"),
+        (lambda: type("PoolDown", (InfrastructureError,), {})("pool down"), "infra"),  # a subclass
+        (lambda: ConnectionError("server refused"), "infra"),  # a class listed in `infra_error_types`
+        # a `ToolCallError` names the model's error: its `error_type` never makes it infrastructure
+        (lambda: ToolCallError("raised by model code", error_type="InfrastructureError"), "model"),
+        (lambda: ToolCallError("raised by model code", error_type="ConnectionError"), "model"),
+        (lambda: ToolCallError("raised by model code", error_type="KeyError"), "error"),
+    ],
+)
+def test_infrastructure_is_read_from_the_class_hierarchy_alone(raised, category):
+    from trl_agentic.rollout.tools import ErrorPolicy, run_tool_call
+
+    def tool():
+        raise raised()
+
+    policy = ErrorPolicy(
+        rollback_on_errors=["InfrastructureError", "ConnectionError"],
+        infra_error_types=["InfrastructureError", "ConnectionError"],
+    )
+    call = {"type": "function", "function": {"name": "tool", "arguments": {}}}
+    outcome = run_tool_call(call, {"tool": tool}, {}, timeout=0, max_chars=None, policy=policy)
+    assert outcome.category == category

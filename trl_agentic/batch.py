@@ -35,7 +35,7 @@ from trl.trainer.utils import use_adapter
 
 from .advantages import negative_sample_rewards, without_reward_spread
 from .estimators import AdvantageBatch, EstimatorResult, grpo_estimator
-from .rank_errors import raise_on_every_rank
+from .rank_errors import error_summary, raise_on_every_rank
 from .rollout.types import ExtraRow, RowKind
 
 logger = logging.get_logger(__name__)
@@ -348,7 +348,7 @@ class BatchAugmenter:
                 for e in extras
             ]
         except Exception as e:  # noqa: BLE001 - e.g. a failing snapshot_reward_func: raised on every process below
-            local_error, local_meta = e, _Failed(f"{type(e).__name__}: {e}")
+            local_error, local_meta = e, _Failed(error_summary(e))
         all_meta = gather_object([local_meta]) if nproc > 1 else [local_meta]
         _raise_if_failed(all_meta, local_error)
         kinds = [int(RowKind.REGULAR)] * (num_local * nproc)

@@ -17,7 +17,9 @@ A tool call ends in one of three ways:
   the failure is not the model's (a sandbox that cannot start, a tool server that refuses connections). The call is
   retried in place; if it keeps failing, the rollout is kept out of the loss and of its group's statistics.
 
-Types are read from the exception's class hierarchy, never from text.
+Types are read from the exception's class hierarchy, never from text; an infrastructure error from the hierarchy alone
+(a `ToolCallError`'s `error_type` is the model's code speaking: a cell that defines and raises `InfrastructureError`
+is a model error).
 
 Every error reaches the model exactly as TRL's `GRPOTrainer` renders it: the tool message content is
 `str({"error": message})`, e.g. `"{'error': \"name 'x' is not defined\"}"`. A successful result can print the same
@@ -78,11 +80,21 @@ def error_type_names(exc: BaseException) -> list[str]:
         `list[str]`: Names, most specific first, without duplicates.
     """
     names = [exc.error_type] if isinstance(getattr(exc, "error_type", None), str) else []
+    return list(dict.fromkeys(names + class_names(exc)))
+
+
+def class_names(exc: BaseException) -> list[str]:
+    """
+    The class names of an exception's hierarchy up to `BaseException`, most specific first: what `infra_error_types`
+    is matched against. A `ToolCallError`'s `error_type` is not among them: model-written code chooses it (a cell that
+    raises its own `InfrastructureError` is the model's error).
+    """
+    names = []
     for cls in type(exc).__mro__:
         if cls in (object, BaseException, Exception):
             break
         names.append(cls.__name__)
-    return list(dict.fromkeys(names))
+    return names
 
 
 def render_tool_error(message: str) -> str:

@@ -20,9 +20,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["raise_on_every_rank"]
+__all__ = ["error_summary", "raise_on_every_rank"]
 
 _ON_EVERY_RANK = "_trl_agentic_raised_on_every_rank"
+
+
+def error_summary(error: BaseException) -> str:
+    """`"Type: message"` for the other processes' message. Never raises: an exception whose `__str__` fails (a user
+    class reading an attribute it never set) would otherwise raise here, between the reduction and the gather, and
+    leave the other processes waiting in the gather with the real error lost."""
+    try:
+        text = str(error)
+    except Exception as e:  # noqa: BLE001 - the message must be built whatever the error's __str__ does
+        text = f"<unprintable: its __str__ raised {type(e).__name__}>"
+    return f"{type(error).__name__}: {text}"
 
 
 def raise_on_every_rank(accelerator, error: BaseException | None, where: str) -> None:
@@ -47,7 +58,7 @@ def raise_on_every_rank(accelerator, error: BaseException | None, where: str) ->
     flag = torch.tensor([0.0 if error is None else 1.0], device=accelerator.device)
     if accelerator.reduce(flag, reduction="sum").item() == 0:
         return
-    errors = gather_object([None if error is None else f"{type(error).__name__}: {error}"])
+    errors = gather_object([None if error is None else error_summary(error)])
     if error is None:
         failed = {rank: text for rank, text in enumerate(errors) if text is not None}
         error = RuntimeError(f"Stopped because {where} failed on another process: {failed}")

@@ -254,6 +254,45 @@ def test_a_divergent_replay_keeps_the_rollout_and_its_reward(tiny_tokenizer):
     assert "could not restore its state" in contents[1] and result.tool_failed == [[False, True]]
 
 
+@pytest.mark.parametrize(
+    "code, error_type",
+    [
+        # a class of the model's own with the name of the default infrastructure type
+        ("class InfrastructureError(Exception): pass\nraise InfrastructureError('not mine')", "InfrastructureError"),
+        # the model's own network attempt, with `"ConnectionError"` listed as infrastructure as docs suggest
+        ("raise ConnectionError('no network in the sandbox')", "ConnectionError"),
+    ],
+)
+def test_model_code_cannot_make_its_error_an_infrastructure_error(tiny_tokenizer, code, error_type):
+    """The sandbox reports model code's exception by name (`CodeError.error_type`); infrastructure is read from the
+    class hierarchy of what the tool raised (a `CodeError`), never from that name. The model's failure is rolled back
+    with a negative row; it was retried `max_infra_retries` times on the state it changed and dropped from the loss."""
+    from rollout_helpers import ScriptBackend, call, run_tools_loop
+
+    from trl_agentic.rollout.loop import LoopConfig
+
+    env = EnvFactory(**POLICIES["best_effort"])(timeout=10.0)
+    try:
+        env.reset()
+        turns = [call("python", code=code), call("python", code="print('fixed')"), "done<|im_end|>"]
+        backend = ScriptBackend(tiny_tokenizer, [[t] for t in turns[1:]])
+        config = LoopConfig(
+            enable_tool_rollback=True,
+            save_negative_samples=True,
+            rollback_on_errors=[error_type],
+            infra_error_types=["InfrastructureError", "ConnectionError"],
+            max_infra_retries=2,
+        )
+        _, _, _, result = run_tools_loop(backend, [turns[0]], [{"python": env.python}], config, envs=[env])
+        cells = len(env._cells)
+    finally:
+        env._close()
+    assert result.infra_failed == [False] and result.stats.infra_retries == 0
+    assert result.stats.rollback_attempts == 1 and result.stats.negatives_saved == 1
+    assert [row.error_types for row in result.extra_rows] == [[error_type]]
+    assert cells == 1  # the corrected cell; the failed one was run once and rolled back
+
+
 def test_a_single_huge_allocation_is_a_code_error(make_env):
     env = make_env(memory_limit_mb=256)
     env.python("kept = 'still here'")

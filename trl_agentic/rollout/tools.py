@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import FailedToolMessage, error_type_names, render_tool_error
+from ..errors import FailedToolMessage, class_names, error_type_names, render_tool_error
 
 
 class ToolTimeout(TimeoutError):
@@ -111,8 +111,11 @@ class ErrorPolicy:
     rollback_on_errors: list[str]
     infra_error_types: list[str]
 
-    def category(self, names: list[str]) -> str:
-        if any(name in self.infra_error_types for name in names):
+    def category(self, names: list[str], classes: list[str] | None = None) -> str:
+        """`names`: every name the error matches (`error_type_names`); `classes`: its class hierarchy alone
+        (`class_names`), the only names an infrastructure error is read from (default: none, the loop's own failures
+        such as an unknown tool are never infrastructure)."""
+        if any(name in self.infra_error_types for name in classes or ()):
             return "infra"
         if any(name in self.rollback_on_errors for name in names):
             return "model"
@@ -192,14 +195,20 @@ def gather_async_calls(coroutines: list, timeout: float, async_loop: asyncio.Abs
 
 
 def failure(
-    name: str, error_type: str, message: str, policy: ErrorPolicy, names: list[str] | None = None
+    name: str,
+    error_type: str,
+    message: str,
+    policy: ErrorPolicy,
+    names: list[str] | None = None,
+    classes: list[str] | None = None,
 ) -> ToolOutcome:
-    """The outcome of a failed call: TRL's rendering of `message`, classified by `names` (default `[error_type]`)."""
+    """The outcome of a failed call: TRL's rendering of `message`, classified by `names` (default `[error_type]`) and
+    the raised exception's `classes` (`ErrorPolicy.category`)."""
     message = printable(message)  # it also feeds the rollback hint, which is tokenized as it is
     return ToolOutcome(
         name=printable(name),
         content=render_tool_error(message),
-        category=policy.category(names or [error_type]),
+        category=policy.category(names or [error_type], classes),
         error_type=error_type,
         error_text=message,
     )
@@ -285,7 +294,7 @@ def run_tool_call(
             return failure(name, UNKNOWN_TOOL, f"Tool {name} not found.", policy)
     except Exception as e:  # noqa: BLE001 - every failure must reach the model as a message
         names = error_type_names(e)
-        outcome = failure(name, names[0], truncate(_exception_text(e), max_chars), policy, names)
+        outcome = failure(name, names[0], truncate(_exception_text(e), max_chars), policy, names, class_names(e))
         outcome.timed_out = isinstance(e, ToolTimeout)
         return outcome
     # The tool returned: a result, whatever it says (TRL's loop does not count it as a failure either).
