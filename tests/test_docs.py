@@ -74,3 +74,31 @@ def test_anchors_of_links_between_readme_and_docs_exist():
             if anchor not in anchors:
                 broken.append(f"{page.relative_to(root)} -> {target}#{anchor}")
     assert not broken, broken
+
+
+def test_reference_tables_keep_one_cell_per_column():
+    """A `|` in a type or default (`int | None`) is escaped: GFM splits a table row on an unescaped pipe, even inside
+    a code span."""
+    import dataclasses
+
+    from markdown_it import MarkdownIt
+
+    from trl_agentic.config import AgenticGRPOConfig
+    from trl_agentic.docgen import _default
+
+    fields = {f.name: f for f in dataclasses.fields(AgenticGRPOConfig)}
+    rows, row = [], None
+    for token in MarkdownIt("commonmark").enable("table").parse(render()):
+        if token.type == "tr_open":
+            row = []
+        elif token.type == "inline" and row is not None:
+            row.append(token.content)
+        elif token.type == "tr_close":
+            rows.append(row)
+            row = None
+    assert len(rows) > 40 and all(len(r) == 4 for r in rows)
+    optional = [r for r in rows if r[0] == "`max_tool_output_chars`"]
+    assert optional == [[optional[0][0], "`int | None`", "`None`", optional[0][3]]]
+    for name, _kind, default, _ in rows[1:]:
+        if name.strip("`") in fields:
+            assert default == f"`{_default(fields[name.strip('`')])}`"

@@ -9,6 +9,8 @@ import matplotlib.image
 import pytest
 import torch
 from datasets import Dataset
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from report_helpers import completion, synthetic_trajectories, tool_call
 
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
@@ -396,3 +398,305 @@ def test_metric_table_has_one_column_per_logged_step():
     assert lines[0].split() == ["metric", "step", "1", "step", "2"]
     assert lines[1].split() == ["reward", "0.25", "0.5"]
     assert lines[2].split() == ["rollback/attempts", "3", "n/a"]
+
+
+# ---------------------------------------------------------------------------------------------------- review fixes
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    from trl_agentic.models import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
+
+
+# Characters of one to four UTF-8 bytes: the tiny tokenizer has one token per byte, so every non-ASCII character is cut
+# over several tokens; SmolLM2's byte-level BPE cuts the rarer ones.
+_TEXT = st.lists(
+    st.sampled_from(list('ab Z1*=.\n{}":<>/_数学é🙂ïç—€𝕏ß日本語') + ["<|im_end|>", " the", "ing"]), max_size=40
+).map("".join)
+
+
+@pytest.mark.parametrize("tokenizer_name", ["tiny_tokenizer", "smollm2_tokenizer"])
+@settings(max_examples=60)
+@given(text=_TEXT, cuts=st.lists(st.integers(min_value=1, max_value=200), max_size=5))
+def test_split_segments_texts_concatenate_to_the_decoded_completion(request, tokenizer_name, text, cuts):
+    tokenizer = request.getfixturevalue(tokenizer_name)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assume(ids)
+    # The role changes at the cuts, which may fall inside a character.
+    mask, role = [], 1
+    for k in range(len(ids)):
+        role = 1 - role if k in cuts else role
+        mask.append(role)
+    segments = split_segments(tokenizer, ids, mask, [0.5] * len(ids))
+    decoded = tokenizer.decode(ids, skip_special_tokens=False)
+    assert "".join(s["text"] for s in segments) == decoded
+    assert all(s["text"] == "".join(s["tokens"]) for s in segments)
+    assert [len(s["tokens"]) for s in segments] == [len(s["advantages"]) for s in segments]
+    assert sum(len(s["tokens"]) for s in segments) == len(ids)
+    runs = [m for k, m in enumerate(mask) if k == 0 or mask[k - 1] != m]
+    assert [s["role"] for s in segments] == ["model" if m else "env" for m in runs]
+    if "\ufffd" not in decoded:
+        assert not any("\ufffd" in token for s in segments for token in s["tokens"])
+
+
+def test_split_segments_keeps_multibyte_tool_arguments(tiny_tokenizer):
+    payload = json.dumps({"name": "calculate", "arguments": {"expression": "数学 🙂"}}, ensure_ascii=False)
+    ids, mask = completion(tiny_tokenizer, [(f"<tool_call>\n{payload}\n</tool_call><|im_end|>", True)])
+    segments = split_segments(tiny_tokenizer, ids, mask, [0.1] * len(ids))
+    assert describe_segments(segments)["tool_calls"] == [{"name": "calculate", "arguments": {"expression": "数学 🙂"}}]
+
+
+class _CountingTokenizer:
+    """Counts the tokens handed to `decode`."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids, **kwargs):
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def test_split_segments_decodes_each_token_a_bounded_number_of_times(tiny_tokenizer):
+    """Linear, not quadratic, in the completion's length: every token is decoded a bounded number of times (here
+    a 4-byte character holds back at most 3 pieces; decoding every prefix would pass n * (n + 1) / 2 tokens)."""
+    ids = tiny_tokenizer.encode("The answer is 12 * 3 = 36, 数学 🙂. " * 40, add_special_tokens=False)
+    counting = _CountingTokenizer(tiny_tokenizer)
+    split_segments(counting, ids, [1] * len(ids), [0.0] * len(ids))
+    assert counting.decoded <= 12 * len(ids)
+
+
+def test_recorder_skips_tracin_validation_rollouts(tiny_model_dir, tmp_path):
+    from peft import LoraConfig
+
+    args = AgenticGRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        seed=3,
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=10,
+        logging_steps=1,
+        save_strategy="no",
+        tracin_enabled=True,
+        tracin_val_num_generations=2,
+        tracin_val_batch_size=2,
+    )
+    trainer = AgenticGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=lambda completions, **kwargs: [float(len(c)) for c in completions],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": [f"Say something about {i}:" for i in range(8)]}),
+        tracin_eval_dataset=Dataset.from_dict({"prompt": [f"HELD-OUT VALIDATION {i}:" for i in range(4)]}),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+    )
+    recorder = TrajectoryRecorder(trainer.processing_class).attach(trainer)
+    trainer.train()
+    assert recorder.errors == []
+    assert trainer._tracin.refreshes >= 1  # the validation rollouts did run
+    questions = [t["question"] for t in recorder.trajectories]
+    assert len(questions) == 4 and all(q.startswith("Say something about") for q in questions)
+
+
+class _OneCallScript:
+    """Scripted generation: a correct call, then the answer (the same for every generation batch)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __call__(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        out = [
+            "Answer: 36<|im_end|>" if "<tool_response>" in self.tok.decode(i) else tool_call("12 * 3")
+            for i in prompt_ids
+        ]
+        return [self.tok.encode(s, add_special_tokens=False) for s in out], None
+
+
+def test_recorder_ids_are_unique_with_several_generation_batches_per_step(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """`steps_per_generation` < `gradient_accumulation_steps`: two generation batches in one optimizer step."""
+    prompts = [[{"role": "user", "content": f"What is 12 * 3? ({k})"}] for k in range(8)]
+    args = AgenticGRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        seed=0,
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=1,
+        max_completion_length=256,
+        logging_steps=1,
+        save_strategy="no",
+        enable_tool_rollback=True,
+    )
+    trainer = AgenticGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=answer_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts, "answer": ["36"] * 8}),
+        environment_factory=CalculatorEnv,
+    )
+    trainer._generate_single_turn = _OneCallScript(tiny_tokenizer)
+    recorder = TrajectoryRecorder(trainer.processing_class).attach(trainer)
+    trainer.train()
+    rows = recorder.trajectories
+    assert len(rows) == 8 and len({t["id"] for t in rows}) == 8
+    assert [t["id"] for t in rows[:4]] == ["s1-r0", "s1-r1", "s1-r2", "s1-r3"]  # the first batch's ids as before
+    questions = {}
+    for t in rows:
+        questions.setdefault((t["step"], t.get("batch", 0), t["group"]), set()).add(t["question"])
+    assert len(questions) == 2 and all(len(q) == 1 for q in questions.values())  # one prompt per group
+    text = write_report(tmp_path / "report.html", rows).read_text()
+    parser = _Collector()
+    parser.feed(text)
+    element_ids = [a["id"] for tag, a in parser.tags if tag == "article"]
+    assert sorted(element_ids) == sorted(t["id"] for t in rows)
+
+
+def test_recorder_numbers_the_generation_batches_of_a_step(tiny_tokenizer):
+    """Ids, parents and the per-step row budget over two generation batches of the same optimizer step."""
+    tok = tiny_tokenizer
+    good, good_mask = completion(tok, [("Answer: 36<|im_end|>", True)])
+    bad, bad_mask = completion(tok, [(tool_call("12 x 3"), True)])
+    width = max(len(good), len(bad))
+
+    def batch():
+        ids = [good + [tok.pad_token_id] * (width - len(good)), bad + [tok.pad_token_id] * (width - len(bad))]
+        return {
+            "completion_ids": torch.tensor(ids),
+            "completion_mask": torch.tensor([[1] * len(good) + [0] * (width - len(good)), [1] * len(bad)]),
+            "tool_mask": torch.ones(2, width, dtype=torch.long),
+            "advantages": torch.tensor([0.5, -1.0]),
+            "row_kind": torch.tensor([RowKind.REGULAR, RowKind.NEGATIVE]),
+            "group_id": torch.tensor([0, 0]),
+        }
+
+    negative = ExtraRow(
+        kind=RowKind.NEGATIVE, parent=0, prompt_ids=[1], completion_ids=bad, tool_mask=bad_mask, logprobs=None
+    )
+    loop_result = LoopResult([negative], [False], [1], LoopStats(), [[]], tool_failed=[[]])
+    inputs = [{"prompt": "What is 12 * 3?", "answer": "36"}]
+    recorder = TrajectoryRecorder(tok, max_rows_per_step=3)
+    trainer = _fake_trainer(step=0)
+    for _ in range(3):  # three generation batches for step 1; the third is over the budget of 3 rows
+        recorder.record(trainer, batch(), inputs, torch.tensor([[1.0]]), loop_result)
+    trainer.state.global_step = 1
+    recorder.record(trainer, batch(), inputs, torch.tensor([[1.0]]), loop_result)
+    ids = [(t["id"], t["parent"]) for t in recorder.trajectories]
+    assert ids == [("s1-r0", None), ("s1-r1", "s1-r0"), ("s1-b1-r0", None), ("s2-r0", None), ("s2-r1", "s2-r0")]
+    assert [t["batch"] for t in recorder.trajectories] == [0, 0, 1, 0, 0]
+
+
+def test_recorder_shows_a_truncated_rollout_masked_by_trl(tiny_tokenizer, tmp_path):
+    """`mask_truncated_completions`: TRL zeroes the completion mask (and the tool mask) of a truncated rollout."""
+    tok = tiny_tokenizer
+    ids = tok.encode("Let me think about 12 * 3 step by step, first 12 * 3 is", add_special_tokens=False)
+    width = len(ids) + 3
+    answered = ids[:5] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    batch = {
+        "completion_ids": torch.tensor([ids + [tok.pad_token_id] * 3, answered + [tok.pad_token_id] * (width - 6)]),
+        "completion_mask": torch.tensor([[0] * width, [1] * 6 + [0] * (width - 6)]),
+        "tool_mask": torch.tensor([[0] * width, [1] * width]),
+        "advantages": torch.tensor([-0.5, 0.5]),
+        "row_kind": torch.tensor([RowKind.REGULAR, RowKind.REGULAR]),
+        "group_id": torch.tensor([0, 0]),
+    }
+    inputs = [{"prompt": "What is 12 * 3?", "answer": "36"}] * 2
+    recorder = TrajectoryRecorder(tok)
+    recorder.record(_fake_trainer(), batch, inputs, torch.tensor([[0.0], [1.0]]), None)
+    truncated, answered = recorder.trajectories
+    assert "".join(s["text"] for s in truncated["segments"]) == tok.decode(ids)
+    assert truncated["masked"] and not answered["masked"]
+    assert truncated["advantage"] == pytest.approx(-0.5)
+    assert "".join(s["text"] for s in answered["segments"]) == tok.decode(ids[:5]) + "<|im_end|>"
+    text = write_report(tmp_path / "report.html", [truncated, answered]).read_text()
+    assert text.count("truncated, masked (not trained)") == 1
+
+
+def test_keep_groups_without_group_ids_keeps_the_limit():
+    """TRL's own batch (`multi_objective_aggregation='normalize_then_sum'`) has no `group_id`: every row's group is
+    None."""
+    from trl_agentic.reporting.callbacks import _keep_groups
+
+    rows = [{"group": None, "id": k} for k in range(256)]
+    assert [r["id"] for r in _keep_groups(rows, 64)] == list(range(64))
+
+
+def test_selection_with_groups_bigger_than_the_budget(tmp_path):
+    rows = [
+        {"id": f"s{s}-r{r}", "step": s, "group": s, "kind": "regular", "rollbacks": [], "segments": []}
+        for s in range(1, 4)
+        for r in range(16)
+    ]
+    assert select_trajectories(rows, 10) == rows[:10]  # the first rows of the first group
+    text = write_report(tmp_path / "r.html", rows, max_trajectories=10).read_text()
+    assert "48 training rows recorded" in text and "10 shown" in text
+    assert "No training trajectories were recorded." not in text
+    assert text.count("<article") == 10
+
+
+def test_curves_title_with_dollar_signs(tmp_path):
+    path = plot_curves(_history(2), tmp_path / "curves.png", title="outputs/run_$5_^$")
+    assert matplotlib.image.imread(path).shape[0] > 0
+
+
+class _TruncatingScript:
+    """Scripted generation: a correct call, then an answer that runs past the length budget (no end of turn)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __call__(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        out = [
+            "The answer is 36 " * 20 if "<tool_response>" in self.tok.decode(i) else tool_call("12 * 3")
+            for i in prompt_ids
+        ]
+        return [self.tok.encode(s, add_special_tokens=False) for s in out], None
+
+
+@pytest.mark.parametrize("rollback", [True, False])  # trl-agentic's rollout loop, TRL's own
+def test_recorder_keeps_the_turns_of_a_truncated_rollout_on_a_real_trainer(
+    tiny_model_dir, tiny_tokenizer, tmp_path, rollback
+):
+    """TRL zeroes the tool mask too: the recorder takes the turns from the tool loop."""
+    args = AgenticGRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=200,
+        mask_truncated_completions=True,
+        logging_steps=1,
+        save_strategy="no",
+        enable_tool_rollback=rollback,
+    )
+    trainer = AgenticGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=answer_reward,
+        args=args,
+        train_dataset=Dataset.from_dict(
+            {"prompt": [[{"role": "user", "content": "What is 12 * 3?"}]] * 4, "answer": ["36"] * 4}
+        ),
+        environment_factory=CalculatorEnv,
+    )
+    trainer._generate_single_turn = _TruncatingScript(tiny_tokenizer)
+    recorder = TrajectoryRecorder(trainer.processing_class).attach(trainer)
+    trainer.train()
+    assert recorder.errors == [] and len(recorder.trajectories) == 4
+    for t in recorder.trajectories:
+        assert t["masked"]
+        assert [s["role"] for s in t["segments"]] == ["model", "env", "model"]
+        assert t["tool_results"][0]["content"] == "36"
+        assert t["segments"][2]["text"].startswith("The answer is 36")

@@ -46,7 +46,9 @@ def _table(cls, fields) -> list[str]:
         choices = f.metadata.get("choices")
         if choices:
             help_text += f" Choices: {', '.join(f'`{c}`' for c in choices)}."
-        lines.append(f"| `{f.name}` | `{kind}` | `{_default(f)}` | {help_text} |")
+        # GFM splits a row on every unescaped `|`, even inside a code span (`int | None`).
+        kind, default = kind.replace("|", "\\|"), _default(f).replace("|", "\\|")
+        lines.append(f"| `{f.name}` | `{kind}` | `{default}` | {help_text} |")
     return lines
 
 

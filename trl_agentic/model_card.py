@@ -34,11 +34,42 @@ _KEY_SETTINGS = {
     "snapshots": ["max_snapshots_per_episode", "snapshot_downsample", "snapshot_advantage"],
     "rlvcr": ["rlvcr_mode", "rlvcr_k", "rlvcr_step_advantage_w", "rlvcr_expand", "rlvcr_expand_steps"],
     "tracin": ["tracin_selection", "tracin_val_num_generations", "tracin_val_refresh_steps", "tracin_min_selected"],
+    "row-selection": ["row_selection", "row_selection_keep"],
+    "rollout-loop": ["tool_timeout", "max_tool_output_chars", "malformed_tool_call_feedback", "max_turn_tokens"],
 }
 
 
-def features_used(args) -> list[str]:
-    """Names of the trl-agentic features switched on in `args` (an `AgenticGRPOConfig`)."""
+def estimator_name(args, estimator=None) -> str:
+    """The name of the advantage estimator that runs: `"grpo"`, `"rlvcr"`, or a custom one's `module:function`.
+
+    Args:
+        args: The `AgenticGRPOConfig`.
+        estimator (`Callable`, *optional*):
+            The trainer's estimator (`trainer.advantage_estimator`: a callable passed to the trainer takes precedence
+            over `args.advantage_estimator`). Without it, the one the config names.
+    """
+    from .estimators import grpo_estimator, resolve_estimator
+
+    estimator = resolve_estimator(args.advantage_estimator) if estimator is None else estimator
+    if estimator is grpo_estimator:
+        return "grpo"
+    if estimator is resolve_estimator("rlvcr"):
+        return "rlvcr"
+    name = getattr(estimator, "__qualname__", None) or type(estimator).__qualname__
+    return f"{getattr(estimator, '__module__', None) or type(estimator).__module__}:{name}"
+
+
+def features_used(args, estimator=None, agentic_loop: bool | None = None) -> list[str]:
+    """Names of the trl-agentic features switched on in `args` (an `AgenticGRPOConfig`).
+
+    Args:
+        args: The `AgenticGRPOConfig`.
+        estimator (`Callable`, *optional*):
+            The trainer's advantage estimator (see [`estimator_name`]).
+        agentic_loop (`bool`, *optional*):
+            Whether trl-agentic's rollout loop runs (the trainer decides: an environment with further user turns needs
+            it too); defaults to `args.uses_agentic_loop`.
+    """
     used = []
     if args.enable_tool_rollback:
         used.append("rollback")
@@ -46,16 +77,24 @@ def features_used(args) -> list[str]:
             used.append("negatives")
     if args.enable_context_snapshots:
         used.append("snapshots")
-    if args.advantage_estimator == "rlvcr":
+    name = estimator_name(args, estimator)
+    if name == "rlvcr":
         used.append("rlvcr")
+    elif name != "grpo":
+        used.append("estimator")
     if args.tracin_enabled:
         used.append("tracin")
+    if args.row_selection != "none":
+        used.append("row-selection")
+    if args.uses_agentic_loop if agentic_loop is None else agentic_loop:
+        used.append("rollout-loop")
     return used
 
 
-def card_section(args) -> str:
-    """Markdown appended to TRL's model card."""
-    used = features_used(args)
+def card_section(args, estimator=None, agentic_loop: bool | None = None) -> str:
+    """Markdown appended to TRL's model card (arguments as for [`features_used`])."""
+    used = features_used(args, estimator, agentic_loop)
+    name = estimator_name(args, estimator)
     lines = ["", "## Trained with trl-agentic", ""]
     lines.append(
         "This model was trained with [trl-agentic](https://pypi.org/project/trl-agentic/)'s `AgenticGRPOTrainer`, "
@@ -67,10 +106,13 @@ def card_section(args) -> str:
     else:
         lines.append("| feature | key settings |")
         lines.append("| --- | --- |")
-        for name in used:
-            settings = ", ".join(f"`{k}={getattr(args, k)!r}`" for k in _KEY_SETTINGS[name])
-            lines.append(f"| {name} | {settings} |")
-    lines.append(f"\nAdvantage estimator: `{args.advantage_estimator}`.")
+        for feature in used:
+            if feature == "estimator":
+                settings = f"`{name}`"
+            else:
+                settings = ", ".join(f"`{k}={getattr(args, k)!r}`" for k in _KEY_SETTINGS[feature])
+            lines.append(f"| {feature} | {settings} |")
+    lines.append(f"\nAdvantage estimator: `{name}`.")
     lines += ["", "### Citations", ""]
     for key in ["grpo", *[u for u in used if u in CITATIONS]]:
         title, bibtex = CITATIONS[key]
@@ -78,5 +120,6 @@ def card_section(args) -> str:
     return "\n".join(lines)
 
 
-def feature_tags(args) -> list[str]:
-    return ["trl-agentic", *[f"trl-agentic-{name}" for name in features_used(args)]]
+def feature_tags(args, estimator=None, agentic_loop: bool | None = None) -> list[str]:
+    """The Hub tags: `trl-agentic` and one per feature (arguments as for [`features_used`])."""
+    return ["trl-agentic", *[f"trl-agentic-{name}" for name in features_used(args, estimator, agentic_loop)]]

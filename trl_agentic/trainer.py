@@ -255,14 +255,16 @@ class AgenticGRPOTrainer(RowSelectionMixin, GenerationMixin, TracInMixin, RowWei
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card plus a section naming the trl-agentic features, their settings and citations."""
         tags = [tags] if isinstance(tags, str) else list(tags or [])
+        # What ran, not the config's switches alone: a callable estimator, user turns that need our loop.
+        ran = {"estimator": self.advantage_estimator, "agentic_loop": self._uses_agentic_loop}
         super().create_model_card(
-            model_name=model_name, dataset_name=dataset_name, tags=tags + feature_tags(self.args)
+            model_name=model_name, dataset_name=dataset_name, tags=tags + feature_tags(self.args, **ran)
         )
         if self.is_world_process_zero():
             path = os.path.join(self.args.output_dir, "README.md")
             if os.path.exists(path):
                 with open(path, "a") as f:
-                    f.write(card_section(self.args))
+                    f.write(card_section(self.args, **ran))
 
     def _state_file(self) -> str:
         """This process's file of trl-agentic's own RNG state (one per process, like transformers' `rng_state_{k}`)."""

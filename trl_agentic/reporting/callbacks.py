@@ -146,18 +146,15 @@ def split_segments(tokenizer, completion_ids: list[int], tool_mask: list[int], a
 
     Returns:
         `list[dict]`: Segments `{"role": "model" | "env", "tokens": [...], "advantages": [...], "text": ...}`. The
-        token strings concatenate to the segment's text (pieces of a multi-byte character decode incrementally).
+        token strings concatenate to the decoded completion: a token that ends inside a multi-byte character gets
+        `""` and the token that completes the character gets all of it.
     """
+    pieces = _token_pieces(tokenizer, completion_ids)
     segments: list[dict] = []
     start = 0
     for k in range(1, len(completion_ids) + 1):
         if k == len(completion_ids) or tool_mask[k] != tool_mask[start]:
-            ids = completion_ids[start:k]
-            tokens, previous = [], ""
-            for j in range(len(ids)):
-                text = tokenizer.decode(ids[: j + 1], skip_special_tokens=False)
-                tokens.append(text[len(previous) :] if text.startswith(previous) else tokenizer.decode([ids[j]]))
-                previous = text
+            tokens = pieces[start:k]
             segments.append(
                 {
                     "role": "model" if tool_mask[start] else "env",
@@ -168,6 +165,28 @@ def split_segments(tokenizer, completion_ids: list[int], tool_mask: list[int], a
             )
             start = k
     return segments
+
+
+def _token_pieces(tokenizer, ids: list[int]) -> list[str]:
+    """Each token's share of `tokenizer.decode(ids)`, decoded incrementally as vLLM's detokenizer does: the text the
+    tokens since `read` add to the window that starts at `prefix` (the token before, for context). A window ending in
+    U+FFFD ends inside a multi-byte character: its tokens are held back until the character is complete. Each token is
+    decoded a bounded number of times (decoding every prefix costs the square of the length)."""
+    pieces, prefix, read = [], 0, 0
+    for j in range(len(ids)):
+        text = tokenizer.decode(ids[prefix : j + 1], skip_special_tokens=False)
+        if text.endswith("\ufffd") and j + 1 < len(ids):
+            pieces.append("")
+            continue
+        before = tokenizer.decode(ids[prefix:read], skip_special_tokens=False)
+        new = (
+            text[len(before) :]
+            if text.startswith(before)
+            else tokenizer.decode(ids[read : j + 1], skip_special_tokens=False)
+        )
+        pieces.append(new)
+        prefix, read = read, j + 1
+    return pieces
 
 
 def describe_segments(segments: list[dict], failed: list[bool] | None = None) -> dict:
@@ -211,9 +230,11 @@ class _RecordingAugmenter:
 
     def __call__(self, output, inputs, rewards_per_func, loop_result):
         batch = self._inner(output, inputs, rewards_per_func, loop_result)
+        tool_masks, self._recorder._tool_masks = self._recorder._tool_masks, None  # this batch's, if any
         try:
-            if self._trainer.model.training:
-                self._recorder.record(self._trainer, batch, inputs, rewards_per_func, loop_result)
+            # Training batches only: not evaluation, nor TracIn's validation rollouts (made during the training step).
+            if self._trainer.model.training and not getattr(self._trainer, "_tracin_validating", False):
+                self._recorder.record(self._trainer, batch, inputs, rewards_per_func, loop_result, tool_masks)
         except Exception as e:  # noqa: BLE001 - the report must never break training
             self._recorder.errors.append(f"{type(e).__name__}: {e}")
         return batch
@@ -232,12 +253,18 @@ class TrajectoryRecorder(TrainerCallback):
     environment segments with per-token advantages, the tool calls and results, the reward, the rollbacks of the
     rollout and, for a negative sample, why it failed. No trainer change is needed.
 
-    Only the main process records (its own rows). Training batches only; evaluation batches are skipped.
+    Only the main process records (its own rows). Training batches only; evaluation batches and TracIn's validation
+    rollouts are skipped. When an optimizer step trains several generation batches (`steps_per_generation` smaller
+    than `gradient_accumulation_steps`), a row's id and group key carry the batch's index within the step (`batch`,
+    left out of the id of the first batch: `s{step}-r{row}`, then `s{step}-b{batch}-r{row}`).
+
+    A rollout TRL masked (`mask_truncated_completions`: truncated, not trained) is recorded up to its padding, with
+    `masked` set.
 
     Args:
         tokenizer: The policy's tokenizer.
         max_rows_per_step (`int`, *optional*, defaults to `64`):
-            Rows kept per training step (whole groups first).
+            Rows kept per training step, over all its generation batches (whole groups first).
     """
 
     def __init__(self, tokenizer, max_rows_per_step: int = 64):
@@ -245,6 +272,10 @@ class TrajectoryRecorder(TrainerCallback):
         self.max_rows_per_step = max_rows_per_step
         self.trajectories: list[dict] = []
         self.errors: list[str] = []
+        self._step = None  # the step of the last recorded batch, its batch index, rows kept in the step so far
+        self._batch = 0
+        self._kept = 0
+        self._tool_masks = None  # the tool loop's masks of the batch being made (see `attach`)
 
     def attach(self, trainer) -> TrajectoryRecorder:
         """Start recording the trainer's batches (wraps `trainer._augmenter`, adds this callback)."""
@@ -252,14 +283,32 @@ class TrajectoryRecorder(TrainerCallback):
             raise TypeError("TrajectoryRecorder needs an AgenticGRPOTrainer (no `_augmenter` found).")
         if not isinstance(trainer._augmenter, _RecordingAugmenter):
             trainer._augmenter = _RecordingAugmenter(trainer._augmenter, self, trainer)
+            tool_call_loop = trainer._tool_call_loop
+
+            def recording_tool_call_loop(*args, **kwargs):
+                # The tool masks as the loop made them: TRL zeroes a truncated row's (`mask_truncated_completions`).
+                out = tool_call_loop(*args, **kwargs)
+                self._tool_masks = out[0]
+                return out
+
+            trainer._tool_call_loop = recording_tool_call_loop
         trainer.add_callback(self)
         return self
 
     # ------------------------------------------------------------------------------------------------------------
-    def record(self, trainer, batch: dict, inputs: list[dict], rewards_per_func, loop_result) -> None:
+    def record(self, trainer, batch: dict, inputs: list[dict], rewards_per_func, loop_result, tool_masks=None) -> None:
+        """Record a finished training batch (`tool_masks`: the tool loop's per-rollout masks, unpadded, when known)."""
         if not trainer.accelerator.is_main_process:
             return
         step = trainer.state.global_step + 1  # the batch is generated for the step about to run
+        if step == self._step:
+            self._batch += 1
+        else:
+            self._step, self._batch, self._kept = step, 0, 0
+        prefix = f"s{step}-" if self._batch == 0 else f"s{step}-b{self._batch}-"
+        budget = self.max_rows_per_step - self._kept
+        if budget <= 0:
+            return
         kinds = batch["row_kind"].tolist() if "row_kind" in batch else [int(RowKind.REGULAR)] * len(inputs)
         groups = batch["group_id"].tolist() if "group_id" in batch else [None] * len(kinds)
         completion_ids = batch["completion_ids"].tolist()
@@ -274,23 +323,34 @@ class TrajectoryRecorder(TrainerCallback):
         rollback_log = loop_result.rollback_log if loop_result is not None else [[] for _ in range(num_local)]
         tool_failed = loop_result.tool_failed if loop_result is not None else []
         args = trainer.args
+        pad = self.tokenizer.pad_token_id
         extra_cursor = 0
         rows = []
         for r, kind in enumerate(kinds):
             if kind == RowKind.PADDING:
                 continue
             length = sum(completion_mask[r])
+            masked = length == 0  # TRL's `mask_truncated_completions` zeroes a truncated row's masks: up to padding
+            if masked:
+                length = len(completion_ids[r])
+                while length and completion_ids[r][length - 1] == pad:
+                    length -= 1
             ids = completion_ids[r][:length]
             mask = tool_mask[r][:length] if tool_mask is not None else [1] * length
+            if masked and not any(mask):  # zeroed too: the loop's, else model and environment cannot be told apart
+                known = tool_masks is not None and r < min(num_local, len(tool_masks)) and len(tool_masks[r]) == length
+                mask = list(tool_masks[r]) if known else [1] * length
             adv = advantages[r].tolist() if advantages.dim() == 2 else [advantages[r].item()] * len(completion_ids[r])
             model_adv = [a for a, m in zip(adv[:length], mask) if m]
             row = {
-                "id": f"s{step}-r{r}",
+                "id": f"{prefix}r{r}",
                 "step": step,
+                "batch": self._batch,
                 "group": groups[r],
                 "kind": _KIND_NAMES.get(RowKind(kind), str(kind)),
                 "advantage": sum(model_adv) / len(model_adv) if model_adv else 0.0,
                 "token_level": advantages.dim() == 2,
+                "masked": masked,
             }
             if kind == RowKind.REGULAR and r < num_local:
                 source = inputs[r]
@@ -317,7 +377,7 @@ class TrajectoryRecorder(TrainerCallback):
                     None if extra is None else [tool_call_failed(m) for m in extra.messages if m.get("role") == "tool"]
                 )
                 source = inputs[parent] if parent is not None and parent < num_local else {}
-                row["parent"] = f"s{step}-r{parent}" if parent is not None else None
+                row["parent"] = f"{prefix}r{parent}" if parent is not None else None
                 row["rollbacks"] = []
                 if kind == RowKind.NEGATIVE:
                     from ..advantages import negative_sample_rewards
@@ -339,7 +399,9 @@ class TrajectoryRecorder(TrainerCallback):
             row["segments"] = split_segments(self.tokenizer, ids, mask, adv[:length])
             row.update(describe_segments(row["segments"], failed))
             rows.append(row)
-        self.trajectories.extend(_keep_groups(rows, self.max_rows_per_step))
+        kept = _keep_groups(rows, budget)
+        self._kept += len(kept)
+        self.trajectories.extend(kept)
 
     def save_jsonl(self, path: str | Path) -> Path:
         """Write every recorded trajectory as one JSON object per line."""
@@ -360,7 +422,8 @@ def _question(prompt) -> str:
 
 
 def _keep_groups(rows: list[dict], limit: int) -> list[dict]:
-    """Keep whole groups (a group's rollouts and its extra rows) until `limit` rows are reached."""
+    """Keep whole groups (a group's rollouts and its extra rows) until `limit` rows are reached; never more than
+    `limit` rows (the first ones of a bigger first group, or of rows without group ids: TRL's own batch)."""
     if len(rows) <= limit:
         return rows
     kept, seen = [], []
@@ -372,4 +435,4 @@ def _keep_groups(rows: list[dict], limit: int) -> list[dict]:
         if kept and len(kept) + len(members) > limit:
             break
         kept += members
-    return kept
+    return kept[:limit]

@@ -137,7 +137,7 @@ def plot_curves(
     for ax in flat[len(panels) :]:
         ax.axis("off")
     if title:
-        fig.suptitle(title)
+        fig.suptitle(title, parse_math=False)  # a run's name or path, not mathtext: `$` is a dollar sign
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

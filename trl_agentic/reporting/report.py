@@ -41,6 +41,7 @@ table.metrics th:first-child, table.metrics td:first-child { text-align: left; }
 .badge-rollback { background: #fff3e0; border-color: #ef6c00; color: #b34700; }
 .badge-negative { background: #ffebee; border-color: var(--bad); color: var(--bad); }
 .badge-snapshot { background: #f3e5f5; border-color: #6a1b9a; color: #6a1b9a; }
+.badge-masked { background: #eceff1; border-color: #546e7a; color: #37474f; }
 .badge-level { background: #e0f7fa; border-color: #00838f; color: #00606b; }
 .badge-correct { background: #e8f5e9; border-color: var(--good); color: var(--good); }
 .badge-wrong { background: #fafafa; border-color: #999; color: #555; }
@@ -119,11 +120,12 @@ def select_trajectories(trajectories: list[dict], max_trajectories: int = 150) -
         max_trajectories (`int`, *optional*, defaults to `150`): Budget of rows.
 
     Returns:
-        `list[dict]`: The kept trajectories, in (step, group) order.
+        `list[dict]`: The kept trajectories, in (step, group) order. When no whole group fits, the first
+        `max_trajectories` rows of the first group.
     """
     groups: OrderedDict[tuple, list[dict]] = OrderedDict()
-    for t in trajectories:
-        groups.setdefault((t.get("step", 0), t.get("group")), []).append(t)
+    for t in trajectories:  # a step's generation batches (`batch`) have group ids of their own
+        groups.setdefault((t.get("step", 0), t.get("batch", 0), t.get("group")), []).append(t)
     if len(trajectories) <= max_trajectories:
         return list(trajectories)
     keys = list(groups)
@@ -148,7 +150,9 @@ def select_trajectories(trajectories: list[dict], max_trajectories: int = 150) -
         stride = max(1, len(remaining) // max(1, (max_trajectories - used) // max(1, len(groups[remaining[0]]))))
         for key in remaining[::stride]:
             take(key, max_trajectories)
-    chosen.sort(key=lambda k: (k[0], -1 if k[1] is None else k[1]))
+    if not chosen:
+        return groups[keys[0]][: max(0, max_trajectories)]
+    chosen.sort(key=lambda k: (k[0], k[1], -1 if k[2] is None else k[2]))
     return [t for key in chosen for t in groups[key]]
 
 
@@ -162,6 +166,11 @@ def _badges(t: dict, children: dict[str, list[str]]) -> str:
     if t.get("kind") == "negative":
         types = ", ".join(t.get("error_types") or []) or "tool error"
         out.append(f'<span class="badge badge-negative">negative sample: {_e(types)}</span>')
+    if t.get("masked"):
+        out.append(
+            '<span class="badge badge-masked" title="mask_truncated_completions: cut by the length budget, its loss '
+            'mask zeroed">truncated, masked (not trained)</span>'
+        )
     if t.get("kind") == "snapshot" or t.get("segment_index"):
         out.append(f'<span class="badge badge-snapshot">snapshot segment {_e(t.get("segment_index", 0))}</span>')
     for level in t.get("levels") or []:
@@ -195,8 +204,10 @@ def _render_segments(t: dict, scale: float) -> str:
     for segment in t.get("segments") or []:
         if segment["role"] == "model":
             advantages = segment.get("advantages") or [0.0] * len(segment["tokens"])
+            # A masked row (not trained) is not coloured: its tokens get no gradient.
             spans = "".join(
-                f'<span class="tok" style="{_color(a, scale)}" title="advantage {a:+.3f}">{_e(tok)}</span>'
+                f'<span class="tok" style="{"" if t.get("masked") else _color(a, scale)}" title="advantage {a:+.3f}">'
+                f"{_e(tok)}</span>"
                 for tok, a in zip(segment["tokens"], advantages)
             )
             calls = parse_tool_calls(segment["text"].replace("<|im_end|>", ""))
@@ -401,8 +412,10 @@ def write_report(
     )
     out.append('<section id="trajectories">')
     out += [_render_trajectory(t, scale, children) for t in shown]
-    if not shown:
+    if not trajectories:
         out.append('<p class="muted">No training trajectories were recorded.</p>')
+    elif not shown:
+        out.append(f'<p class="muted">None shown (<code>max_trajectories={_e(max_trajectories)}</code>).</p>')
     out.append(f"</section><script>{_JS}</script></body></html>")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -471,10 +471,12 @@ class TracInMixin:
             "extra": defaultdict(deque),
         }
         self.num_generations = self.args.tracin_val_num_generations
+        self._tracin_validating = True  # read by the report's trajectory recorder: these rows are not training rows
         try:
             with self._tracin_quiet() as scratch:
                 batch = self._generate_and_score_completions(rows)
         finally:
+            self._tracin_validating = False
             self._logs, self.num_generations = saved_logs, saved_generations
             self.state.num_input_tokens_seen = saved_tokens
         rewards = scratch["train"].get("reward", [])
