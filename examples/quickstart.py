@@ -42,9 +42,12 @@ def evaluate(model, tokenizer, task, task_args, args, stage):
         environment_factory=task.environment_factory,
         reward_funcs=task.reward_funcs,
         max_completion_length=args.max_completion_length,
-        max_tool_calling_iterations=args.max_tool_calling_iterations or 3,
+        # Training's rollout limits (None: no limit, 0: no tool call, as TRL reads them).
+        max_tool_calling_iterations=args.max_tool_calling_iterations,
+        max_turn_tokens=args.max_turn_tokens,
         batch_size=task_args.heldout_eval_batch_size,
-        temperature=task_args.heldout_eval_temperature,  # 0: greedy; the quickstart samples like training (1.0)
+        temperature=task_args.heldout_eval_temperature,  # 0: greedy; the quickstart samples like training (0.8)
+        top_p=args.top_p,
         seed=args.seed,
         desc=f"eval {stage}",
     )
@@ -64,30 +67,37 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=model_args.dtype or "float32")
 
     # 1. Warm start: the model has never seen the tool-call format; SFT shows it on synthetic traces of the task.
-    # Steps, batch size, learning rate and error fraction come from `task_args`, the traces from the task.
-    warm = run_task_warmstart(
-        model,
-        tokenizer,
-        task,
-        task_args,
-        peft_config=get_peft_config(model_args),
-        output_dir=os.path.join(args.output_dir, "warmstart"),
-        seed=args.seed,
-    )
-    print(f"Warm start: {warm.num_traces} traces in {warm.seconds:.0f} s. First trace:\n{warm.sample_trace}")
+    # Steps, batch size, learning rate and error fraction come from `task_args`, the traces from the task; device and
+    # precision from the training config. `--warmstart_steps 0` skips it.
+    peft_config = get_peft_config(model_args)
+    if task_args.warmstart_steps:
+        warm = run_task_warmstart(
+            model,
+            tokenizer,
+            task,
+            task_args,
+            peft_config=peft_config,
+            output_dir=os.path.join(args.output_dir, "warmstart"),
+            seed=args.seed,
+            use_cpu=args.use_cpu,
+            bf16=args.bf16,
+        )
+        print(f"Warm start: {warm.num_traces} traces in {warm.seconds:.0f} s. First trace:\n{warm.sample_trace}")
+        model, peft_config = warm.model, None  # GRPO continues training the warm-start adapter (a PeftModel)
 
     # 2. Held-out evaluation before GRPO.
-    before = evaluate(warm.model, tokenizer, task, task_args, args, "before GRPO")
+    before = evaluate(model, tokenizer, task, task_args, args, "before GRPO")
 
-    # 3. GRPO continues training the warm-start LoRA adapter (a PeftModel, so no peft_config here).
+    # 3. GRPO, on the warm-start LoRA adapter (or a new one on the base model without a warm start).
     args.model_init_kwargs = None
     trainer = AgenticGRPOTrainer(
-        model=warm.model,
+        model=model,
         processing_class=tokenizer,
         reward_funcs=task.reward_funcs,
         args=args,
         train_dataset=task.train_dataset,
         environment_factory=task.environment_factory,
+        peft_config=peft_config,
     )
     recorder = TrajectoryRecorder(tokenizer).attach(trainer)  # training rows for report.html
     install_compact_progress(trainer)  # one line per step: reward, tool failures, rollbacks, negatives, s/step

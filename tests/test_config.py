@@ -52,6 +52,15 @@ BAD_VALUES = [
     ("max_turn_tokens", True),
     ("max_turn_tokens", 2.5),
     ("transformers_prefix_caching", "yes"),
+    # Non-finite rewards, weights and thresholds: -inf with `group_baseline: all_rows` made a whole group's
+    # advantages NaN; a NaN threshold compares false to every score.
+    ("negative_sample_reward", float("-inf")),
+    ("negative_sample_reward", float("nan")),
+    ("negative_reward_by_error", {"NameError": float("nan")}),
+    ("negative_reward_by_error", '{"NameError": -Infinity}'),
+    ("rlvcr_step_advantage_w", float("inf")),
+    ("row_selection_threshold", float("nan")),
+    ("tracin_threshold", float("-inf")),
 ]
 
 

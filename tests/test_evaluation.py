@@ -338,3 +338,45 @@ def test_generation_in_chunks_equals_one_call_per_turn(tiny_model_dir, tiny_toke
 def test_chunk_tokens_must_be_positive(tiny_tokenizer):
     with pytest.raises(ValueError, match="chunk_tokens"):
         HFGenerationBackend(None, tiny_tokenizer, [[]], max_completion_length=8, max_iterations=1, chunk_tokens=0)
+
+
+def test_summary_of_no_problems_has_every_metric_undefined():
+    """No problems: every rate is NaN (not missing, which crashed the CLI's report line), the counts are 0."""
+    record = {"rewards": [1.0], "reward": 1.0, "tool_calls": 1, "tool_failures": 0, "completion_tokens": 3}
+    empty = summarize([], 2.0)
+    assert set(empty) == set(summarize([record]))
+    assert empty["num_problems"] == 0 and empty["seconds"] == 2.0
+    assert all(math.isnan(v) for k, v in empty.items() if k not in ("num_problems", "seconds"))
+    assert "nan%" in format_comparison({"after training": empty})
+
+
+class FiveCallsModel(ScriptedModel):
+    """Calls the tool with the right expression five times, then answers with the result."""
+
+    def _turn(self, text):
+        question = next(q for q in self.expression if q in text)
+        _, expression = self.expression[question]
+        if text.count("<tool_response>") < 5:
+            call = {"name": "calculate", "arguments": {"expression": expression}}
+            return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+        return "Answer: " + text.rsplit("<tool_response>\n", 1)[1].split("\n", 1)[0]
+
+
+@pytest.mark.parametrize("limit", [None, 0, 2, 7])
+def test_tool_round_limit_is_trls(tiny_tokenizer, limit):
+    """`max_tool_calling_iterations` as TRL's GRPOTrainer reads it: None is no limit, 0 runs no tool call."""
+    rows = make_arithmetic_tasks(2, 3, "easy")
+    result = evaluate_policy(
+        FiveCallsModel(tiny_tokenizer, rows, []),
+        tiny_tokenizer,
+        rows,
+        environment_factory=CalculatorEnv,
+        reward_funcs=[answer_reward],
+        max_completion_length=4096,
+        max_tool_calling_iterations=limit,
+        prefix_caching=False,
+        progress=False,
+    )
+    expected = 5 if limit is None else min(5, limit)
+    assert [r["tool_calls"] for r in result.records] == [expected] * len(rows)
+    assert result.metrics["success_rate"] == (1.0 if expected == 5 else 0.0)

@@ -179,6 +179,59 @@ def test_deepspeed_launch_script_gpu(tmp_path):
     assert _launch_script(tmp_path, "tpu").returncode == 2
 
 
+class _Reached(Exception):
+    def __init__(self, kwargs):
+        super().__init__("reached")
+        self.kwargs = kwargs
+
+
+@pytest.mark.parametrize("bf16", ["true", "false"])
+def test_quickstart_warm_starts_with_the_configs_precision(tiny_model_dir, monkeypatch, bf16):
+    """The quickstart's warm start ran with `run_task_warmstart`'s defaults (`use_cpu=True`, `bf16=False`) whatever
+    the config said; the CLI passes both."""
+    import trl_agentic.models
+    import trl_agentic.warmstart
+
+    def warm_start(*args, **kwargs):
+        raise _Reached(kwargs)
+
+    monkeypatch.setattr(trl_agentic.models, "resolve_model_path", lambda name: tiny_model_dir)
+    monkeypatch.setattr(trl_agentic.warmstart, "run_task_warmstart", warm_start)
+    monkeypatch.setattr(sys, "argv", ["quickstart.py", "--config", str(CONFIGS / "quickstart.yaml"), "--bf16", bf16])
+    with pytest.raises(_Reached) as reached:
+        runpy.run_path(str(EXAMPLES / "quickstart.py"), run_name="__main__")
+    assert (reached.value.kwargs["use_cpu"], reached.value.kwargs["bf16"]) == (True, bf16 == "true")
+
+
+def test_quickstart_without_a_warm_start_trains_a_new_adapter(tiny_model_dir, tmp_path, monkeypatch):
+    """`--warmstart_steps 0` (TaskArguments: "0 skips it") warm-started anyway and failed with a bare StopIteration.
+    Now GRPO gets the base model and the config's LoRA, as `trl-agentic train` does."""
+    import trl_agentic
+    import trl_agentic.evaluation
+    import trl_agentic.models
+    import trl_agentic.warmstart
+
+    def trainer(*args, **kwargs):
+        raise _Reached(kwargs)
+
+    def evaluate_policy(model, tokenizer, rows, **kwargs):
+        return trl_agentic.evaluation.EvalResult(trl_agentic.evaluation.summarize([]), [])
+
+    monkeypatch.setattr(trl_agentic.models, "resolve_model_path", lambda name: tiny_model_dir)
+    monkeypatch.setattr(trl_agentic.warmstart, "run_task_warmstart", lambda *a, **k: pytest.fail("warm-started"))
+    monkeypatch.setattr(trl_agentic.evaluation, "evaluate_policy", evaluate_policy)
+    monkeypatch.setattr(trl_agentic, "AgenticGRPOTrainer", trainer)
+    argv = ["--config", str(CONFIGS / "quickstart.yaml"), "--warmstart_steps", "0", "--output_dir", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", ["quickstart.py", *argv])
+    with pytest.raises(_Reached) as reached:
+        runpy.run_path(str(EXAMPLES / "quickstart.py"), run_name="__main__")
+    from peft import LoraConfig, PeftModel
+
+    kwargs = reached.value.kwargs
+    assert not isinstance(kwargs["model"], PeftModel)
+    assert isinstance(kwargs["peft_config"], LoraConfig) and kwargs["peft_config"].r == 16  # the config's lora_r
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # One real step of each new example on the tiny model
 # ----------------------------------------------------------------------------------------------------------------------

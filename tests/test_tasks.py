@@ -56,3 +56,54 @@ def test_textworld_task_rewards_solving_through_the_act_tool():
     assert env.done and env.get_reward() == 1.0
     # Held-out problems come from a different seed.
     assert {r["task_seed"] for r in task.train_dataset}.isdisjoint(r["task_seed"] for r in task.eval_dataset)
+
+
+BAD_TASK_ARGUMENTS = [
+    # A non-finite learning rate trains a NaN adapter ("loss 5.611 -> 0.000") or fails deep in torch.
+    ("warmstart_learning_rate", float("inf")),
+    ("warmstart_learning_rate", float("nan")),
+    ("heldout_eval_temperature", float("nan")),
+    ("heldout_eval_temperature", float("inf")),
+    # A generated task with no training problem trains nothing (bfcl: 0 takes every task, tested below).
+    ("num_train_tasks", 0),
+    # YAML numbers of the wrong type (`TrlParser` converts only strings): a float in an int field failed later with
+    # a TypeError naming no field, or silently changed the run (`heldout_eval_batch_size: 2.5`: one batch).
+    ("warmstart_steps", 1.5),
+    ("warmstart_batch_size", 2.5),
+    ("num_train_tasks", 2.5),
+    ("num_eval_tasks", 3.5),
+    ("heldout_eval_batch_size", 2.5),
+    ("task_seed", 0.5),
+    ("report_max_trajectories", 10.0),
+    ("textworld_max_plan_steps", True),
+    ("extra_reward_funcs", [3]),
+    ("extra_reward_funcs", ["no_colon"]),
+]
+
+
+@pytest.mark.parametrize("name,value", BAD_TASK_ARGUMENTS, ids=[f"{n}={v!r}" for n, v in BAD_TASK_ARGUMENTS])
+def test_bad_task_arguments_name_the_field(name, value):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        TaskArguments(**{name: value})
+
+
+def test_zero_training_tasks_is_every_bfcl_task():
+    assert TaskArguments(task="bfcl", num_train_tasks=0).num_train_tasks == 0
+
+
+def test_one_extra_reward_function_from_yaml_is_a_list_of_one(tmp_path):
+    """`extra_reward_funcs: "pkg:f"` in YAML arrives as a string (argparse converts only command-line values), which
+    `build_task` iterated character by character."""
+    import math
+
+    import yaml
+
+    from trl_agentic.cli import make_parser
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        yaml.safe_dump({"output_dir": str(tmp_path), "use_cpu": True, "extra_reward_funcs": "math:fabs"})
+    )
+    task_args, *_ = make_parser().parse_args_and_config(args=["--config", str(config)])
+    assert task_args.extra_reward_funcs == ["math:fabs"]
+    assert build_task(task_args).reward_funcs[1:] == [math.fabs]

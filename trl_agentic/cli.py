@@ -55,7 +55,9 @@ def trainer_kind(argv: list[str]) -> str:
     """The `trainer` field of a `train` command line (its YAML config, then a `--trainer` flag), validated."""
     from trl import TrlParser
 
-    (choice, _) = TrlParser((TrainerArguments,)).parse_args_and_config(args=list(argv), return_remaining_strings=True)
+    # Without its own -h: `train --help` reaches the full parser of `make_parser(kind)`.
+    parser = TrlParser((TrainerArguments,), prog="trl-agentic train", add_help=False)
+    (choice, _) = parser.parse_args_and_config(args=list(argv), return_remaining_strings=True)
     return choice.trainer
 
 
@@ -140,6 +142,13 @@ def train(task_args, training_args, model_args):
 
     clock = _Clock()
     task = build_task(task_args)
+    _check_heldout_problems(
+        task,
+        task_args,
+        heldout_eval=task_args.heldout_eval,
+        tracin_enabled=training_args.tracin_enabled,
+        eval_strategy=training_args.eval_strategy != "no",
+    )
     with clock("model"):
         model_path = resolve_model_path(model_args.model_name_or_path or DEFAULT_MODEL)
     peft_config = get_peft_config(model_args)
@@ -239,6 +248,22 @@ def train(task_args, training_args, model_args):
     return trainer
 
 
+def _check_heldout_problems(task, task_args, **needs: bool) -> None:
+    """Refuse, before any model loads, a run whose options in `needs` (held-out evaluation, TracIn's validation
+    prompts, the trainer's evaluation) need held-out problems when the task has none (they crashed once the model had
+    loaded)."""
+    if task.eval_dataset is not None and len(task.eval_dataset) > 0:
+        return
+    names = ", ".join(f"`{name}`" for name, on in needs.items() if on)
+    if names:
+        source = (
+            "`bfcl_heldout_fraction` (with `bfcl_categories` and `bfcl_classes`) leaves no held-out task"
+            if task_args.task == "bfcl"
+            else f"`num_eval_tasks` is {task_args.num_eval_tasks}"
+        )
+        raise ValueError(f"{names} needs held-out problems, but the task has none: {source}.")
+
+
 def _rollouts_per_step(args) -> int:
     """Rollouts generated per optimizer step (TRL's generation batch; with `num_iterations=1`)."""
     return args.per_device_train_batch_size * getattr(args, "steps_per_generation", 1) * args.world_size
@@ -254,7 +279,11 @@ def train_async(task_args, training_args, model_args):
     from .models import resolve_model_path
     from .tasks import build_task
 
+    clock = _Clock()
     task = build_task(task_args)
+    _check_heldout_problems(
+        task, task_args, heldout_eval=task_args.heldout_eval, tracin_enabled=training_args.tracin_enabled
+    )
     model_path = resolve_model_path(model_args.model_name_or_path or DEFAULT_MODEL)
     peft_config = get_peft_config(model_args)
     if task_args.warmstart_steps:
@@ -284,7 +313,8 @@ def train_async(task_args, training_args, model_args):
             peft_config=peft_config,
         )
         _stage(f"Asynchronous GRPO: {training_args.max_steps} steps against {training_args.vllm_server_base_url}")
-        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        with clock("grpo"):
+            trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model(training_args.output_dir)
     finally:
         if server is not None:
@@ -292,9 +322,13 @@ def train_async(task_args, training_args, model_args):
     if task_args.heldout_eval and _is_main_process():
         results, records = {}, {}
         policy = trainer.accelerator.unwrap_model(trainer.model)
-        _evaluate_into(
-            "after training", policy, trainer.processing_class, task, task_args, training_args, results, records
-        )
+        _stage(f"Held-out evaluation after training ({len(task.eval_dataset)} problems)")
+        with clock("eval_after"):
+            _evaluate_into(
+                "after training", policy, trainer.processing_class, task, task_args, training_args, results, records
+            )
+        # `write_report` is refused for this trainer (`main`): `eval_results.json` only.
+        _finish(trainer, task, task_args, training_args, clock, results, records, None, None)
     return trainer
 
 
@@ -399,9 +433,12 @@ def _evaluate_into(stage, model, tokenizer, task, task_args, training_args, resu
             environment_factory=task.environment_factory,
             reward_funcs=task.reward_funcs,
             max_completion_length=training_args.max_completion_length,
-            max_tool_calling_iterations=training_args.max_tool_calling_iterations or 3,
+            # The rollout limits of training (None: no limit, 0: no tool call, as TRL reads them).
+            max_tool_calling_iterations=training_args.max_tool_calling_iterations,
+            max_turn_tokens=training_args.max_turn_tokens,
             batch_size=task_args.heldout_eval_batch_size,
             temperature=task_args.heldout_eval_temperature,
+            top_p=training_args.top_p,
             seed=training_args.seed,
             progress=not training_args.disable_tqdm,
             desc=f"eval {stage}",
@@ -508,6 +545,13 @@ def main(argv: list[str] | None = None) -> int:
             "`warmstart_steps` with `trainer: async_grpo` needs `vllm_server_start: true`: the warm-started model is a "
             "folder this run writes (the adapter merged), and a server started elsewhere serves another model."
         )
+    if kind == "async_grpo":
+        for name in ("write_report", "heldout_eval_base_model"):
+            if getattr(task_args, name):
+                raise ValueError(
+                    f"`{name}` is not supported with `trainer: async_grpo`: the asynchronous pipeline writes no report "
+                    "and evaluates no base model (`heldout_eval` evaluates after training into `eval_results.json`)."
+                )
     if kind == "async_grpo" and task_args.warmstart_steps:
         _merged_warm_start(training_args)
     try:

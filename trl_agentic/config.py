@@ -78,11 +78,13 @@ class AgenticGRPOConfig(GRPOConfig):
         rollback_hint_template (`str`, *optional*):
             Text of the hint inserted with `rollback_feedback="hint"`; `{error}` is replaced by the error message.
         infra_error_types (`list[str]`, *optional*, defaults to `["InfrastructureError"]`):
-            Error type names (matched like `rollback_on_errors`, checked first) of failures that are not the model's:
-            a tool or environment raises `trl_agentic.errors.InfrastructureError` (or a subclass) when, e.g., its
-            sandbox cannot start or a remote tool server refuses the connection. Add e.g. `"ConnectionError"` for tool
-            clients that raise it. Such a call is retried in place; it never creates a negative sample and is never
-            trained on. A timeout, crash or memory kill of model-written code is a model error, not this.
+            Class names of failures that are not the model's, matched against the raised exception's class hierarchy
+            only (checked first): a tool or environment raises `trl_agentic.errors.InfrastructureError` (or a
+            subclass) when, e.g., its sandbox cannot start or a remote tool server refuses the connection. Add e.g.
+            `"ConnectionError"` for tool clients that raise it. A `ToolCallError`'s `error_type` is never matched here:
+            model-written code chooses it (the sandbox reports the model's own `ConnectionError` that way). Such a
+            call is retried in place; it never creates a negative sample and is never trained on. A timeout, crash or
+            memory kill of model-written code is a model error, not this.
         max_infra_retries (`int`, *optional*, defaults to `2`):
             Re-executions of a call that failed with an infrastructure error (only that call: the calls before it in
             the turn are not run again). If it still fails the rollout is kept out of the loss and out of the group
@@ -292,8 +294,9 @@ class AgenticGRPOConfig(GRPOConfig):
     infra_error_types: list[str] = field(
         default_factory=lambda: list(DEFAULT_INFRA_ERROR_TYPES),
         metadata={
-            "help": "Error type names of failures that are not the model's (default: trl_agentic.errors."
-            "InfrastructureError): retried in place, never trained on."
+            "help": "Class names of failures that are not the model's (default: trl_agentic.errors."
+            "InfrastructureError), matched against the raised exception's class hierarchy, never a ToolCallError's "
+            "error_type: retried in place, never trained on."
         },
     )
     max_infra_retries: int = field(
@@ -571,6 +574,8 @@ class AgenticGRPOConfig(GRPOConfig):
                 )
 
     def _validate_agentic_fields(self) -> None:
+        import math
+
         for name, choices in _CHOICES.items():
             value = getattr(self, name)
             if value not in choices:
@@ -634,11 +639,24 @@ class AgenticGRPOConfig(GRPOConfig):
                 raise ValueError(f"`negative_reward_by_error` is not valid JSON: {e}") from e
         if self.negative_reward_by_error is not None:
             if not isinstance(self.negative_reward_by_error, dict) or not all(
-                isinstance(k, str) and isinstance(v, int | float) for k, v in self.negative_reward_by_error.items()
+                isinstance(k, str) and isinstance(v, int | float) and math.isfinite(v)
+                for k, v in self.negative_reward_by_error.items()
             ):
                 raise ValueError(
-                    f"`negative_reward_by_error` must map error type names to numbers, got {self.negative_reward_by_error!r}."
+                    "`negative_reward_by_error` must map error type names to finite numbers, got "
+                    f"{self.negative_reward_by_error!r}."
                 )
+        # A non-finite reward or weight makes a whole group's advantages NaN (through its mean and std), and a NaN
+        # threshold compares false to every score.
+        for name in (
+            "negative_sample_reward",
+            "rlvcr_step_advantage_w",
+            "row_selection_threshold",
+            "tracin_threshold",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
         if self.snapshot_reward_func is not None and ":" not in self.snapshot_reward_func:
             raise ValueError(
                 f"`snapshot_reward_func` must be an import path 'package.module:function', got {self.snapshot_reward_func!r}."

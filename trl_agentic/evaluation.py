@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -75,7 +76,7 @@ class HFGenerationBackend:
         tokenizer: Its tokenizer, with a response parser (see [`with_response_schema`]).
         tools_per_row: The tools (bound methods) of each rollout, for prompt rendering and argument typing.
         max_completion_length: Token budget of a whole multi-turn completion (as in GRPO).
-        max_iterations: Maximum tool rounds per rollout.
+        max_iterations: Maximum tool rounds per rollout (`None`: no limit, as in TRL's `GRPOTrainer`).
         temperature: 0 for greedy decoding, otherwise the sampling temperature.
         top_p: Nucleus sampling threshold when sampling.
         prefix_caching: Encode the prefix shared by all contexts of a call once (see `generate`).
@@ -98,7 +99,7 @@ class HFGenerationBackend:
         tools_per_row: Sequence[Sequence[Callable]],
         *,
         max_completion_length: int,
-        max_iterations: int,
+        max_iterations: int | None,
         temperature: float = 0.0,
         top_p: float = 1.0,
         prefix_caching: bool = True,
@@ -117,7 +118,7 @@ class HFGenerationBackend:
         self.stop_token_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
         self.tools_per_row = tools_per_row
         self.max_completion_length = max_completion_length
-        self.max_iterations = max_iterations
+        self.max_iterations = sys.maxsize if max_iterations is None else max_iterations  # TRL's reading of None
         self.max_model_len = getattr(model.config, "max_position_embeddings", None) or 2048
         self.temperature = temperature
         self.top_p = top_p
@@ -262,7 +263,7 @@ def evaluate_policy(
     environment_factory: Callable,
     reward_funcs: Sequence[Callable],
     max_completion_length: int = 96,
-    max_tool_calling_iterations: int = 3,
+    max_tool_calling_iterations: int | None = 3,
     batch_size: int = 16,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -296,8 +297,9 @@ def evaluate_policy(
             defines `success_rate`. An environment with a `get_reward()` method adds its reward last, as in TRL.
         max_completion_length (`int`, *optional*, defaults to `96`):
             Token budget of a whole completion (all turns), as `max_completion_length` in GRPO.
-        max_tool_calling_iterations (`int`, *optional*, defaults to `3`):
-            Maximum tool rounds per problem.
+        max_tool_calling_iterations (`int` or `None`, *optional*, defaults to `3`):
+            Maximum tool rounds per problem, as TRL's `GRPOTrainer` reads `max_tool_calling_iterations`: `None` is no
+            limit, `0` runs no tool call.
         batch_size (`int`, *optional*, defaults to `16`):
             Problems rolled out together (one `generate` call per turn and batch).
         temperature (`float`, *optional*, defaults to `0.0`):
@@ -483,11 +485,25 @@ def _reset_kwargs(environment_factory, row: dict) -> dict:
     return row
 
 
+_METRICS = (
+    "num_problems",
+    "success_rate",
+    "reward",
+    "tool_success_rate",
+    "tool_call_success_rate",
+    "tool_failure_rate",
+    "tool_calls_per_problem",
+    "no_tool_call_rate",
+    "mean_completion_tokens",
+    "mean_peak_context_tokens",
+)
+
+
 def summarize(records: list[dict], seconds: float = 0.0) -> dict[str, float]:
     """Aggregate per-problem records of [`evaluate_policy`] into its metrics."""
     n = len(records)
-    if n == 0:
-        return {"num_problems": 0, "seconds": seconds}
+    if n == 0:  # every metric present (callers format them), none defined
+        return {key: (0 if key == "num_problems" else math.nan) for key in _METRICS} | {"seconds": seconds}
     calls = sum(r["tool_calls"] for r in records)
     failures = sum(r["tool_failures"] for r in records)
     first = [r["rewards"][0] for r in records if r["rewards"] and not math.isnan(r["rewards"][0])]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -15,6 +16,25 @@ TASKS = ("calculator", "python", "textworld", "logsearch", "bfcl")
 PYTHON_SYSTEM_PROMPT = (
     "Solve the math problem. Use the `python` tool to compute (print the result), then give the final answer on its "
     'own line as "Answer: <number>".'
+)
+
+
+# Fields of `TaskArguments` checked for their type (and, for the floats, finiteness) first.
+_INT_FIELDS = (
+    "num_train_tasks",
+    "num_eval_tasks",
+    "task_seed",
+    "textworld_max_plan_steps",
+    "warmstart_steps",
+    "warmstart_batch_size",
+    "heldout_eval_batch_size",
+    "report_max_trajectories",
+)
+_FLOAT_FIELDS = (
+    "bfcl_heldout_fraction",
+    "warmstart_learning_rate",
+    "warmstart_error_fraction",
+    "heldout_eval_temperature",
 )
 
 
@@ -31,10 +51,11 @@ class TaskArguments:
             `delete_context` is needed to finish, docs/snapshots.md), `"bfcl"` (BFCL v4 multi-turn tasks,
             docs/bfcl.md) or an import path `"package.module:build"` of a function `build(task_args) -> Task`.
         num_train_tasks (`int`, *optional*, defaults to `256`):
-            Number of generated training problems (`bfcl`: at most this many training tasks; 0 takes them all).
+            Number of generated training problems, at least 1 (`bfcl`: at most this many training tasks; 0 takes
+            them all).
         num_eval_tasks (`int`, *optional*, defaults to `32`):
             Number of held-out problems (a different seed) for evaluation (`bfcl`: at most this many held-out tasks;
-            0 takes them all).
+            0 takes them all). `heldout_eval` and `tracin_enabled` need at least one.
         task_difficulty (`str`, *optional*, defaults to `"medium"`):
             Difficulty of the generated arithmetic problems: `"easy"`, `"medium"` or `"hard"`.
         task_seed (`int`, *optional*, defaults to `0`):
@@ -46,7 +67,7 @@ class TaskArguments:
             namespaces and memory/pids/cpu cgroups; `"best_effort"` runs with what the machine has and logs what is
             missing (see docs/reliability.md).
         extra_reward_funcs (`list[str]`, *optional*):
-            Import paths `"package.module:function"` of extra reward functions.
+            Import paths `"package.module:function"` of extra reward functions (a single string is one path).
         textworld_max_plan_steps (`int`, *optional*, defaults to `0`):
             `task: textworld`: only tasks whose shortest plan has at most this many steps (0: any). Rollouts of k
             tool rounds (`max_tool_calling_iterations`) can solve only plans of up to k steps.
@@ -85,7 +106,7 @@ class TaskArguments:
             problems other than the training and held-out ones (seed `task_seed + 2`). `bfcl`: the training tasks'
             traces, repeated as needed.
         warmstart_learning_rate (`float`, *optional*, defaults to `2e-4`):
-            Peak learning rate of the SFT stage (linear decay).
+            Peak learning rate of the SFT stage (linear decay); positive and finite.
         warmstart_error_fraction (`float`, *optional*, defaults to `0.0`):
             Fraction of traces that first make a malformed call, see the tool's error and then make the right call,
             so the warm-started policy still errs sometimes and rollback has something to fix.
@@ -94,16 +115,18 @@ class TaskArguments:
 
         heldout_eval (`bool`, *optional*, defaults to `False`):
             Evaluate the policy on the `num_eval_tasks` held-out problems before and after GRPO with the multi-turn
-            tool loop (`trl_agentic.evaluation`), print the comparison and save it to `eval_results.json`.
+            tool loop (`trl_agentic.evaluation`), with the rollout limits of training (`max_tool_calling_iterations`,
+            `max_turn_tokens`, `top_p`), print the comparison and save it to `eval_results.json` (`trainer:
+            async_grpo`: after training only).
         heldout_eval_base_model (`bool`, *optional*, defaults to `False`):
-            Also evaluate the model before the warm start.
+            Also evaluate the model before the warm start (not with `trainer: async_grpo`).
         heldout_eval_temperature (`float`, *optional*, defaults to `0.0`):
             Decoding of the held-out evaluation: `0` is greedy (deterministic), otherwise the sampling temperature.
         heldout_eval_batch_size (`int`, *optional*, defaults to `32`):
             Held-out problems rolled out together.
         write_report (`bool`, *optional*, defaults to `False`):
             Write `curves.png`, `report.html` (a browsable sample of training trajectories) and `trajectories.jsonl`
-            into `output_dir`.
+            into `output_dir` (not with `trainer: async_grpo`).
         report_max_trajectories (`int`, *optional*, defaults to `160`):
             Training rows shown in `report.html`.
     """
@@ -186,6 +209,24 @@ class TaskArguments:
     report_max_trajectories: int = field(default=160, metadata={"help": "Training rows shown in report.html."})
 
     def __post_init__(self):
+        # YAML values reach the fields unconverted (`TrlParser` converts only strings): a float in an int field failed
+        # later with an error naming no field, or changed the run (a batch size of 2.5 is one batch).
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"`{name}` must be an integer, got {value!r}.")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
+        if isinstance(self.extra_reward_funcs, str):  # one path written as a YAML string
+            self.extra_reward_funcs = [self.extra_reward_funcs]
+        if self.extra_reward_funcs is not None and not all(
+            isinstance(p, str) and ":" in p for p in self.extra_reward_funcs
+        ):
+            raise ValueError(
+                f"`extra_reward_funcs` must be import paths 'package.module:function', got {self.extra_reward_funcs!r}."
+            )
         if self.task not in TASKS and ":" not in self.task:
             raise ValueError(f"`task` must be one of {list(TASKS)} or 'package.module:build', got {self.task!r}.")
         if self.task_difficulty not in ("easy", "medium", "hard"):
@@ -193,6 +234,10 @@ class TaskArguments:
         for name in ("num_train_tasks", "num_eval_tasks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"`{name}` must be non-negative, got {getattr(self, name)}.")
+        if self.task in TASKS and self.task != "bfcl" and self.num_train_tasks < 1:  # bfcl: 0 takes every task
+            raise ValueError(
+                f"`num_train_tasks` must be at least 1 for task {self.task!r}, got {self.num_train_tasks}."
+            )
         from .envs.python_sandbox import check_timeout
 
         check_timeout("sandbox_timeout", self.sandbox_timeout)
@@ -210,7 +255,7 @@ class TaskArguments:
             raise ValueError(f"`warmstart_learning_rate` must be positive, got {self.warmstart_learning_rate}.")
         if not 0.0 <= self.warmstart_error_fraction <= 1.0:
             raise ValueError(f"`warmstart_error_fraction` must be in [0, 1], got {self.warmstart_error_fraction}.")
-        if self.heldout_eval_temperature < 0:
+        if self.heldout_eval_temperature < 0:  # finite: checked above
             raise ValueError(f"`heldout_eval_temperature` must be >= 0, got {self.heldout_eval_temperature}.")
         if self.task == "bfcl":
             from .envs.bfcl.data import API_CLASSES, CATEGORIES

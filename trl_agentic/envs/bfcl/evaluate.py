@@ -108,13 +108,63 @@ class BFCLEvalArguments:
                 raise ValueError(f"`{name}` must be at least 1, got {getattr(self, name)}.")
         if self.limit < 0:
             raise ValueError(f"`limit` must be non-negative, got {self.limit}.")
-        if self.temperature < 0:
-            raise ValueError(f"`temperature` must be >= 0, got {self.temperature}.")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"`temperature` must be a finite number >= 0, got {self.temperature}.")
         if self.classes is not None:
             from .data import API_CLASSES
 
             if not set(self.classes) <= set(API_CLASSES):
                 raise ValueError(f"`classes` must be among {list(API_CLASSES)}, got {self.classes}.")
+        import torch
+
+        dtype = getattr(torch, self.dtype, None)  # what `load_policy` looks up
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(
+                f"`dtype` must name a torch floating-point dtype (e.g. float32, bfloat16), got {self.dtype!r}."
+            )
+        # Local files only (`load_policy`): a missing folder fails here rather than when the model loads.
+        if not _local_model(self.model_name_or_path):
+            raise ValueError(
+                "`model_name_or_path` must be a local model or adapter folder, a built-in model name or a model in the "
+                f"local Hugging Face cache, got {self.model_name_or_path!r}."
+            )
+        if self.adapter_path is not None and not os.path.isfile(
+            os.path.join(self.adapter_path, "adapter_config.json")
+        ):
+            raise ValueError(
+                f"`adapter_path` must be a LoRA adapter folder (with adapter_config.json), got {self.adapter_path!r}."
+            )
+
+
+def _local_model(name_or_path: str) -> bool:
+    """Whether `load_policy` finds the model without the network: a folder, a built-in name, or a Hub model whose
+    config is in the local cache."""
+    from huggingface_hub import try_to_load_from_cache
+
+    from ...models import is_builtin_model
+
+    if os.path.isdir(name_or_path) or is_builtin_model(name_or_path):
+        return True
+    try:
+        return isinstance(try_to_load_from_cache(name_or_path, "config.json"), str)
+    except ValueError:  # not a valid Hub id either (e.g. an absolute path)
+        return False
+
+
+def _check_output(path: str) -> None:
+    """Make `path`'s folder and check that a file can be written there, so an unusable `output` fails before the
+    evaluation rather than after it."""
+    import tempfile
+
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"{path} is a folder")
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"`output` {path!r} cannot be written: {e}") from e
 
 
 def eval_rows(args: BFCLEvalArguments) -> list[dict]:
@@ -272,6 +322,8 @@ def load_policy(model_name_or_path: str, adapter_path: str | None = None, dtype:
 def run_eval(args: BFCLEvalArguments) -> dict:
     """`trl-agentic eval`: select the rows, load the policy, evaluate, print the table, write `args.output`."""
     rows = eval_rows(args)  # config and task errors before any model loads
+    if args.output:
+        _check_output(args.output)
     model, tokenizer = load_policy(args.model_name_or_path, args.adapter_path, args.dtype)
     results = evaluate_bfcl(
         model,

@@ -1,0 +1,164 @@
+"""`trl-agentic train`: its help, and the settings refused before any model loads (those the run could not honour)."""
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trl_agentic.cli import main
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+BASE = {"use_cpu": True, "report_to": "none", "max_steps": 1, "save_strategy": "no"}
+
+
+def _forbid_model_loading(monkeypatch):
+    import transformers
+
+    import trl_agentic.models
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was validated")
+
+    monkeypatch.setattr(trl_agentic.models, "resolve_model_path", forbidden)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", forbidden)
+
+
+def _config(tmp_path, **values) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), **BASE, **values}))
+    return str(path)
+
+
+@pytest.mark.parametrize("trainer", [[], ["--trainer", "async_grpo"]])
+def test_train_help_lists_every_field(capsys, trainer):
+    """`trl-agentic train --help` listed only `--trainer`: the parser that reads the trainer's name answered it."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *trainer, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: trl-agentic train")
+    for flag in ("--trainer", "--warmstart_steps", "--heldout_eval", "--enable_tool_rollback", "--lora_r"):
+        assert flag in out, flag
+
+
+@pytest.mark.parametrize(
+    "values,field",
+    [
+        ({"heldout_eval": True, "num_eval_tasks": 0}, "num_eval_tasks"),
+        ({"tracin_enabled": True, "use_peft": True, "num_eval_tasks": 0}, "num_eval_tasks"),
+        ({"eval_strategy": "steps", "eval_steps": 1, "num_eval_tasks": 0}, "num_eval_tasks"),
+        (
+            {"heldout_eval": True, "task": "bfcl", "bfcl_heldout_fraction": 0.0, "num_train_tasks": 4},
+            "bfcl_heldout_fraction",
+        ),
+    ],
+    ids=["heldout_eval", "tracin", "eval_strategy", "bfcl"],
+)
+def test_a_run_that_needs_held_out_problems_and_has_none_fails_before_a_model_loads(
+    tmp_path, monkeypatch, values, field
+):
+    """It crashed after the model had loaded (the held-out summary had no `success_rate`; TracIn refused an empty
+    validation set in the trainer)."""
+    _forbid_model_loading(monkeypatch)
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        main(["train", "--config", _config(tmp_path, **values)])
+
+
+def test_the_async_run_needs_held_out_problems_for_tracin(monkeypatch):
+    _forbid_model_loading(monkeypatch)
+    argv = ["train", "--config", str(CONFIGS / "async_calculator.yaml"), "--vllm_server_start", "false"]
+    with pytest.raises(ValueError, match="`num_eval_tasks`"):
+        main([*argv, "--tracin_enabled", "true", "--use_peft", "true", "--num_eval_tasks", "0"])
+
+
+@pytest.mark.parametrize(
+    "values,flags,field",
+    [
+        ({"warmstart_steps": 1.5}, [], "warmstart_steps"),
+        ({"heldout_eval_batch_size": 2.5}, [], "heldout_eval_batch_size"),
+        ({"num_train_tasks": 0}, [], "num_train_tasks"),
+        ({"warmstart_steps": 1}, ["--warmstart_learning_rate", "nan"], "warmstart_learning_rate"),
+        ({"heldout_eval": True}, ["--heldout_eval_temperature", "inf"], "heldout_eval_temperature"),
+        ({"row_selection": "successful"}, ["--row_selection_threshold", "nan"], "row_selection_threshold"),
+    ],
+)
+def test_bad_values_fail_before_a_model_loads(tmp_path, monkeypatch, values, flags, field):
+    _forbid_model_loading(monkeypatch)
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        main(["train", "--config", _config(tmp_path, **values), *flags])
+
+
+@pytest.mark.parametrize("field", ["write_report", "heldout_eval_base_model"])
+def test_the_async_trainer_refuses_what_it_does_not_write(monkeypatch, field):
+    """`trainer: async_grpo` accepted these and wrote no report and evaluated no base model."""
+    _forbid_model_loading(monkeypatch)
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        main(["train", "--config", str(CONFIGS / "async_calculator.yaml"), f"--{field}", "true"])
+
+
+def test_the_async_trainers_held_out_evaluation_is_written_to_eval_results(tmp_path, monkeypatch):
+    """`heldout_eval` with `trainer: async_grpo` evaluates after training and writes `eval_results.json` (it only
+    printed). Trainer and evaluation are recorders (the vLLM tier runs the trainer)."""
+    import trl_agentic.async_grpo as async_grpo
+    import trl_agentic.evaluation as evaluation
+    import trl_agentic.models as models
+
+    class Trainer:
+        def __init__(self, model, args=None, **kwargs):
+            self.model, self.processing_class = "policy", "tokenizer"
+            self.accelerator = types.SimpleNamespace(unwrap_model=lambda m: m)
+            self.state = types.SimpleNamespace(log_history=[{"loss": 0.5, "step": 1}], global_step=1)
+
+        def train(self, resume_from_checkpoint=None):
+            pass
+
+        def save_model(self, output_dir):
+            pass
+
+    metrics = evaluation.summarize(
+        [{"rewards": [1.0], "reward": 1.0, "tool_calls": 1, "tool_failures": 0, "completion_tokens": 4}]
+    )
+    stages = []
+
+    def evaluate_policy(model, tokenizer, rows, **kwargs):
+        stages.append((model, kwargs["desc"], len(rows)))
+        return evaluation.EvalResult(metrics, [])
+
+    monkeypatch.setattr(async_grpo, "AsyncAgenticGRPOTrainer", Trainer)
+    monkeypatch.setattr(evaluation, "evaluate_policy", evaluate_policy)
+    monkeypatch.setattr(models, "resolve_model_path", lambda name: name)
+    out = tmp_path / "out"
+    argv = ["train", "--config", str(CONFIGS / "async_calculator.yaml"), "--output_dir", str(out)]
+    argv += ["--vllm_server_start", "false", "--heldout_eval", "true", "--num_eval_tasks", "3"]
+    assert main(argv) == 0
+    assert stages == [("policy", "eval after training", 3)]
+    written = json.loads((out / "eval_results.json").read_text())
+    assert written["eval"] == {"after training": metrics}
+    assert written["grpo_steps"] == 1 and written["num_eval_problems"] == 3
+
+
+@pytest.mark.parametrize("iterations", [None, 0, 5])
+def test_the_held_out_evaluation_rolls_out_as_training_does(iterations, tmp_path, monkeypatch):
+    """The evaluation got `max_tool_calling_iterations or 3` (None, TRL's no limit, and 0, no tool call, became 3)
+    and neither `max_turn_tokens` nor `top_p`."""
+    import trl_agentic.evaluation as evaluation
+    from trl_agentic.cli import _evaluate_into
+    from trl_agentic.config import AgenticGRPOConfig
+    from trl_agentic.tasks import TaskArguments, build_task
+
+    seen = {}
+
+    def evaluate_policy(model, tokenizer, rows, **kwargs):
+        seen.update(kwargs)
+        return evaluation.EvalResult(evaluation.summarize([]), [])
+
+    monkeypatch.setattr(evaluation, "evaluate_policy", evaluate_policy)
+    args = AgenticGRPOConfig(
+        output_dir=str(tmp_path), **BASE, max_tool_calling_iterations=iterations, max_turn_tokens=24, top_p=0.9
+    )
+    task_args = TaskArguments(num_train_tasks=1, num_eval_tasks=2, heldout_eval_temperature=0.7)
+    _evaluate_into("after training", None, None, build_task(task_args), task_args, args, {}, {})
+    assert seen["max_tool_calling_iterations"] == iterations
+    assert (seen["max_turn_tokens"], seen["top_p"], seen["temperature"]) == (24, 0.9, 0.7)
