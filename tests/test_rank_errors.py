@@ -52,3 +52,15 @@ def test_the_other_processes_name_the_failing_ones_error(monkeypatch):
     with pytest.raises(RuntimeError, match=r"the advantage estimator failed on another process: \{1: 'BadStr: <unp"):
         raise_on_every_rank(accelerator, None, "the advantage estimator")
     assert gathered == [None]
+
+
+def test_the_rollout_loops_flag_gathers_a_message_and_raises_its_own_error(monkeypatch):
+    """The rollout loop's synchronisation point (`trl_backend.any_rank`) builds its message the same way."""
+    from trl_agentic.rollout.trl_backend import any_rank
+
+    accelerator, gathered = _two_processes(monkeypatch, None)
+    error = BadStr()
+    with pytest.raises(BadStr) as info:
+        any_rank(accelerator, True, error)
+    assert info.value is error
+    assert gathered == ["BadStr: <unprintable: its __str__ raised AttributeError>"]

@@ -39,6 +39,14 @@ def _unfreeze_a_base_weight(model):
     return model
 
 
+def _with_init(value):
+    def modify(model):
+        model.peft_config["default"].init_lora_weights = value
+        return model
+
+    return modify
+
+
 # Every adapter setting the LoRA sync has to decide on: served as a vLLM LoRA adapter (None), or the reason it is
 # not (then TRL's full sync on GPU; refused at start-up on vLLM's CPU backend, where that sync cannot run).
 SYNC_TABLE = [
@@ -59,6 +67,19 @@ SYNC_TABLE = [
     ("LoRA on embeddings", {"target_modules": ["q_proj", "embed_tokens"]}, "embeddings or the LM head", None),
     ("LoRA on lm_head", {"target_modules": ["q_proj", "lm_head"]}, "embeddings or the LM head", None),
     ("base weight unfrozen by hand", {}, "outside the adapter are trainable", _unfreeze_a_base_weight),
+    # Initialisations that rewrite the base weights (W - s * B @ A): vLLM serves the checkpoint's W plus the adapter.
+    ("PiSSA", {"init_lora_weights": "pissa"}, "init_lora_weights='pissa'", None),
+    ("PiSSA, fast SVD", {"init_lora_weights": "pissa_niter_4"}, "init_lora_weights='pissa_niter_4'", None),
+    ("OLoRA", {"init_lora_weights": "olora"}, "init_lora_weights='olora'", None),
+    # These need calibration data or a quantizer to build: only their config is set (what the check reads).
+    ("CorDA", {}, "init_lora_weights='corda'", _with_init("corda")),
+    ("LoftQ", {}, "init_lora_weights='loftq'", _with_init("loftq")),
+    ("LoRA-GA", {}, "init_lora_weights='lora_ga'", _with_init("lora_ga")),
+    # Initialisations of the adapter alone: the base weights stay the checkpoint's.
+    ("gaussian init", {"init_lora_weights": "gaussian"}, None, None),
+    ("orthogonal init", {"init_lora_weights": "orthogonal"}, None, None),
+    ("EVA init", {"init_lora_weights": "eva"}, None, None),
+    ("layer_replication", {"layer_replication": [[0, 2], [1, 2]]}, "layer_replication", None),
 ]
 
 
@@ -82,6 +103,34 @@ def test_lora_sync_table(tiny_model_dir, setting, overrides, reason, modify):
     with pytest.raises(ValueError, match="does not run on vLLM's CPU backend") as error:
         lora_sync_decision(policy, sleep_mode=False, on_cpu=True)
     assert reason in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "init", [True, False, "gaussian", "orthogonal", "eva", "mica", "pissa", "pissa_niter_4", "olora"]
+)
+def test_inits_refused_are_those_that_rewrite_the_base_weights(tiny_model_dir, init):
+    # vLLM serves the checkpoint's weights plus the adapter: right only if the policy's base weights are the
+    # checkpoint's. Compared weight by weight here, independently of the rule in `lora_sync_unsupported_reason`.
+    checkpoint = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    policy = _peft(tiny_model_dir, init_lora_weights=init)
+    base = {
+        name.removeprefix("base_model.model.").replace(".base_layer.", "."): tensor
+        for name, tensor in policy.state_dict().items()
+        if "lora_" not in name
+    }
+    assert base.keys() == checkpoint.keys()
+    rewritten = [name for name in checkpoint if not torch.equal(base[name], checkpoint[name])]
+    reason = lora_sync_unsupported_reason(policy)
+    assert bool(rewritten) == (reason is not None), (rewritten, reason)
+    if rewritten:
+        assert "init_lora_weights" in reason
+
+
+def test_layer_replication_gives_the_policy_layers_the_checkpoint_lacks(tiny_model_dir):
+    policy = _peft(tiny_model_dir, layer_replication=[[0, 2], [1, 2]])
+    checkpoint = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert len(policy.get_base_model().model.layers) == 3 != len(checkpoint.model.layers)
+    assert "layer_replication" in lora_sync_unsupported_reason(policy)
 
 
 def test_other_peft_types_and_plain_models_are_not_served_as_lora(tiny_model_dir):
@@ -195,3 +244,101 @@ def test_vllm_generation_hooks_are_where_the_lora_sync_expects_them():
 
     assert '"model": self.model,' in inspect.getsource(VLLMClient.generate)
     assert set(inspect.signature(LoRASyncVLLMGeneration.__init__).parameters) >= {"lora_sync", "sync_dir"}
+
+
+def _server_generation(policy, sync_dir, process_index=0):
+    """A server-mode `LoRASyncVLLMGeneration` without a server (nor vLLM: `LoRARequest` is stubbed)."""
+    from types import SimpleNamespace
+
+    generation = object.__new__(LoRASyncVLLMGeneration)
+    accelerator = SimpleNamespace(is_main_process=process_index == 0, process_index=process_index)
+    generation.__dict__.update(
+        model=policy,
+        accelerator=accelerator,
+        mode="server",
+        _dist=None,
+        lora_request=None,
+        sync_history=[],
+        lora_sync=True,
+        _sync_dir_arg=str(sync_dir),
+        adapter_dtype=torch.float32,
+    )
+    generation._load_on_server = lambda name, path, previous: None
+    generation._lora_request = lambda name, int_id, path: SimpleNamespace(
+        lora_name=name, lora_int_id=int_id, lora_path=path
+    )
+    generation._setup_sync_dir()
+    return generation
+
+
+def test_each_run_has_its_own_adapter_names_and_folders(tiny_model_dir, tmp_path):
+    # Two runs against one long-lived server and one `TRL_AGENTIC_VLLM_LORA_DIR` (a restart, a resume, two trainers
+    # of a script): the same name would be refused by the server ("already been loaded"), and the same name + path
+    # are vLLM's prefix-cache keys, so KV blocks of the first run's adapter would be reused.
+    policy = _peft(tiny_model_dir)
+    first, second = (_server_generation(policy, tmp_path) for _ in range(2))
+    for generation in (first, second):
+        generation.sync_weights()
+        generation.sync_weights()
+    names = [r.lora_name for g in (first, second) for r in g.sync_history]
+    paths = [r.path for g in (first, second) for r in g.sync_history]
+    assert len(set(names)) == len(set(paths)) == 4, names
+    assert all(name.startswith("trl-agentic-lora-") for name in names)
+    assert first.lora_request.lora_path != second.lora_request.lora_path
+
+
+def test_all_processes_use_the_main_processs_run_tag(tiny_model_dir, tmp_path, monkeypatch):
+    # Colocated tensor-parallel engines must be handed the same adapter name on every rank: the tag is drawn on the
+    # main process and broadcast (here the broadcast hands the other "rank" what rank 0 sent).
+    import trl_agentic.vllm_lora as vllm_lora
+
+    sent = []
+
+    def broadcast(objects, from_process=0):
+        if not sent:
+            sent.extend(objects)
+        objects[:] = sent
+        return objects
+
+    monkeypatch.setattr(vllm_lora, "broadcast_object_list", broadcast)
+    policy = _peft(tiny_model_dir)
+    main, other = _server_generation(policy, tmp_path, 0), _server_generation(policy, tmp_path, 1)
+    assert sent[0] is not None and main.run_tag == other.run_tag == sent[0]
+    main.sync_weights(), other.sync_weights()
+    assert main.lora_request.lora_name == other.lora_request.lora_name
+
+
+@pytest.mark.parametrize("client_reports", [True, False])
+def test_server_mode_budgets_contexts_with_the_servers_max_model_len(client_reports):
+    # The synchronous trainer's rollout loop keeps every context below the engine's length. In server mode that is the
+    # server's --max-model-len (here 1100, as read from its /v1/models), not the model config's 4096; a client that
+    # cannot tell (no `/v1/models` reader) leaves the config's.
+    from types import SimpleNamespace
+
+    from trl_agentic.rollout.trl_backend import TrainerBackend
+
+    urls = []
+
+    class Client:
+        base_url = "http://vllm:8000"
+
+        def _get(self, url):
+            urls.append(url)
+            return {"data": [{"id": "policy", "max_model_len": 1100}]}
+
+    client = Client() if client_reports else SimpleNamespace()
+    accelerator = SimpleNamespace(num_processes=1, is_main_process=True, process_index=0)
+    trainer = SimpleNamespace(
+        _tokenizer=SimpleNamespace(pad_token_id=0),
+        max_completion_length=64,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_generation=SimpleNamespace(vllm_client=client),
+        _is_vlm=False,
+        model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=4096)),
+        max_tool_calling_iterations=4,
+        accelerator=accelerator,
+        eos_token_ids=[2],
+    )
+    assert TrainerBackend(trainer).max_model_len == (1100 if client_reports else 4096)
+    assert urls == (["http://vllm:8000/v1/models"] if client_reports else [])

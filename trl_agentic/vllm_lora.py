@@ -27,11 +27,12 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 import weakref
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import is_peft_model
+from accelerate.utils import broadcast_object_list, is_peft_model
 from trl.generation.vllm_generation import VLLMGeneration
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,9 @@ ADAPTER_PREFIX = "trl-agentic-lora"
 # Where adapters are written; in server mode it must be readable by the server under the same path.
 SYNC_DIR_ENV = "TRL_AGENTIC_VLLM_LORA_DIR"
 SHM_DIR = "/dev/shm"
+# PEFT `init_lora_weights` values (prefixes: "pissa_niter_16") that subtract the initial adapter from the base weights
+# (peft 0.21 `LoraLayer.update_layer`). "gaussian", "orthogonal", "eva" and "mica" set the adapter alone.
+BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 
 def vllm_max_lora_rank(rank: int) -> int:
@@ -66,7 +70,8 @@ def lora_sync_unsupported_reason(model) -> str | None:
     """Why vLLM cannot serve `model`'s active adapter as a LoRA adapter, or `None` if it can.
 
     Mirrors the checks of vLLM's `PEFTHelper` (DoRA, `modules_to_save`, biases, rank) plus what vLLM silently
-    ignores (per-module `rank_pattern` / `alpha_pattern`), so an unsupported adapter falls back to the full sync
+    ignores (per-module `rank_pattern` / `alpha_pattern`, and a policy whose base differs from the checkpoint vLLM
+    serves: PiSSA-like initialisations, `layer_replication`), so an unsupported adapter falls back to the full sync
     instead of generating with wrong weights.
 
     Args:
@@ -98,6 +103,17 @@ def lora_sync_unsupported_reason(model) -> str | None:
         return "vLLM cannot be told the layout of `target_parameters` (parameter LoRA) adapters"
     if getattr(config, "rank_pattern", None) or getattr(config, "alpha_pattern", None):
         return "vLLM ignores `rank_pattern` / `alpha_pattern` and would scale the adapter wrongly"
+    init = getattr(config, "init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(BASE_REWRITING_INITS):
+        return (
+            f"`init_lora_weights={init!r}` rewrites the base weights (W - B @ A) while vLLM serves the checkpoint's "
+            "own: it would generate with a different model"
+        )
+    if getattr(config, "layer_replication", None):
+        return (
+            f"`layer_replication` ({config.layer_replication}) gives the policy layers the checkpoint vLLM serves "
+            "does not have"
+        )
     if config.r > VLLM_MAX_LORA_RANKS[-1]:
         return f"rank {config.r} is above vLLM's largest max_lora_rank ({VLLM_MAX_LORA_RANKS[-1]})"
     head_or_embedding = _lora_on_head_or_embeddings(model, adapter)
@@ -313,8 +329,9 @@ class LoRASyncVLLMGeneration(VLLMGeneration):
         lora_sync (`bool`, *optional*, defaults to `True`):
             Use the LoRA-only sync when the model allows it.
         sync_dir (`str`, *optional*):
-            Folder under which each sync writes `<ADAPTER_PREFIX>-<id>/`. Defaults to `$TRL_AGENTIC_VLLM_LORA_DIR`,
-            else a temporary folder removed at exit. In server mode the server must read it under the same path.
+            Folder under which each sync writes `<ADAPTER_PREFIX>-<run tag>-<id>/`. Defaults to
+            `$TRL_AGENTIC_VLLM_LORA_DIR`, else a temporary folder removed at exit. In server mode the server must read
+            it under the same path.
         *args, **kwargs:
             [`~trl.generation.vllm_generation.VLLMGeneration`]'s arguments.
 
@@ -322,6 +339,7 @@ class LoRASyncVLLMGeneration(VLLMGeneration):
         lora_request (`vllm.lora.request.LoRARequest` or `None`): The adapter of the latest sync (colocate and
             server: the same name and id the engine knows it under).
         sync_history (`list[SyncRecord]`): Every LoRA sync of this run.
+        run_tag (`str`): 8 hex digits drawn per instance, in every adapter name (`trl-agentic-lora-<run_tag>-<n>`).
     """
 
     def __init__(self, *args, lora_sync: bool = True, sync_dir: str | None = None, **kwargs):
@@ -374,6 +392,11 @@ class LoRASyncVLLMGeneration(VLLMGeneration):
         # One folder per process: colocated engines each load their own copy.
         self.sync_dir = os.path.join(root, f"rank{self.accelerator.process_index}")
         os.makedirs(self.sync_dir, exist_ok=True)
+        # A tag of this run in every adapter name and folder: a server outlives runs (restarts, resumes), refuses a
+        # name it holds, and keys its prefix cache by adapter name and path. Drawn once, so that every process (the
+        # ranks of a colocated tensor-parallel engine) names the adapter alike.
+        tag = [uuid.uuid4().hex[:8] if self.accelerator.is_main_process else None]
+        self.run_tag = broadcast_object_list(tag)[0]
 
     def _init_server(self):
         from trl.generation.vllm_client import VLLMClient
@@ -424,7 +447,7 @@ class LoRASyncVLLMGeneration(VLLMGeneration):
         state = adapter_state_dict(self.model, self._dist, dtype=self.adapter_dtype)
         write = self.mode == "colocate" or self.accelerator.is_main_process
         lora_int_id = len(self.sync_history) + 1
-        lora_name = f"{ADAPTER_PREFIX}-{lora_int_id}"
+        lora_name = f"{ADAPTER_PREFIX}-{self.run_tag}-{lora_int_id}"
         path = os.path.join(self.sync_dir, lora_name)
         if write:
             save_adapter(self.model, path, state)

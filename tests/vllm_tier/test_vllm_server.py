@@ -5,6 +5,8 @@ run of three optimizer steps has multi-turn calculator rollouts with rollback, a
 them go through the server, with the adapter of the current step loaded by name.
 """
 
+import os
+
 import pytest
 import requests
 from vllm_helpers import agentic_config, build_trainer, masked_logp_gaps, metric
@@ -51,12 +53,43 @@ def test_adapters_are_loaded_by_name_each_step(server_run):
     assert result.global_step == 3 and uses_lora_sync(trainer)
     # No NCCL weight-transfer group was opened (it needs CUDA, and the LoRA sync has no use for it).
     assert trainer.vllm_generation.vllm_client.communicator is None
+    tag = trainer.vllm_generation.run_tag
     names = [record.lora_name for record in trainer.vllm_generation.sync_history]
-    assert names == ["trl-agentic-lora-1", "trl-agentic-lora-2", "trl-agentic-lora-3"]
+    assert names == [f"trl-agentic-lora-{tag}-{k}" for k in (1, 2, 3)]
     # Every request of step k named adapter k + 1; the server holds the base model and the latest adapter only.
-    assert calls and all(model == f"trl-agentic-lora-{step + 1}" for step, model, _ in calls)
+    assert calls and all(model == f"trl-agentic-lora-{tag}-{step + 1}" for step, model, _ in calls)
     served = {card["id"] for card in requests.get(f"{url}/v1/models", timeout=10).json()["data"]}
-    assert served == {trainer.vllm_generation._base_model_name, "trl-agentic-lora-3"}
+    assert served == {trainer.vllm_generation._base_model_name, f"trl-agentic-lora-{tag}-3"}
+
+
+def test_the_rollout_loop_budgets_with_the_servers_max_model_len(server_run):
+    from trl_agentic.rollout.trl_backend import TrainerBackend
+
+    trainer, _, _, url = server_run
+    served = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    # The server runs with --max-model-len 2048, below the model config's 4096: the server's length is the limit.
+    assert served == 2048 < trainer.model.config.max_position_embeddings
+    assert TrainerBackend(trainer).max_model_len == served
+
+
+def test_a_second_run_against_the_same_server_loads_its_own_adapters(server_run, tmp_path):
+    # A restarted or resumed run (or a second trainer of a script) against the server the first run left its last
+    # adapter on, with the same sync folder: its adapters must neither collide with that one (the server refuses a
+    # name it holds) nor reuse its name and path (vLLM's prefix-cache keys).
+    trainer, _, _, url = server_run
+    first = trainer.vllm_generation
+    second = object.__new__(type(first))
+    second.__dict__.update({**first.__dict__, "lora_request": None, "sync_history": [], "vllm_client": None})
+    second._sync_dir_arg = os.path.dirname(first.sync_dir)  # the folder the first run wrote to
+    second._setup_sync_dir()
+    second._init_server()
+    for _ in range(3):
+        second.sync_weights()
+    assert second.run_tag != first.run_tag
+    assert {r.lora_name for r in second.sync_history}.isdisjoint(r.lora_name for r in first.sync_history)
+    assert {r.path for r in second.sync_history}.isdisjoint(r.path for r in first.sync_history)
+    served = {card["id"] for card in requests.get(f"{url}/v1/models", timeout=10).json()["data"]}
+    assert second.lora_request.lora_name in served and first.lora_request.lora_name in served
 
 
 def test_multi_turn_rollback_and_tracin_rollouts_go_through_the_server(server_run):

@@ -7,6 +7,7 @@ from contextlib import nullcontext
 import torch
 from trl.chat_template_utils import parse_response
 
+from ..rank_errors import error_summary
 from .parsing import parse_tool_calls
 from .rendering import ChatRenderer
 
@@ -26,6 +27,26 @@ def needs_equal_counts(trainer) -> bool:
     counts are equal. Otherwise a process silently gets completions of another process's prompts.
     """
     return trainer.accelerator.num_processes > 1 and bool(getattr(trainer, "use_vllm", False))
+
+
+def server_max_model_len(trainer) -> int | None:
+    """The vLLM server's `--max-model-len`, on every process; `None` if its client cannot tell.
+
+    Only the main process holds TRL's client (and talks to the server): it reads the length from the server's
+    `/v1/models` and sends it to the others. Every process must make this call together.
+    """
+    from accelerate.utils import broadcast_object_list
+
+    value = [None]
+    if trainer.accelerator.is_main_process:
+        client = getattr(trainer.vllm_generation, "vllm_client", None)
+        if hasattr(client, "get_max_model_len"):  # TRL's async client has it; 1.16's synchronous one does not
+            value[0] = client.get_max_model_len()
+        elif hasattr(client, "_get") and hasattr(client, "base_url"):
+            value[0] = client._get(f"{client.base_url}/v1/models")["data"][0].get("max_model_len")
+    if trainer.accelerator.num_processes > 1:
+        broadcast_object_list(value)
+    return value[0]
 
 
 def generate_single_turn(
@@ -70,10 +91,12 @@ class TrainerBackend:
         self.trainer = trainer
         self.tokenizer = trainer._tokenizer
         self.max_completion_length = trainer.max_completion_length
+        config = trainer.model.config.text_config if trainer._is_vlm else trainer.model.config
         if trainer.use_vllm and trainer.vllm_mode == "colocate":
             self.max_model_len = trainer.vllm_generation.llm.llm_engine.model_config.max_model_len
+        elif trainer.use_vllm and trainer.vllm_mode == "server":
+            self.max_model_len = server_max_model_len(trainer) or config.max_position_embeddings
         else:
-            config = trainer.model.config.text_config if trainer._is_vlm else trainer.model.config
             self.max_model_len = config.max_position_embeddings
         self.max_iterations = trainer.max_tool_calling_iterations
         self.multi_process = trainer.accelerator.num_processes > 1
@@ -151,7 +174,7 @@ def any_rank(accelerator, flag: bool, error: BaseException | None = None) -> boo
     value = torch.tensor([1.0 if flag else 0.0, 1.0 if error is not None else 0.0], device=accelerator.device)
     total = accelerator.reduce(value, reduction="sum")
     if total[1].item() > 0:
-        errors = gather_object([None if error is None else f"{type(error).__name__}: {error}"])
+        errors = gather_object([None if error is None else error_summary(error)])
         if error is not None:
             raise error
         failed = {rank: text for rank, text in enumerate(errors) if text is not None}
