@@ -162,3 +162,35 @@ def test_the_held_out_evaluation_rolls_out_as_training_does(iterations, tmp_path
     _evaluate_into("after training", None, None, build_task(task_args), task_args, args, {}, {})
     assert seen["max_tool_calling_iterations"] == iterations
     assert (seen["max_turn_tokens"], seen["top_p"], seen["temperature"]) == (24, 0.9, 0.7)
+
+
+def test_every_process_of_an_async_run_enters_the_held_out_evaluation(tmp_path, monkeypatch):
+    """A process that is not the main one enters `_evaluate_into` too, where it waits for the main one's evaluation
+    (`wait_for_everyone`); it skipped it, leaving the main process waiting there forever. It writes no file."""
+    import trl_agentic.async_grpo as async_grpo
+    import trl_agentic.cli as cli
+    import trl_agentic.models as models
+
+    class Trainer:
+        def __init__(self, model, args=None, **kwargs):
+            self.model, self.processing_class = "policy", "tokenizer"
+            self.accelerator = types.SimpleNamespace(unwrap_model=lambda m: m)
+            self.state = types.SimpleNamespace(log_history=[], global_step=1)
+
+        def train(self, resume_from_checkpoint=None):
+            pass
+
+        def save_model(self, output_dir):
+            pass
+
+    entered = []
+    monkeypatch.setattr(async_grpo, "AsyncAgenticGRPOTrainer", Trainer)
+    monkeypatch.setattr(models, "resolve_model_path", lambda name: name)
+    monkeypatch.setattr(cli, "_is_main_process", lambda: False)
+    monkeypatch.setattr(cli, "_evaluate_into", lambda stage, *args: entered.append(stage))
+    out = tmp_path / "out"
+    argv = ["train", "--config", str(CONFIGS / "async_calculator.yaml"), "--output_dir", str(out)]
+    argv += ["--vllm_server_start", "false", "--heldout_eval", "true", "--num_eval_tasks", "3"]
+    assert main(argv) == 0
+    assert entered == ["after training"]
+    assert not (out / "eval_results.json").exists()

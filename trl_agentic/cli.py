@@ -319,7 +319,8 @@ def train_async(task_args, training_args, model_args):
     finally:
         if server is not None:
             server.stop()
-    if task_args.heldout_eval and _is_main_process():
+    if task_args.heldout_eval:
+        # Every process enters (`_evaluate_into` evaluates on the main one; the others wait for it there).
         results, records = {}, {}
         policy = trainer.accelerator.unwrap_model(trainer.model)
         _stage(f"Held-out evaluation after training ({len(task.eval_dataset)} problems)")
@@ -327,8 +328,8 @@ def train_async(task_args, training_args, model_args):
             _evaluate_into(
                 "after training", policy, trainer.processing_class, task, task_args, training_args, results, records
             )
-        # `write_report` is refused for this trainer (`main`): `eval_results.json` only.
-        _finish(trainer, task, task_args, training_args, clock, results, records, None, None)
+        if _is_main_process():  # `write_report` is refused for this trainer (`main`): `eval_results.json` only
+            _finish(trainer, task, task_args, training_args, clock, results, records, None, None)
     return trainer
 
 
