@@ -142,7 +142,7 @@ def test_the_async_trainers_held_out_evaluation_is_written_to_eval_results(tmp_p
 @pytest.mark.parametrize("iterations", [None, 0, 5])
 def test_the_held_out_evaluation_rolls_out_as_training_does(iterations, tmp_path, monkeypatch):
     """The evaluation got `max_tool_calling_iterations or 3` (None, TRL's no limit, and 0, no tool call, became 3)
-    and neither `max_turn_tokens` nor `top_p`."""
+    and neither `max_turn_tokens`, `top_p` nor `max_tool_output_chars`."""
     import trl_agentic.evaluation as evaluation
     from trl_agentic.cli import _evaluate_into
     from trl_agentic.config import AgenticGRPOConfig
@@ -156,12 +156,18 @@ def test_the_held_out_evaluation_rolls_out_as_training_does(iterations, tmp_path
 
     monkeypatch.setattr(evaluation, "evaluate_policy", evaluate_policy)
     args = AgenticGRPOConfig(
-        output_dir=str(tmp_path), **BASE, max_tool_calling_iterations=iterations, max_turn_tokens=24, top_p=0.9
+        output_dir=str(tmp_path),
+        **BASE,
+        max_tool_calling_iterations=iterations,
+        max_turn_tokens=24,
+        top_p=0.9,
+        max_tool_output_chars=64,
     )
     task_args = TaskArguments(num_train_tasks=1, num_eval_tasks=2, heldout_eval_temperature=0.7)
     _evaluate_into("after training", None, None, build_task(task_args), task_args, args, {}, {})
     assert seen["max_tool_calling_iterations"] == iterations
     assert (seen["max_turn_tokens"], seen["top_p"], seen["temperature"]) == (24, 0.9, 0.7)
+    assert seen["max_tool_output_chars"] == 64
 
 
 def test_every_process_of_an_async_run_enters_the_held_out_evaluation(tmp_path, monkeypatch):

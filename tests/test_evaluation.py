@@ -380,3 +380,29 @@ def test_tool_round_limit_is_trls(tiny_tokenizer, limit):
     expected = 5 if limit is None else min(5, limit)
     assert [r["tool_calls"] for r in result.records] == [expected] * len(rows)
     assert result.metrics["success_rate"] == (1.0 if expected == 5 else 0.0)
+
+
+def test_tool_results_are_cut_as_in_training(tiny_tokenizer):
+    """`max_tool_output_chars` cuts every tool result the model reads, as training's loop does (`rollout.tools.
+    truncate`): the calculator's results, over 2 characters, become the marker alone."""
+    from trl_agentic.rollout.tools import truncate
+
+    rows = make_arithmetic_tasks(2, 3, "easy")
+    common = dict(
+        environment_factory=CalculatorEnv,
+        reward_funcs=[answer_reward],
+        max_completion_length=4096,
+        max_tool_calling_iterations=1,
+        prefix_caching=False,
+        progress=False,
+    )
+    full = evaluate_policy(FiveCallsModel(tiny_tokenizer, rows, []), tiny_tokenizer, rows, **common)
+    cut = evaluate_policy(
+        FiveCallsModel(tiny_tokenizer, rows, []), tiny_tokenizer, rows, max_tool_output_chars=2, **common
+    )
+
+    def results(result):
+        return [m["content"] for r in result.records for m in r["messages"] if m["role"] == "tool"]
+
+    assert len(results(full)) == len(rows) and all(len(text) > 2 for text in results(full))
+    assert results(cut) == [truncate(text, 2) for text in results(full)]

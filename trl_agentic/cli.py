@@ -437,6 +437,7 @@ def _evaluate_into(stage, model, tokenizer, task, task_args, training_args, resu
             # The rollout limits of training (None: no limit, 0: no tool call, as TRL reads them).
             max_tool_calling_iterations=training_args.max_tool_calling_iterations,
             max_turn_tokens=training_args.max_turn_tokens,
+            max_tool_output_chars=training_args.max_tool_output_chars,
             batch_size=task_args.heldout_eval_batch_size,
             temperature=task_args.heldout_eval_temperature,
             top_p=training_args.top_p,

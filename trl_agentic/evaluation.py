@@ -277,6 +277,7 @@ def evaluate_policy(
     context_snapshots: bool = False,
     context_stub_text: str = "[deleted]",
     typed_arguments: bool = True,
+    max_tool_output_chars: int | None = None,
 ) -> EvalResult:
     """
     Roll out a policy on held-out problems with the multi-turn tool loop and score it.
@@ -339,6 +340,8 @@ def evaluate_policy(
             Type tool-call arguments with each tool's JSON schema, as TRL's response parser does in training (`"7"`
             becomes `7` for an integer parameter). `False` keeps the model's JSON values, as a benchmark that runs
             them unchanged does (BFCL: `trl_agentic.envs.bfcl.evaluate`).
+        max_tool_output_chars (`int`, *optional*):
+            Cut each tool result to this many characters, as training's `max_tool_output_chars` does (None: no cut).
 
     Returns:
         [`EvalResult`]: The metrics and one record per problem.
@@ -359,6 +362,7 @@ def evaluate_policy(
         malformed_tool_call_feedback=True,
         enable_context_snapshots=context_snapshots,
         context_stub_text=context_stub_text,
+        max_tool_output_chars=max_tool_output_chars,
     )
     bar = tqdm(total=len(rows), desc=desc, disable=not progress, unit="problem")
     # A forked RNG: the sampled completions depend only on `seed`, and training's random stream is left as it was.

@@ -116,8 +116,8 @@ class TaskArguments:
         heldout_eval (`bool`, *optional*, defaults to `False`):
             Evaluate the policy on the `num_eval_tasks` held-out problems before and after GRPO with the multi-turn
             tool loop (`trl_agentic.evaluation`), with the rollout limits of training (`max_tool_calling_iterations`,
-            `max_turn_tokens`, `top_p`), print the comparison and save it to `eval_results.json` (`trainer:
-            async_grpo`: after training only).
+            `max_turn_tokens`, `max_tool_output_chars`, `top_p`), print the comparison and save it to
+            `eval_results.json` (`trainer: async_grpo`: after training only).
         heldout_eval_base_model (`bool`, *optional*, defaults to `False`):
             Also evaluate the model before the warm start (not with `trainer: async_grpo`).
         heldout_eval_temperature (`float`, *optional*, defaults to `0.0`):
