@@ -293,3 +293,14 @@ def test_max_plan_steps_keeps_only_tasks_with_a_plan_that_short():
     import random
 
     assert [r["task_seed"] for r in unfiltered] == random.Random(5).sample(range(2**31), 64)
+
+
+def test_a_text_world_task_without_a_warm_start_or_held_out_tasks_builds_with_a_plan_filter():
+    """`textworld_max_plan_steps` with no warm-start traces (the default `warmstart_steps: 0`) and no held-out tasks:
+    the empty splits are empty (the filter's search raised "Fewer than 0 text-world tasks ...")."""
+    from trl_agentic.envs.textworld import make_textworld_tasks
+    from trl_agentic.tasks import TaskArguments, build_task
+
+    assert make_textworld_tasks(0, seed=5, max_plan_steps=3) == []
+    task = build_task(TaskArguments(task="textworld", num_train_tasks=4, num_eval_tasks=0, textworld_max_plan_steps=3))
+    assert len(task.train_dataset) == 4 and not task.eval_dataset

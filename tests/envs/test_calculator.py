@@ -276,3 +276,32 @@ def test_tool_use_reward_counts_only_successful_tool_calls():
     assert TOOL_USE_BONUS == 0.1
     with pytest.raises(ValueError, match="environment_factory=CalculatorEnv"):
         tool_use_reward(completions)
+
+
+_OLD_ANSWER_PATTERN = re.compile(r"answer\s*[:=]\s*[*$\s]*(-?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet="Answer:= *$\t\n-0123456789,.x", max_size=60))
+def test_the_answer_pattern_matches_what_it_matched_before(text):
+    """The pattern without its redundant `\\s*` (a second quantifier over the same whitespace) finds the same answers
+    in ASCII text."""
+    from trl_agentic.envs.calculator import _ANSWER_PATTERN
+
+    assert _ANSWER_PATTERN.findall(text) == _OLD_ANSWER_PATTERN.findall(text)
+
+
+@pytest.mark.timeout(120)  # a guard against the hang, not a speed threshold: the old pattern needs tens of minutes
+def test_a_long_run_of_spaces_after_answer_is_scored():
+    """`"Answer:"` followed by 200,000 spaces and no number (a small model stuck on whitespace; SmolLM2 writes up to 81
+    spaces a token): the old pattern backtracked in time quadratic in the run (8.8 s at 16,000 spaces)."""
+    completion = [{"role": "assistant", "content": "Answer:" + " " * 200_000 + "none"}]
+    assert answer_reward([completion], ["57"]) == [0.0]
+    assert extract_answer("Answer:" + " " * 200_000 + "57") == 57.0
+
+
+def test_a_unicode_minus_is_a_minus():
+    """`−57` (U+2212, which `calculate` reads as a minus) is −57: it scored 1.0 against 57."""
+    assert extract_answer("Answer: −57") == -57.0 and extract_answer("so −3") == -3.0
+    assert answer_reward([[{"role": "assistant", "content": "Answer: −57"}]], ["57"]) == [0.0]
+    assert answer_reward([[{"role": "assistant", "content": "Answer: −57"}]], ["-57"]) == [1.0]

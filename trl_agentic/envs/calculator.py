@@ -337,8 +337,10 @@ def make_arithmetic_tasks(n: int, seed: int, difficulty: str = "medium") -> list
 
 # ------------------------------------------------------------------------------------------------------ reward functions
 
-_ANSWER_PATTERN = re.compile(r"answer\s*[:=]\s*[*$\s]*(-?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE)
-_NUMBER_PATTERN = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+# One quantifier over the whitespace after the colon: `\s*[*$\s]*` matched the same language, but backtracked in time
+# quadratic in a run of spaces with no digit after it (16 s to score a 509-token completion of spaces).
+_ANSWER_PATTERN = re.compile(r"answer\s*[:=][*$\s]*([-\u2212]?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE)
+_NUMBER_PATTERN = re.compile(r"[-\u2212]?\d[\d,]*(?:\.\d+)?")
 
 
 def _text(content: Any) -> str:
@@ -373,7 +375,7 @@ def extract_answer(text: str) -> float | None:
     if not matches:
         return None
     try:
-        return float(matches[-1].replace(",", ""))
+        return float(matches[-1].replace(",", "").replace("\u2212", "-"))  # U+2212 is a minus (`calculate` reads it)
     except ValueError:
         return None
 
@@ -382,8 +384,10 @@ def answer_reward(completions: list, answer: list, **kwargs) -> list[float]:
     """
     TRL reward function: 1.0 if the final answer equals the ground truth, else 0.0.
 
-    The final answer is read from the *last* assistant message only (a completion that ends on a tool call scores 0),
-    as `"Answer: <number>"`, falling back to the last number in that message.
+    The final answer is read from the *last* assistant message only, as `"Answer: <number>"`, falling back to the last
+    number in that message. A completion cut after a tool call (the tool-round limit, the token budget) is read from
+    that call's turn: its text outside the call (`"Answer: 57 <tool_call>..."` scores 1.0 when 57 is right), not from
+    an earlier turn.
 
     Args:
         completions (`list`):

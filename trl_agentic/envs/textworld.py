@@ -503,6 +503,8 @@ class TextWorldToolEnv:
 
 def _task_seeds(rng: random.Random, n: int, env: TextWorldEnv, max_steps: int, max_plan_steps: int) -> list[int]:
     """`n` distinct task seeds; with `max_plan_steps`, of tasks whose shortest plan is that short at most."""
+    if n == 0:  # no warm start, no held-out tasks: nothing to draw (the search below would find "fewer than 0")
+        return []
     if not max_plan_steps:
         return rng.sample(range(2**31), n)  # the historical draw: datasets stay what they were
     seeds: list[int] = []
