@@ -99,3 +99,65 @@ def test_aggregate_events_matches_key_averages():
     for name, (calls, self_cpu_ms) in expected.items():
         assert ops[name][0] == calls, name
         assert ops[name][1] == pytest.approx(self_cpu_ms, rel=1e-6, abs=1e-6), name
+
+
+class _StubStepper:
+    """Stand-ins for `make_trainer` / `one_step`: plain 1 s a step; TracIn 1 s, +1 s at steps 4 and 8 (V) and +4 s at
+    step 8 (validation rollouts), the default schedule's cycle; optionally the section's alarm fires in TracIn's step 8."""
+
+    def __init__(self, stop_at=None):
+        self.stop_at, self.step = stop_at, {}
+
+    def make_trainer(self, kind, *args, **kwargs):
+        self.step[kind] = 0
+        return kind
+
+    def one_step(self, kind):
+        from trl_agentic.bench import gpu
+
+        step = self.step[kind]
+        self.step[kind] += 1
+        if kind == "tracin" and step == self.stop_at:
+            raise gpu.SectionTimeout("over its budget of 170 s")
+        return 1.0 + (kind == "tracin") * ((step in (4, 8)) * 1.0 + (step == 8) * 4.0)
+
+
+def _tracin_step_text(monkeypatch, stop_at):
+    from trl_agentic.bench import gpu
+
+    stub = _StubStepper(stop_at)
+    monkeypatch.setattr(gpu, "make_trainer", stub.make_trainer)
+    monkeypatch.setattr(gpu, "one_step", stub.one_step)
+    monkeypatch.setattr(gpu, "yield_point", lambda: None)
+    settings, out = gpu.Settings.full(), {}
+    try:
+        gpu.tracin_step(settings, out, "unused", None)
+    except gpu.SectionTimeout as error:
+        out.update(error=f"SectionTimeout: {error}", section_s=170)
+    environment = dict(device="stub", torch="", transformers="", trl="", peft="", notes="")
+    text = gpu.render({"environment": environment, "settings": gpu.asdict(settings), "results": {"tracin_step": out}})
+    return out, text[text.index("### TracIn step") :]
+
+
+def test_tracin_step_ratio_is_published_only_for_a_whole_cycle(monkeypatch):
+    # Whole cycle (8 measured steps each): the ratio is TracIn's mean over plain's, (8 + 2 V + 4 rollouts) / 8.
+    out, text = _tracin_step_text(monkeypatch, stop_at=None)
+    assert out["ratio"] == pytest.approx((8 + 2 + 4) / 8)
+    assert f"Ratio: **{(8 + 2 + 4) / 8:.2f}** (goal ≤ 1.3)" in text and "means of 8 steps" in text
+    # Stopped by the budget inside step 8 (the rollouts): 8 plain and 7 TracIn steps measured, no rollouts in them.
+    out, text = _tracin_step_text(monkeypatch, stop_at=8)
+    assert (len(out["steps"]["plain"]), len(out["steps"]["tracin"])) == (8, 7)
+    assert "Ratio: **" not in text and "goal ≤ 1.3)" not in text
+    assert "incomplete cycle (7 of 8 steps)" in text
+    assert "means of 8 (`GRPOTrainer`) and 7 (TracIn) steps" in text
+    assert f"{(7 + 1) / 7:.2f}" in text  # TracIn's mean over what it did measure, 1 V and no rollouts
+
+
+@pytest.mark.parametrize("run", [1, 2, 3])
+def test_recorded_gpu_runs_render_as_recorded(run):
+    """The recorded H200 runs (whole cycles) render to the markdown kept beside them."""
+    from trl_agentic.bench import gpu
+
+    stem = ROOT / "docs" / "bench-gpu" / f"2026-11-27-h200-run{run}"
+    report = json.loads(stem.with_suffix(".json").read_text())
+    assert gpu.render(report).strip() == stem.with_suffix(".md").read_text().strip()

@@ -59,5 +59,8 @@ def test_rendered_section(raw):
     assert text.startswith("## RLVCR extra model calls per step")
     assert "python -m trl_agentic.bench --only rlvcr --quick" in text
     assert "build_tiny_step_model" in text
+    # TRL's `step_time` times `training_step` (generation, estimator, loss, backward) and not the optimizer step.
+    step_time = text[text.index("Step time: TRL's `step_time`") :].split(", median over")[0]
+    assert "optimizer step is not" in step_time and "optimizer)" not in step_time
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(table) == 18 and all(line.count("|") == 5 for line in table)

@@ -37,7 +37,10 @@ def bf16_native() -> bool:
 
 def _measure(model: str, batch: int, length: int, repeats: int, precision: str) -> dict:
     """One setting, in this process: median seconds of a LoRA forward+backward, peak RSS, allocator."""
-    import resource
+    from .tracin import _reset_peak_rss, _status_kb
+
+    # `ru_maxrss` carries over the parent's resident memory at the fork (kept across exec): measure VmHWM from here.
+    _reset_peak_rss()
 
     import torch
     from peft import LoraConfig, get_peft_model
@@ -61,7 +64,7 @@ def _measure(model: str, batch: int, length: int, repeats: int, precision: str) 
         tcmalloc = "tcmalloc" in f.read()
     return {
         "seconds": statistics.median(times[1:]),
-        "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_mb": _status_kb("VmHWM") / 1024,
         "tcmalloc_mapped": tcmalloc,
         "loss": float(loss),
     }

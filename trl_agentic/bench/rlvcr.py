@@ -368,7 +368,8 @@ def render(raw: dict, quick: bool = False, seconds: float | None = None) -> str:
         "extra tokens and generation forwards here are close to their upper bound (a model that ends its thinking "
         f"and its turn stops earlier; alternatives cut to nothing and left unscored: {failed:.0f}). Expansion rows: `RowKind.EXPANSION` rows added to the "
         "training batch (3 per expanded step with `rlvcr_expand=True`), which the loss forward and backward also "
-        "process. Step time: TRL's `step_time` (generation, estimator, loss, backward, optimizer), median over the "
+        "process. Step time: TRL's `step_time`, which times `training_step` (generation, estimator, loss, backward; "
+        "the optimizer step is not included), median over the "
         "steps after the first; the runs diverge after the first step (different advantages and random streams), "
         "so later steps do not have the same rollouts."
         + (f" Section time {seconds:.0f} s." if seconds is not None else ""),

@@ -398,9 +398,10 @@ def report(side: dict, runs: list[dict], command: str) -> str:
         lines += [
             "",
             f"Per sync the LoRA sync hands vLLM {side['full_bytes'] / side['lora_bytes']:.0f}× less data than TRL's "
-            f"full sync, and its whole colocate sync ({_ms(lora_sync)}, export + load into the engine) takes "
-            f"{side['full_walk_copy_s'] / lora_sync:.1f}× less time than the trainer side alone of TRL's full sync "
-            f"({_ms(side['full_walk_copy_s'])}).",
+            f"full sync. Its whole colocate sync (export + load into the engine) took {_ms(lora_sync)} here; the "
+            f"trainer side alone of TRL's full sync took {_ms(side['full_walk_copy_s'])} in the table above "
+            "(different processes, not side by side, so not divided into a ratio"
+            + ("; the same-process ratio is below)." if colocate.get("same_process") else ")."),
         ]
         full = next((r for r in runs if r["kind"] == "colocate-full" and "error" not in r), None)
         if full and full.get("sync_times_s") and len(full["step_times_s"]) > 1:

@@ -1,0 +1,42 @@
+"""The markdown of `python -m trl_agentic.bench.vllm_sync` (`report`): a time ratio in its prose is one measured side
+by side in one process; times from different processes are quoted as such, not divided into a ratio."""
+
+from __future__ import annotations
+
+from trl_agentic.bench.vllm_sync import report
+
+MIB = 1024 * 1024
+SIDE = {  # part 1, the trainer side on its own (one process)
+    "full_walk_s": 0.700,
+    "full_walk_copy_s": 0.759,
+    "lora_export_s": 0.060,
+    "full_tensors": 272,
+    "full_bytes": 513 * MIB,
+    "lora_bytes": 19 * MIB,
+    "repeats": 5,
+}
+COLOCATE = {  # part 2, another process: steps, syncs, and both syncs side by side in that process
+    "kind": "colocate",
+    "step_times_s": [30.0, 23.0, 23.0],
+    "sync_times_s": [0.069, 0.071, 0.071],
+    "same_process": {
+        "lora_s": 0.075,
+        "full_s": 0.343,
+        "repeats": 5,
+        "adapter_bytes": int(9.4 * MIB),
+        "adapter_dtype": "bfloat16",
+        "sync_dir": "/dev/shm/x",
+        "full_bytes": 513 * MIB,
+    },
+}
+
+
+def test_time_ratios_are_side_by_side_only():
+    text = report(SIDE, [COLOCATE], "cmd")
+    same = COLOCATE["same_process"]
+    assert f"takes {same['full_s'] / same['lora_s']:.1f}× the whole LoRA sync" in text  # 4.6, one process
+    cross = SIDE["full_walk_copy_s"] / 0.071  # part 1 over part 2's LoRA sync: 10.7, two processes
+    assert f"{cross:.1f}×" not in text
+    assert "different processes, not side by side" in text
+    # The data ratio is a ratio of sizes, the same in any process.
+    assert f"{SIDE['full_bytes'] / SIDE['lora_bytes']:.0f}× less data" in text
