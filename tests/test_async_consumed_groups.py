@@ -20,9 +20,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
 from test_async_equivalence import _samples, _three, _train
 from test_async_rows import _group, _scoring_worker
+
 from trl_agentic.async_grpo.compat import trainer_module, worker_module
 from trl_agentic.async_grpo.rows import AgenticSequence
 
@@ -131,7 +131,9 @@ def test_a_trainer_counts_a_group_pushed_without_rows_as_consumed(tiny_model_dir
     from trl_agentic.async_grpo.worker import consumed_marker
 
     samples = [s for s in _samples(agentic=True) if s.group_id != 1]
-    marker = consumed_marker(SimpleNamespace(model_version=0, group_id=1))
+    marker = consumed_marker(
+        SimpleNamespace(model_version=0, group_id=1, prompts=[[{"role": "user", "content": "q"}]])
+    )
     samples.insert(4, marker)  # after group 0, as the worker pushes groups in order
     samples += [s for s in _samples(agentic=True) if s.group_id == 5]  # one more group for the prefetch
     for s in samples[-4:]:
@@ -207,3 +209,79 @@ def test_a_snapshot_reward_func_that_does_not_import_fails_before_the_model_load
         args = config(output_dir="/nonexistent/out", snapshot_reward_func=path, report_to="none", use_cpu=True)
         with pytest.raises(ValueError, match=rf"`snapshot_reward_func='{path}'`.*{message}"):
             cls(model="/nonexistent/model", reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args)
+
+
+def test_a_consumed_marker_passes_trls_score_loop_with_log_completions():
+    """TRL's `_score_loop` prints every scored sample's `metrics["reward"]` with `log_completions=True`: the marker of
+    a group without rows carries a NaN reward (it had none, and the worker's child died on `KeyError: 'reward'`) and is
+    pushed to the queue."""
+    import time
+
+    for agentic, mask, make in CASES.values():
+        worker = _scoring_worker(agentic, mask, [1.0, 0.0])
+        group = make(7, True)
+        group.queued_at = time.monotonic()
+        worker.log_completions, worker.num_completions_to_print = True, 4
+        worker._heartbeat_value = SimpleNamespace(value=0.0)
+        worker._push_metrics = lambda values: None
+        worker._inflight = worker._total_completion_tokens = worker._pushed_completion_tokens = 0
+        worker._pushed_at, worker._total_groups_scored = time.monotonic(), 0
+        worker.rollout_buffer, worker.queue_maxsize = queue.Queue(), 10
+
+        async def score(worker=worker, group=group):
+            worker._groups_to_score = asyncio.Queue()
+            worker._groups_to_score.put_nowait(group)
+            worker._groups_to_score.put_nowait(None)
+            await worker._score_loop(asyncio.Event())
+
+        asyncio.run(score())
+        pushed = [worker.rollout_buffer.get_nowait() for _ in range(worker.rollout_buffer.qsize())]
+        if agentic and agentic.get("push_untrained"):
+            assert pushed and not any(s.trained for s in pushed)  # the lost rows, for the estimator
+        else:
+            from trl_agentic.async_grpo.worker import is_consumed_marker
+
+            assert len(pushed) == 1 and is_consumed_marker(pushed[0]) and pushed[0].group_id == 7
+            assert np.isnan(pushed[0].metrics["reward"])
+
+
+def test_trls_own_worker_gets_no_warning_that_its_features_do_nothing(tiny_model_dir, tmp_path, caplog, monkeypatch):
+    """With TRL's `AsyncRolloutWorker` the loop settings run (in trl-agentic's loop in its child): no warning. The
+    trainer then waits for the vLLM server, here a stub that stops construction there."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from test_async_equivalence import NoWeightTransfer, ScriptedWorker, _reward
+    from trl.experimental.async_grpo import vllm_client
+
+    from trl_agentic.async_grpo import AsyncAgenticGRPOConfig, AsyncAgenticGRPOTrainer
+    from trl_agentic.async_grpo.compat import cpu_peak_flops
+
+    class NoServer(Exception):
+        pass
+
+    def wait_for_server_ready(self, *args, **kwargs):
+        raise NoServer
+
+    monkeypatch.setattr(vllm_client.VLLMClient, "wait_for_server_ready", wait_for_server_ready)
+
+    class TRLWorker(ScriptedWorker, trainer_module().AsyncRolloutWorker):
+        def __init__(self, samples):
+            ScriptedWorker.__init__(self, samples)
+            self._loop_cls, self._loop_kwargs = worker_module()._AsyncRolloutLoop, {}
+
+    args = AsyncAgenticGRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1, per_device_train_batch_size=8,
+        num_generations=4, enable_tool_rollback=True, rollback_on_errors=["ValueError"], max_turn_tokens=64,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="trl_agentic.async_grpo.trainer"), pytest.raises(NoServer):
+        with cpu_peak_flops():
+            AsyncAgenticGRPOTrainer(
+                model=str(tiny_model_dir),
+                reward_funcs=_reward,
+                args=args,
+                train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "q"}]}] * 4),
+                peft_config=LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"),
+                rollout_worker=TRLWorker(_samples(agentic=True)),
+                weight_transfer=NoWeightTransfer(),
+            )
+    assert "no effect" not in caplog.text

@@ -225,7 +225,7 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
         if args.mask_truncated_completions and is_trl_worker:
             _use_agentic_loop(worker, "`mask_truncated_completions`")  # TRL's worker has no such option
             worker._loop_kwargs["mask_truncated_completions"] = True
-        elif worker is not None:
+        elif worker is not None and not is_trl_worker:
             ignored = [name for name in _WORKER_FIELDS if getattr(args, name)]
             if ignored:
                 logger.warning(

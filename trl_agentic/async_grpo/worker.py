@@ -97,9 +97,10 @@ class AgenticRolloutSample(RolloutSample):
 def consumed_marker(group) -> AgenticRolloutSample:
     """What the worker pushes for a group it has no row of to push (every conversation truncated under
     `mask_truncated_completions`, or lost): no tokens, not trained, a group of one. The trainer side counts the group
-    as consumed (`stage.AgenticRolloutQueue`), as TRL counts a group one of whose rows it trained."""
+    as consumed (`stage.AgenticRolloutQueue`), as TRL counts a group one of whose rows it trained. Its reward is NaN
+    (unscored), the one metric TRL's worker reads from every sample it scored (`log_completions` prints it)."""
     return AgenticRolloutSample(
-        prompt=[],
+        prompt=group.prompts[0] if group.prompts else [],
         completion=[],
         input_ids=np.zeros(0, dtype=np.int64),
         completion_mask=np.zeros(0, dtype=np.int64),
@@ -107,7 +108,7 @@ def consumed_marker(group) -> AgenticRolloutSample:
         advantage=0.0,
         model_version=group.model_version,
         group_id=group.group_id,
-        metrics={},
+        metrics={"reward": math.nan},
         group_rows=1,
         trained=False,
     )
