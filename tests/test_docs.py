@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from trl_agentic.docgen import render
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
@@ -102,3 +104,13 @@ def test_reference_tables_keep_one_cell_per_column():
     for name, _kind, default, _ in rows[1:]:
         if name.strip("`") in fields:
             assert default == f"`{_default(fields[name.strip('`')])}`"
+
+
+@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["-h"], 0), (["--out", "x.md"], 2), (["a.md", "b.md"], 2)])
+def test_docgen_writes_no_file_named_like_an_option(argv, code, tmp_path, monkeypatch, capsys):
+    """`python -m trl_agentic.docgen --help` wrote the reference into a file named `--help`."""
+    from trl_agentic.docgen import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == code
+    assert "usage:" in capsys.readouterr().out and list(tmp_path.iterdir()) == []

@@ -62,8 +62,14 @@ def render() -> str:
     return "\n".join(out) + "\n"
 
 
+USAGE = "usage: python -m trl_agentic.docgen [OUTPUT]  (default: docs/configuration.md)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and (argv[0].startswith("-") or len(argv) > 1):  # `--help` is no file name to write to
+        print(USAGE)
+        return 0 if argv[0] in ("-h", "--help") else 2
     path = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
     path.write_text(render())
     print(f"wrote {path}")
