@@ -733,7 +733,8 @@ def test_malformed_call_feedback_and_long_tool_outputs_in_the_worker(tiny_tokeni
     if on:
         assert len(payloads) == 3 and len(tool_messages) == 2
         assert tool_messages[0].startswith("{'error': 'invalid JSON in <tool_call> block")
-        assert len(tool_messages[1]) == 64 and tool_messages[1].endswith("x\n...[truncated 436 chars]")
+        kept, cut = tool_messages[1].split("\n...[truncated ")
+        assert len(tool_messages[1]) == 64 and kept == "x" * len(kept) and cut == f"{500 - len(kept)} chars]"
         assert stats["tools/malformed_calls_total"] == 1 and stats["tools/truncated_outputs_total"] == 1
     else:
         assert len(payloads) == 1 and tool_messages == []

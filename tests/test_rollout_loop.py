@@ -778,7 +778,7 @@ def test_list_results_pass_through_and_images_are_refused(tiny_tokenizer):
     cut, whole = (c[1]["content"] for c in trl_tuple[1])
     assert whole == blocks[:1] and result.stats.truncated_outputs == 1
     assert [x["type"] for x in cut] == ["text", "text"] and cut[0]["text"] == "a" * 30
-    assert cut[1]["text"].endswith("[truncated 20 chars]")
+    assert cut[1]["text"] == "\n...[truncated 30 chars]"  # no room left for any of the 30: the marker alone
     assert blocks[1]["text"] == "b" * 30  # the tool's own value is not modified
     with pytest.raises(NotImplementedError, match="images"):
         run_tools_loop(ScriptBackend(tiny_tokenizer, []), [call("get")], [{"get": lambda: image}], cfg())

@@ -339,3 +339,13 @@ def test_infrastructure_is_read_from_the_class_hierarchy_alone(raised, category)
     call = {"type": "function", "function": {"name": "tool", "arguments": {}}}
     outcome = run_tool_call(call, {"tool": tool}, {}, timeout=0, max_chars=None, policy=policy)
     assert outcome.category == category
+
+
+@pytest.mark.parametrize("length, limit", [(1000, 500), (500, 64), (120, 100), (10**6, 64), (30, 10), (99, 98)])
+def test_the_truncation_marker_counts_the_characters_cut(length, limit):
+    """The marker takes room in the budget: it counts every character left out (1000 at 500 kept 475 and said 500)."""
+    text = "y" * length
+    out = truncate(text, limit)
+    kept, count = out.split("\n...[truncated ")
+    assert kept == text[: len(kept)] and count == f"{length - len(kept)} chars]"
+    assert len(out) <= limit or kept == ""  # within the budget unless the marker alone exceeds it

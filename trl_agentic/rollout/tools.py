@@ -123,11 +123,17 @@ class ErrorPolicy:
 
 
 def truncate(text: str, max_chars: int | None) -> str:
-    """Cut `text` to `max_chars` characters (None: no limit), saying how much was dropped."""
+    """Cut `text` to `max_chars` characters (None: no limit), saying how many were dropped: the marker takes room too,
+    so the count is of the characters actually cut (it said `len(text) - max_chars`, fewer)."""
     if max_chars is None or len(text) <= max_chars:
         return text
-    marker = f"\n...[truncated {len(text) - max_chars} chars]"
-    return text[: max(0, max_chars - len(marker))] + marker
+    kept = max_chars
+    while True:  # the count's digits change the marker's length; `kept` only falls, so this ends
+        marker = f"\n...[truncated {len(text) - kept} chars]"
+        fits = max(0, max_chars - len(marker))
+        if fits == kept:
+            return text[:kept] + marker
+        kept = fits
 
 
 def truncate_blocks(blocks: list, max_chars: int | None) -> tuple[list, bool]:
