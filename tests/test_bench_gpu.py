@@ -161,3 +161,30 @@ def test_recorded_gpu_runs_render_as_recorded(run):
     stem = ROOT / "docs" / "bench-gpu" / f"2026-11-27-h200-run{run}"
     report = json.loads(stem.with_suffix(".json").read_text())
     assert gpu.render(report).strip() == stem.with_suffix(".md").read_text().strip()
+
+
+def test_the_schedule_cycle_is_the_configs():
+    """The cycle the ratio is judged over is the least common multiple of TracIn's default schedule's periods."""
+    import math
+
+    from trl_agentic import AgenticGRPOConfig
+    from trl_agentic.bench import gpu
+
+    args = AgenticGRPOConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True)
+    assert gpu.SCHEDULE_CYCLE == math.lcm(args.tracin_val_refresh_steps, args.tracin_val_rollout_steps)
+
+
+def test_a_tiny_run_is_not_compared_with_the_goal(monkeypatch):
+    """`--tiny` measures 4 steps a trainer: half a cycle, without validation rollouts; no ratio against the goal."""
+    from trl_agentic.bench import gpu
+
+    stub = _StubStepper()
+    monkeypatch.setattr(gpu, "make_trainer", stub.make_trainer)
+    monkeypatch.setattr(gpu, "one_step", stub.one_step)
+    monkeypatch.setattr(gpu, "yield_point", lambda: None)
+    settings, out = gpu.Settings.tiny(), {}
+    gpu.tracin_step(settings, out, "unused", None)
+    environment = dict(device="stub", torch="", transformers="", trl="", peft="", notes="")
+    text = gpu.render({"environment": environment, "settings": gpu.asdict(settings), "results": {"tracin_step": out}})
+    assert (len(out["steps"]["plain"]), len(out["steps"]["tracin"])) == (4, 4)
+    assert "Ratio: **" not in text and "incomplete cycle (4 of 8 steps)" in text

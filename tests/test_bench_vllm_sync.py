@@ -40,3 +40,15 @@ def test_time_ratios_are_side_by_side_only():
     assert "different processes, not side by side" in text
     # The data ratio is a ratio of sizes, the same in any process.
     assert f"{SIDE['full_bytes'] / SIDE['lora_bytes']:.0f}× less data" in text
+
+
+def test_a_full_sync_run_of_several_steps_is_quoted_without_ratios():
+    """With a `colocate-full` run of several steps the prose quoted `full_sync / lora_sync` and a step ratio across
+    the two processes; it now gives both times."""
+    from trl_agentic.bench.vllm_sync import report
+
+    full = {"kind": "colocate-full", "step_times_s": [40.0, 30.0, 30.0], "sync_times_s": [0.9, 0.8, 0.8]}
+    text = report(SIDE, [COLOCATE, full], "cmd")
+    paragraph = next(p for p in text.split("\n\n") if "Per sync the LoRA sync" in p)
+    assert "× the LoRA sync" not in paragraph and "× the LoRA-sync step" not in paragraph
+    assert "TRL's whole full sync (into the engine) took 800 ms and its step 30.0 s" in paragraph

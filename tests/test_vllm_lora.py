@@ -322,7 +322,7 @@ def test_server_mode_budgets_contexts_with_the_servers_max_model_len(client_repo
     class Client:
         base_url = "http://vllm:8000"
 
-        def _get(self, url):
+        def _get(self, url, **kwargs):
             urls.append(url)
             return {"data": [{"id": "policy", "max_model_len": 1100}]}
 
@@ -341,4 +341,37 @@ def test_server_mode_budgets_contexts_with_the_servers_max_model_len(client_repo
         eos_token_ids=[2],
     )
     assert TrainerBackend(trainer).max_model_len == (1100 if client_reports else 4096)
-    assert urls == (["http://vllm:8000/v1/models"] if client_reports else [])
+    assert TrainerBackend(trainer).max_model_len == (1100 if client_reports else 4096)  # the next rollout's
+    assert urls == (["http://vllm:8000/v1/models"] if client_reports else [])  # read once per trainer
+
+
+def test_a_server_that_cannot_tell_its_length_leaves_the_config_length(caplog):
+    """A failed `/v1/models` read (a 503, a timeout) is a warning and the model config's length, not an error out of the
+    training step (on several processes, the main one raised before the broadcast the others waited in)."""
+    import logging
+    from types import SimpleNamespace
+
+    from trl_agentic.rollout.trl_backend import TrainerBackend
+
+    class Client:
+        base_url = "http://vllm:8000"
+
+        def _get(self, url, **kwargs):
+            assert kwargs.get("timeout")  # never waits forever
+            raise Exception("Request failed: 503, Service Unavailable")
+
+    trainer = SimpleNamespace(
+        _tokenizer=SimpleNamespace(pad_token_id=0),
+        max_completion_length=64,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_generation=SimpleNamespace(vllm_client=Client()),
+        _is_vlm=False,
+        model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=4096)),
+        max_tool_calling_iterations=4,
+        accelerator=SimpleNamespace(num_processes=1, is_main_process=True, process_index=0),
+        eos_token_ids=[2],
+    )
+    with caplog.at_level(logging.WARNING, logger="trl_agentic.rollout.trl_backend"):
+        assert TrainerBackend(trainer).max_model_len == 4096
+    assert "Could not read the vLLM server's max_model_len (Exception: Request failed: 503" in caplog.text

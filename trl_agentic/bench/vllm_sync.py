@@ -407,9 +407,10 @@ def report(side: dict, runs: list[dict], command: str) -> str:
         if full and full.get("sync_times_s") and len(full["step_times_s"]) > 1:
             full_sync, full_step = _median_steady(full["sync_times_s"]), _median_steady(full["step_times_s"])
             lines[-1] += (
-                f" End to end, in separate processes: TRL's whole full sync (into the engine) took {_ms(full_sync)}, "
-                f"{full_sync / lora_sync:.1f}× the LoRA sync, and its step {full_step / _median_steady(colocate['step_times_s']):.2f}× "
-                "the LoRA-sync step (not side by side: the two runs shared the machine at different moments)."
+                f" End to end, in a separate process: TRL's whole full sync (into the engine) took {_ms(full_sync)} "
+                f"and its step {full_step:.1f} s, against {_ms(lora_sync)} and "
+                f"{_median_steady(colocate['step_times_s']):.1f} s with the LoRA sync (not side by side: the two runs "
+                "shared the machine at different moments, so not divided into ratios)."
             )
         lines[-1] += (
             " The step time is dominated by the policy's forward and backward passes on CPU; the sync matters most "

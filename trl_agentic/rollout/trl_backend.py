@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 
 import torch
@@ -10,6 +11,8 @@ from trl.chat_template_utils import parse_response
 from ..rank_errors import error_summary
 from .parsing import parse_tool_calls
 from .rendering import ChatRenderer
+
+logger = logging.getLogger(__name__)
 
 
 def _has_response_parser(tokenizer) -> bool:
@@ -29,23 +32,38 @@ def needs_equal_counts(trainer) -> bool:
     return trainer.accelerator.num_processes > 1 and bool(getattr(trainer, "use_vllm", False))
 
 
-def server_max_model_len(trainer) -> int | None:
-    """The vLLM server's `--max-model-len`, on every process; `None` if its client cannot tell.
+_SERVER_LEN_ATTR = "_trl_agentic_server_max_model_len"
 
-    Only the main process holds TRL's client (and talks to the server): it reads the length from the server's
-    `/v1/models` and sends it to the others. Every process must make this call together.
+
+def server_max_model_len(trainer) -> int | None:
+    """The vLLM server's `--max-model-len`, on every process; `None` if its client cannot tell or the request fails.
+
+    Read once per trainer (the first rollout: every process builds its `TrainerBackend` there, so every process makes
+    the broadcast together) and kept: it does not change during a run. Only the main process holds TRL's client (and
+    talks to the server): it reads the length from the server's `/v1/models` (10 s at most) and sends it to the
+    others. A failed read is `None` on every process, with a warning (the model config's length is used), not an
+    error on the main process that would leave the others waiting in the broadcast.
     """
+    if hasattr(trainer, _SERVER_LEN_ATTR):
+        return getattr(trainer, _SERVER_LEN_ATTR)
     from accelerate.utils import broadcast_object_list
 
     value = [None]
     if trainer.accelerator.is_main_process:
         client = getattr(trainer.vllm_generation, "vllm_client", None)
-        if hasattr(client, "get_max_model_len"):  # TRL's async client has it; 1.16's synchronous one does not
-            value[0] = client.get_max_model_len()
-        elif hasattr(client, "_get") and hasattr(client, "base_url"):
-            value[0] = client._get(f"{client.base_url}/v1/models")["data"][0].get("max_model_len")
+        try:
+            if hasattr(client, "get_max_model_len"):  # TRL's async client has it; 1.16's synchronous one does not
+                value[0] = client.get_max_model_len()
+            elif hasattr(client, "_get") and hasattr(client, "base_url"):
+                value[0] = client._get(f"{client.base_url}/v1/models", timeout=10)["data"][0].get("max_model_len")
+        except Exception as error:  # noqa: BLE001 - a budget from the model config is better than a stopped run
+            logger.warning(
+                f"Could not read the vLLM server's max_model_len ({type(error).__name__}: {error}); the rollout loop "
+                "budgets contexts with the model config's max_position_embeddings."
+            )
     if trainer.accelerator.num_processes > 1:
         broadcast_object_list(value)
+    setattr(trainer, _SERVER_LEN_ATTR, value[0])
     return value[0]
 
 
