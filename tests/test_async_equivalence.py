@@ -91,7 +91,17 @@ def _samples(agentic: bool = False):
     return samples
 
 
-def _train(trainer_cls, config_cls, model_dir, out, trainer_kwargs=None, samples=None, trainer_hook=None, **extra):
+def _train(
+    trainer_cls,
+    config_cls,
+    model_dir,
+    out,
+    trainer_kwargs=None,
+    samples=None,
+    trainer_hook=None,
+    lora_dropout=0.0,
+    **extra,
+):
     from datasets import Dataset
     from peft import LoraConfig
 
@@ -116,7 +126,9 @@ def _train(trainer_cls, config_cls, model_dir, out, trainer_kwargs=None, samples
         **extra,
     )
     worker = ScriptedWorker(samples or _samples())
-    peft = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    peft = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=lora_dropout, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+    )
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "q"}]}] * 4)
     with cpu_peak_flops():
         trainer = trainer_cls(

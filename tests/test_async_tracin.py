@@ -180,7 +180,7 @@ def test_the_filter_trains_the_selected_rows_alone(tiny_model_dir, mode):
     assert "tracin_batch" not in trained and tracin._pending == {}
     assert _terms(trained) == _terms(reference)
     assert torch.equal(trained["input_ids"], reference["input_ids"])  # the same forward: rejected rows as context
-    assert stub._metrics["train"]["tracin/num_selected"] == [float(keep.sum())]
+    assert stub._metrics["train"]["tracin/num_selected"] == [(float(keep.sum()), 1.0)]  # rows, one step
     assert tracin.last["selected"].tolist() == keep.tolist()
 
 
@@ -231,7 +231,7 @@ def test_a_zero_validation_direction_keeps_every_row_unscored(tiny_model_dir):
     tracin.scores = lambda samples: pytest.fail("scored against a zero direction")
     tracin.select(samples)
     metrics = stub._metrics["train"]
-    assert metrics["tracin/num_selected"] == [4.0] and metrics["tracin/selected_ratio"] == [1.0]
+    assert metrics["tracin/num_selected"] == [(4.0, 1.0)] and metrics["tracin/selected_ratio"] == [(4.0, 4.0)]
     assert tracin.last["selected"].tolist() == [True, True, True, False, True]
     # One non-zero entry anywhere and the rows are scored and selected again.
     name = next(iter(zero))
@@ -393,3 +393,74 @@ def test_the_filter_runs_in_training_mode_from_step_0(tiny_model_dir):
     tracin.select(_samples(n=2))
     probe.remove()
     assert model.training and len(calls) == 2
+
+
+def test_the_filters_rates_are_reduced_over_the_logging_window(tiny_model_dir):
+    """`tracin/selected_ratio` is selected rows over valid rows in the window, not a mean of micro-batch ratios (with
+    the token budget micro-batches hold different numbers of rows): one of one row kept, then none of seven, is 1/8,
+    not 0.5; `tracin/num_selected` is selected rows per optimizer step (1 in the step, not 0.5 a micro-batch). Reduced
+    with TRL's own `_reduce_metric`."""
+    import sys
+
+    from trl_agentic.async_grpo.compat import trainer_module
+    from trl_agentic.async_grpo.tracin import AsyncTracIn
+
+    reduce_metric = sys.modules[trainer_module().__name__]._reduce_metric
+    model = lora_model(tiny_model_dir)
+    stub = _stub(model, tracin_selection="positive", tracin_min_selected=0)
+    tracin = AsyncTracIn.__new__(AsyncTracIn)
+    tracin.trainer, tracin.direction, tracin.refreshed_at = stub, _direction(model), 3
+    rows = _samples()
+    tracin.scores = lambda samples: torch.ones(len(samples))
+    tracin.select(rows[:1])
+    tracin.scores = lambda samples: -torch.ones(len(samples))
+    tracin.select((rows * 2)[:7])
+    metrics = stub._metrics["train"]
+    assert reduce_metric("tracin/selected_ratio", metrics["tracin/selected_ratio"]) == 1 / 8
+    assert reduce_metric("tracin/score_pos_frac", metrics["tracin/score_pos_frac"]) == 1 / 8
+    assert reduce_metric("tracin/score_mean", metrics["tracin/score_mean"]) == (1 - 7) / 8
+    assert reduce_metric("tracin/num_selected", metrics["tracin/num_selected"]) == 1.0
+    stub.state.global_step += 1  # the next step's micro-batch counts a second step
+    tracin.scores = lambda samples: torch.ones(len(samples))
+    tracin.select(rows[:3])
+    assert reduce_metric("tracin/num_selected", metrics["tracin/num_selected"]) == (1 + 3) / 2
+
+
+def test_keeping_every_row_with_lora_dropout_trains_as_without_the_filter(tiny_model_dir, tmp_path, monkeypatch):
+    """With LoRA dropout the filter's passes (V's, the scoring forward) drew their masks from the global RNG, so every
+    later training forward drew other masks: a run whose filter keeps every row trained other weights than the same
+    run without the filter (max difference 0.039 here). The passes run on a forked RNG now: the same weights, bit for
+    bit. The filter runs for real (a fixed V, real scores, `select_rows`); scores are made positive to keep all."""
+    from datasets import Dataset
+    from test_async_equivalence import _samples as agentic_samples
+    from test_async_equivalence import _train
+
+    from trl_agentic.async_grpo import AsyncAgenticGRPOConfig, AsyncAgenticGRPOTrainer
+    from trl_agentic.async_grpo.tracin import AsyncTracIn
+
+    real_scores, calls = AsyncTracIn.scores, []
+
+    def scores(self, samples):
+        calls.append(len(samples))
+        return real_scores(self, samples).abs() + 1.0
+
+    def refresh(self):
+        self.direction = _direction(self._model())
+        self.refreshed_at = self.trainer.state.global_step
+
+    monkeypatch.setattr(AsyncTracIn, "scores", scores)
+    monkeypatch.setattr(AsyncTracIn, "refresh", refresh)
+    validation = Dataset.from_list([{"prompt": [{"role": "user", "content": "v"}]}] * 2)
+
+    def run(out):
+        return _train(
+            AsyncAgenticGRPOTrainer, AsyncAgenticGRPOConfig, tiny_model_dir, tmp_path / out,
+            {"tracin_eval_dataset": validation}, agentic_samples(agentic=True), lora_dropout=0.1, tracin_enabled=True,
+        )  # fmt: skip
+
+    _, filtered_losses, filtered, _ = run("filtered")
+    assert calls  # the scoring pass ran
+    monkeypatch.setattr(AsyncTracIn, "select", lambda self, samples: torch.ones(len(samples), dtype=torch.bool))
+    _, plain_losses, plain, _ = run("plain")
+    assert filtered_losses == plain_losses
+    assert all(torch.equal(filtered[name], plain[name]) for name in plain)

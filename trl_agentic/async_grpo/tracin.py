@@ -273,16 +273,22 @@ class AsyncTracIn:
             # the same): the filter's passes run in the mode training runs in, so with its dropout and, above all,
             # its gradient checkpointing (inactive in eval mode: the first V, the largest pass, would not be).
             model.train()
-        if due(t.state.global_step, self.refreshed_at, args.tracin_val_refresh_steps):
-            self.refresh()
-        valid = torch.tensor([bool(np.asarray(s["completion_mask"]).any()) for s in samples])
-        if self.direction_is_zero:
+        # The filter's passes (V's and the scoring forward) run with LoRA dropout like training, on a forked torch RNG:
+        # training then draws exactly the dropout masks it draws without the filter (a run that keeps every row trains
+        # as plain training, bit for bit). The scores see masks of their own, not the training forward's: TRL's packed
+        # forward cannot be replayed row by row (docs/async.md).
+        device = next(model.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            if due(t.state.global_step, self.refreshed_at, args.tracin_val_refresh_steps):
+                self.refresh()
+            valid = torch.tensor([bool(np.asarray(s["completion_mask"]).any()) for s in samples])
+            scores = None if self.direction_is_zero else self.scores(samples)
+        if scores is None:
             # V = 0 (no validation group with a reward spread and a token to train): every score is 0 and says
             # nothing about a row, so every row is trained, as in the synchronous trainer; not the fallback's first
             # row at full weight.
             scores, selected = torch.zeros(len(samples)), valid.clone()
         else:
-            scores = self.scores(samples)
             selected = select_rows(
                 scores.detach().cpu().double(),
                 valid,
@@ -292,12 +298,17 @@ class AsyncTracIn:
                 min_selected=args.tracin_min_selected,
             )
         metrics = t._metrics["train"]
-        n_valid = int(valid.sum())
+        n_valid = float(valid.sum())
         valid_scores = scores.detach().cpu().double()[valid]
-        metrics["tracin/selected_ratio"].append(int(selected.sum()) / n_valid if n_valid else math.nan)
-        metrics["tracin/num_selected"].append(float(selected.sum()))
-        metrics["tracin/score_mean"].append(valid_scores.mean().item() if n_valid else math.nan)
-        metrics["tracin/score_pos_frac"].append((valid_scores > 0).double().mean().item() if n_valid else math.nan)
+        # TRL's rates: `(numerator, denominator)` pairs, reduced over the logging window as their sums' ratio (a
+        # plain float is averaged over micro-batches, whose row counts vary with the token budget).
+        metrics["tracin/selected_ratio"].append((float(selected.sum()), n_valid))
+        metrics["tracin/score_mean"].append((valid_scores.sum().item(), n_valid))
+        metrics["tracin/score_pos_frac"].append((float((valid_scores > 0).sum()), n_valid))
+        # Selected rows per optimizer step: the step's first micro-batch counts the step once.
+        new_step = getattr(self, "_metrics_step", None) != t.state.global_step
+        self._metrics_step = t.state.global_step
+        metrics["tracin/num_selected"].append((float(selected.sum()), float(new_step)))
         self.last = {"scores": scores.detach().cpu(), "selected": selected.clone(), "valid": valid}
         return selected
 
