@@ -7,10 +7,13 @@ Validation happens in `__post_init__`, i.e. when the config is built (from Pytho
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
+
+from .field_checks import check_finite
 
 # The seed's default list (seed 000), by error type name: model errors that trigger a rollback. The seed's
 # "worker_timeout" is the sandbox's time limit on model-written code, `SandboxTimeout` here (a model error).
@@ -27,6 +30,15 @@ DEFAULT_ROLLBACK_ON_ERRORS = [
 
 # Failures that are not the model's (see `trl_agentic.errors`): retried in place, never trained on.
 DEFAULT_INFRA_ERROR_TYPES = ["InfrastructureError"]
+# The settings carried out by trl-agentic's rollout loop (any of them on: `uses_agentic_loop`).
+AGENTIC_LOOP_FIELDS = (
+    "enable_tool_rollback",
+    "enable_context_snapshots",
+    "tool_timeout",
+    "max_tool_output_chars",
+    "malformed_tool_call_feedback",
+    "max_turn_tokens",
+)
 MAX_TOOL_TIMEOUT = 1e6  # seconds (11.6 days): well inside what a thread join or an event loop accepts
 
 _CHOICES = {
@@ -529,14 +541,8 @@ class AgenticGRPOConfig(GRPOConfig):
 
         An environment that supplies further user turns (`_next_user_turn`) also needs it (decided by the trainer).
         """
-        return (
-            self.enable_tool_rollback
-            or self.enable_context_snapshots
-            or bool(self.tool_timeout)
-            or self.max_tool_output_chars is not None
-            or self.malformed_tool_call_feedback
-            or self.max_turn_tokens is not None
-        )
+        # Set means truthy for each: `tool_timeout` 0 is off, the two limits are validated positive when set.
+        return any(getattr(self, name) for name in AGENTIC_LOOP_FIELDS)
 
     @property
     def agentic_features_enabled(self) -> bool:
@@ -574,8 +580,6 @@ class AgenticGRPOConfig(GRPOConfig):
                 )
 
     def _validate_agentic_fields(self) -> None:
-        import math
-
         for name, choices in _CHOICES.items():
             value = getattr(self, name)
             if value not in choices:
@@ -654,9 +658,7 @@ class AgenticGRPOConfig(GRPOConfig):
             "row_selection_threshold",
             "tracin_threshold",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
+            check_finite(name, getattr(self, name))
         if self.snapshot_reward_func is not None and ":" not in self.snapshot_reward_func:
             raise ValueError(
                 f"`snapshot_reward_func` must be an import path 'package.module:function', got {self.snapshot_reward_func!r}."

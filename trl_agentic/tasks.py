@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import importlib
-import math
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from datasets import Dataset
+
+from .field_checks import check_finite
 
 TASKS = ("calculator", "python", "textworld", "logsearch", "bfcl")
 
@@ -216,9 +217,7 @@ class TaskArguments:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"`{name}` must be an integer, got {value!r}.")
         for name in _FLOAT_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
+            check_finite(name, getattr(self, name))
         if isinstance(self.extra_reward_funcs, str):  # one path written as a YAML string
             self.extra_reward_funcs = [self.extra_reward_funcs]
         if self.extra_reward_funcs is not None and not all(

@@ -32,6 +32,7 @@ import torch
 from transformers.utils import logging
 
 from ..batch import snapshot_reward
+from ..config import AGENTIC_LOOP_FIELDS
 from ..envs.protocol import check_checkpointable, has_user_turns
 from ..estimators import resolve_estimator
 from ..rollout.context import delete_context
@@ -67,15 +68,7 @@ _ADVANTAGE_FIELDS = (
 # Settings TRL's rollout worker carries out in trl-agentic's loop (`_use_agentic_loop`); another worker makes its own
 # rollouts and rows, so they do nothing there (the trainer warns). An estimator needs the worker's groups: the stage
 # refuses a worker's rows without them.
-_WORKER_FIELDS = (
-    "enable_tool_rollback",
-    "enable_context_snapshots",
-    "tool_timeout",
-    "max_tool_output_chars",
-    "malformed_tool_call_feedback",
-    "max_turn_tokens",
-    "mask_truncated_completions",
-)
+_WORKER_FIELDS = (*AGENTIC_LOOP_FIELDS, "mask_truncated_completions")
 
 
 def _use_agentic_loop(worker, what: str) -> None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 
+from ..field_checks import check_finite
 from .errors import CodeError, SandboxError, SandboxRestoreError, SandboxUnavailable
 from .sandbox_isolation import resolve_isolation
 from .sandbox_process import SandboxProcess
@@ -12,15 +12,10 @@ from .sandbox_process import SandboxProcess
 MAX_SANDBOX_TIMEOUT = 1e6  # seconds; as `tool_timeout`'s bound (a larger one overflows the poll's milliseconds)
 
 
-def _check_real(name: str, value) -> None:
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
-
-
 def check_timeout(name: str, value) -> None:
     """A sandbox call's limit, `name` as the caller calls it (`PythonSandboxEnv`, `TaskArguments`): positive, finite,
     at most `MAX_SANDBOX_TIMEOUT` seconds."""
-    _check_real(name, value)
+    check_finite(name, value)
     if not 0 < value <= MAX_SANDBOX_TIMEOUT:
         raise ValueError(f"`{name}` must be positive and at most {MAX_SANDBOX_TIMEOUT:g} s, got {value}.")
 
@@ -118,7 +113,7 @@ class PythonSandboxEnv:
         # the sandbox starts (every call an infrastructure failure).
         check_timeout("timeout", timeout)
         for name, value in (("max_cpus", max_cpus), ("replay_timeout_factor", replay_timeout_factor)):
-            _check_real(name, value)
+            check_finite(name, value)
         for name, value in (
             ("memory_limit_mb", memory_limit_mb),
             ("max_output_chars", max_output_chars),
