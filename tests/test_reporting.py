@@ -700,3 +700,72 @@ def test_recorder_keeps_the_turns_of_a_truncated_rollout_on_a_real_trainer(
         assert [s["role"] for s in t["segments"]] == ["model", "env", "model"]
         assert t["tool_results"][0]["content"] == "36"
         assert t["segments"][2]["text"].startswith("The answer is 36")
+
+
+def test_recorder_flags_a_rollout_lost_to_infrastructure(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """A lost rollout is not trained (`counted_row` False, its tool mask zeroed by the batch): it is flagged, its
+    turns come from the loop's masks (not all environment text) and it is not coloured."""
+    from test_row_count import DownOnceEnv, Script, reward
+
+    DownOnceEnv.remaining = 1
+    args = AgenticGRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", seed=0, per_device_train_batch_size=4,
+        num_generations=4, max_completion_length=256, save_strategy="no", max_tool_output_chars=1000,
+        max_infra_retries=0,
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "task 0"}]] * 4})
+    trainer = AgenticGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=reward, args=args, train_dataset=dataset, environment_factory=DownOnceEnv
+    )
+    trainer._generate_single_turn = Script(tiny_tokenizer)
+    recorder = TrajectoryRecorder(trainer.processing_class).attach(trainer)
+    trainer.model.train()
+    trainer._generate_and_score_completions([dict(dataset[i]) for i in range(4)])
+    lost = trainer._last_loop_result.infra_failed.index(True)
+    assert recorder.errors == [] and len(recorder.trajectories) == 4
+    assert [t["not_trained"] for t in recorder.trajectories] == [r == lost for r in range(4)]
+    row = recorder.trajectories[lost]
+    assert not row["masked"] and row["kind"] == "regular"
+    # The rollout ends at the lost call: one model turn (with the zeroed tool mask it read as environment text).
+    assert [s["role"] for s in row["segments"]] == ["model"] and '"work"' in row["segments"][0]["text"]
+    text = write_report(tmp_path / "report.html", recorder.trajectories).read_text()
+    assert text.count(">not trained</span>") == 1
+    # Its tokens get no gradient: not coloured, whatever advantage the row holds (a lost row's is 0 here).
+    segment = {**row["segments"][0], "advantages": [1.0] * len(row["segments"][0]["tokens"])}
+    for flag, coloured in ((True, False), (False, True)):
+        shown = {**row, "not_trained": flag, "segments": [segment]}
+        text = write_report(tmp_path / "one.html", [shown, {**shown, "id": "other", "not_trained": True}]).read_text()
+        article = text[text.index(f'id="{row["id"]}"') :]
+        assert ("rgba(" in article[: article.index("</article>")]) == coloured
+
+
+def test_recorder_shows_the_turns_of_an_untrained_snapshot_segment(tiny_tokenizer):
+    """An earlier segment of an episode whose last segment is not trained: its tool mask is zeroed in the batch; the
+    recorder flags it and shows its turns from the loop's segment (`ExtraRow.tool_mask`)."""
+    tok = tiny_tokenizer
+    last, last_mask = completion(tok, [(tool_call("2 + 2"), True)])
+    first, first_mask = completion(tok, [(tool_call("1 + 1"), True), ("<tool_response>\n2\n</tool_response>", False)])
+    width = max(len(last), len(first))
+    pad = tok.pad_token_id
+    batch = {
+        "completion_ids": torch.tensor([last + [pad] * (width - len(last)), first + [pad] * (width - len(first))]),
+        "completion_mask": torch.tensor([[1] * len(last) + [0] * (width - len(last)), [1] * len(first) + [0] * (width - len(first))]),
+        "tool_mask": torch.zeros(2, width, dtype=torch.long),
+        "advantages": torch.tensor([0.0, 0.0]),
+        "row_kind": torch.tensor([RowKind.REGULAR, RowKind.SNAPSHOT]),
+        "group_id": torch.tensor([0, 0]),
+        "counted_row": torch.tensor([False, False]),
+    }  # fmt: skip
+    segment = ExtraRow(
+        kind=RowKind.SNAPSHOT, parent=0, prompt_ids=[1], completion_ids=first, tool_mask=first_mask, logprobs=None,
+        segment_index=0,
+    )  # fmt: skip
+    loop_result = LoopResult([segment], [True], [2], LoopStats(), [[]], tool_failed=[[]])
+    recorder = TrajectoryRecorder(tok)
+    recorder.record(_fake_trainer(), batch, [{"prompt": "task", "answer": None}], torch.tensor([[float("nan")]]),
+                    loop_result, tool_masks=[last_mask])  # fmt: skip
+    lost, snapshot = recorder.trajectories
+    assert lost["not_trained"] and snapshot["not_trained"] and snapshot["kind"] == "snapshot"
+    assert [s["role"] for s in lost["segments"]] == ["model"]
+    assert [s["role"] for s in snapshot["segments"]] == ["model", "env"]
+    assert snapshot["tool_results"][0]["content"] == "2"

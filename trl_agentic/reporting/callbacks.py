@@ -259,7 +259,9 @@ class TrajectoryRecorder(TrainerCallback):
     left out of the id of the first batch: `s{step}-r{row}`, then `s{step}-b{batch}-r{row}`).
 
     A rollout TRL masked (`mask_truncated_completions`: truncated, not trained) is recorded up to its padding, with
-    `masked` set.
+    `masked` set. Another row that is not trained (`counted_row` False: a rollout lost to infrastructure, or an earlier
+    snapshot segment of an episode whose last segment is not trained) has `not_trained` set, and its turns are shown
+    from the loop's masks (the batch's tool mask is zeroed for it).
 
     Args:
         tokenizer: The policy's tokenizer.
@@ -314,6 +316,7 @@ class TrajectoryRecorder(TrainerCallback):
         completion_ids = batch["completion_ids"].tolist()
         completion_mask = batch["completion_mask"].tolist()
         tool_mask = batch["tool_mask"].tolist() if "tool_mask" in batch else None
+        counted = batch["counted_row"].tolist() if "counted_row" in batch else [True] * len(kinds)
         advantages = batch["advantages"]
         num_local = len(inputs)
         offset = trainer.accelerator.process_index * num_local
@@ -337,20 +340,22 @@ class TrajectoryRecorder(TrainerCallback):
                     length -= 1
             ids = completion_ids[r][:length]
             mask = tool_mask[r][:length] if tool_mask is not None else [1] * length
-            if masked and not any(mask):  # zeroed too: the loop's, else model and environment cannot be told apart
-                known = tool_masks is not None and r < min(num_local, len(tool_masks)) and len(tool_masks[r]) == length
-                mask = list(tool_masks[r]) if known else [1] * length
+            # Not trained for another reason than TRL's mask: its tool mask is zeroed (`batch._untrained_rows`).
+            not_trained = not masked and r < len(counted) and not counted[r]
+            # Zeroed: the loop's mask (below for an extra row), else model and environment cannot be told apart.
+            zeroed = (masked or not_trained) and not any(mask)
+            if zeroed and tool_masks is not None and r < min(num_local, len(tool_masks)):
+                mask = list(tool_masks[r]) if len(tool_masks[r]) == length else [1] * length
             adv = advantages[r].tolist() if advantages.dim() == 2 else [advantages[r].item()] * len(completion_ids[r])
-            model_adv = [a for a, m in zip(adv[:length], mask) if m]
             row = {
                 "id": f"{prefix}r{r}",
                 "step": step,
                 "batch": self._batch,
                 "group": groups[r],
                 "kind": _KIND_NAMES.get(RowKind(kind), str(kind)),
-                "advantage": sum(model_adv) / len(model_adv) if model_adv else 0.0,
                 "token_level": advantages.dim() == 2,
                 "masked": masked,
+                "not_trained": not_trained,
             }
             if kind == RowKind.REGULAR and r < num_local:
                 source = inputs[r]
@@ -394,6 +399,12 @@ class TrajectoryRecorder(TrainerCallback):
                 if kind == RowKind.SNAPSHOT and extra is not None:
                     row["segment_index"] = extra.segment_index
                     row["tokens_freed"] = extra.tokens_freed
+                if zeroed and extra is not None and len(extra.tool_mask) >= length:
+                    mask = list(extra.tool_mask[:length])
+            if zeroed and not any(mask):
+                mask = [1] * length
+            model_adv = [a for a, m in zip(adv[:length], mask) if m]
+            row["advantage"] = sum(model_adv) / len(model_adv) if model_adv else 0.0
             row["question"] = _question(source.get("prompt")) if source else ""
             row["answer"] = source.get("answer") if source else None
             row["segments"] = split_segments(self.tokenizer, ids, mask, adv[:length])

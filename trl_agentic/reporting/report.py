@@ -171,6 +171,13 @@ def _badges(t: dict, children: dict[str, list[str]]) -> str:
             '<span class="badge badge-masked" title="mask_truncated_completions: cut by the length budget, its loss '
             'mask zeroed">truncated, masked (not trained)</span>'
         )
+    if t.get("not_trained"):
+        why = (
+            "a rollout lost to infrastructure (no reward)"
+            if t.get("kind") == "regular"
+            else "a segment of an episode whose last segment is not trained"
+        )
+        out.append(f'<span class="badge badge-masked" title="{why}: no loss">not trained</span>')
     if t.get("kind") == "snapshot" or t.get("segment_index"):
         out.append(f'<span class="badge badge-snapshot">snapshot segment {_e(t.get("segment_index", 0))}</span>')
     for level in t.get("levels") or []:
@@ -204,9 +211,10 @@ def _render_segments(t: dict, scale: float) -> str:
     for segment in t.get("segments") or []:
         if segment["role"] == "model":
             advantages = segment.get("advantages") or [0.0] * len(segment["tokens"])
-            # A masked row (not trained) is not coloured: its tokens get no gradient.
+            # A row that is not trained is not coloured: its tokens get no gradient.
+            plain = t.get("masked") or t.get("not_trained")
             spans = "".join(
-                f'<span class="tok" style="{"" if t.get("masked") else _color(a, scale)}" title="advantage {a:+.3f}">'
+                f'<span class="tok" style="{"" if plain else _color(a, scale)}" title="advantage {a:+.3f}">'
                 f"{_e(tok)}</span>"
                 for tok, a in zip(segment["tokens"], advantages)
             )
