@@ -284,3 +284,108 @@ def test_keeping_every_row_trains_as_trl_with_masked_truncated_rows(tiny_model_d
     g_plain = _grad(plain, plain._compute_loss(plain.model, batch))
     assert g_plain.abs().sum() > 0
     torch.testing.assert_close(_grad(trainer, trainer._compute_loss(trainer.model, selected)), g_plain)
+
+
+def test_max_variance_with_unscorable_rows_trains_every_kept_row(tiny_model_dir, tmp_path):
+    """A group with one scorable rollout keeps one row: 2 + 1 kept rows, not a multiple of the 2 micro-batches. TRL's
+    split dropped the remainder (a kept row, at random after its shuffle); the batch is filled with a zero-weight
+    padding row instead, and every kept row weighs 1/3 in `grpo`."""
+    from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+
+    from trl_agentic.loss_weights import row_weight_factor
+    from trl_agentic.rollout.types import RowKind
+
+    values = [1.0, 0.0, 2.0, 1.0, None, None, None, 3.0]
+
+    def scored(completions, **kwargs):
+        return values[: len(completions)]
+
+    trainer, dataset = _trainer(
+        tiny_model_dir, tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
+        row_selection="max_variance", row_selection_keep=2, loss_type="grpo",
+    )  # fmt: skip
+    trainer.reward_funcs[0] = scored
+    torch.manual_seed(0)
+    batch = trainer._generate_and_score_completions(list(dataset))
+    kinds = batch["row_kind"].tolist()
+    assert len(kinds) == 4 and kinds.count(int(RowKind.PADDING)) == 1
+    assert int(batch["num_rows_in_batch"]) == 3
+    real = [k for k in range(4) if kinds[k] != RowKind.PADDING]
+    pad = kinds.index(int(RowKind.PADDING))
+    assert batch["completion_mask"][pad].sum() == 0 and batch["advantages"][pad] == 0
+    # The kept rows: rewards 0 and 2 of the first group (advantages -/+ 0.707), the only scorable row of the second.
+    torch.testing.assert_close(
+        batch["advantages"][real], torch.tensor([-1 / math.sqrt(2), 1 / math.sqrt(2), 0.0]), atol=1e-3, rtol=0
+    )
+    for seed in range(4):  # TRL's shuffle and split: every kept row reaches the loss, each weighing 1/3
+        torch.manual_seed(seed)
+        chunks = split_tensor_dict(shuffle_sequence_dict(dict(batch)), 2)
+        weights = [
+            float(row_weight_factor(c, "grpo", 1, 2))
+            / (c["prompt_ids"].size(0) * 2)
+            * float(c["completion_mask"][k].any())
+            for c in chunks
+            for k in range(c["prompt_ids"].size(0))
+        ]
+        assert sorted(weights) == pytest.approx([0.0, 1 / 3, 1 / 3, 1 / 3])
+
+
+def test_max_variance_never_selects_a_rollout_lost_to_infrastructure(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """A lost rollout has no reward (NaN: out of its group's statistics). Its environment's total (0) made it the
+    low end of the largest variance, so the tied group (the others all 2) trained one row with advantage +0.707."""
+    from test_row_count import DownOnceEnv, Script
+
+    def total(environments, **kwargs):
+        return [float(env.total) for env in environments]
+
+    DownOnceEnv.remaining = 1
+    args = AgenticGRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", seed=0, per_device_train_batch_size=4,
+        num_generations=4, max_completion_length=256, save_strategy="no", max_tool_output_chars=1000,
+        max_infra_retries=0, row_selection="max_variance", row_selection_keep=2, loss_type="grpo",
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "task 0"}]] * 4})
+    trainer = AgenticGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=total, args=args, train_dataset=dataset, environment_factory=DownOnceEnv
+    )
+    trainer._generate_single_turn = Script(tiny_tokenizer)
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions([dict(dataset[i]) for i in range(4)])
+    assert trainer._last_loop_result.infra_failed.count(True) == 1
+    assert batch["prompt_ids"].size(0) == 2 and bool(batch["counted_row"].all())
+    assert int(batch["num_rows_in_batch"]) == 2
+    assert batch["advantages"].tolist() == [0.0, 0.0]  # the two kept rows tie (2 and 2)
+
+
+def test_bnpo_weighs_every_kept_token_equally_across_micro_batches(tiny_model_dir, tmp_path):
+    """`random` masks rows as TracIn does, so `bnpo` weighs each kept token the same: the summed loss of the two
+    micro-batches is the mean loss over every kept token (computed on the kept rows as one batch). TRL's per-micro-batch
+    normaliser weighed the tokens of the sparser micro-batch more."""
+    from trl.trainer.utils import split_tensor_dict
+
+    trainer, dataset = _trainer(
+        tiny_model_dir, tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=4, num_generations=8,
+        row_selection="random", row_selection_fraction=0.4, loss_type="bnpo", max_completion_length=12,
+    )  # fmt: skip
+    tok = trainer.processing_class
+    # Completions of 1 to 8 words (no end of turn from the random tiny model otherwise: all of one length).
+    trainer._generate_single_turn = lambda prompt_ids, *a, **k: (
+        [
+            tok.encode(" ".join(["hi"] * (n + 1)) + "<|im_end|>", add_special_tokens=False)
+            for n in range(len(prompt_ids))
+        ],
+        None,
+    )
+    batch = trainer._generate_and_score_completions(list(dataset))
+    kept = (batch["completion_mask"] * batch["tool_mask"]).sum(1)
+    halves = split_tensor_dict(dict(batch), 2)  # TRL shuffles first; any split of unequal token counts shows it
+    counts = [int((h["completion_mask"] * h["tool_mask"]).sum()) for h in halves]
+    assert counts[0] != counts[1] and min(counts) > 0, counts
+    trainer.current_gradient_accumulation_steps = 2
+    summed = sum(trainer._compute_loss(trainer.model, h) for h in halves)
+    index = (kept > 0).nonzero().squeeze(1)
+    alone = {k: v[index] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    trainer.current_gradient_accumulation_steps = 1
+    mean = trainer._compute_loss(trainer.model, alone)  # no `num_rows_in_batch`: TRL's bnpo, one micro-batch
+    assert abs(float(mean)) > 0
+    torch.testing.assert_close(summed, mean, rtol=1e-5, atol=1e-7)

@@ -255,6 +255,7 @@ class BatchAugmenter:
         self._warned_negative_reward = False
         # Group ids (global) of the last batch's groups without reward spread (`without_reward_spread`); None for GDPO.
         self.last_groups_without_spread: torch.Tensor | None = None
+        self.last_regular_rewards: torch.Tensor | None = None  # the last batch's, gathered (`_regular_rewards`)
 
     def _warn_negative_reward_not_lowest(self, rewards, group_ids, kinds) -> None:
         """Warn once when a negative row's reward is not below every episode of its group: its advantage is clamped
@@ -292,6 +293,7 @@ class BatchAugmenter:
         """
         t, args = self.trainer, self.trainer.args
         self.last_groups_without_spread = None
+        self.last_regular_rewards = None
         if args.multi_objective_aggregation != "sum_then_normalize":
             return output  # GDPO keeps TRL's advantages (the trainer refuses it with extra rows)
         mode = "train" if t.model.training else "eval"
@@ -300,6 +302,7 @@ class BatchAugmenter:
         infra_local = loop_result.infra_failed if loop_result is not None else [False] * num_local
 
         rewards, infra = self._regular_rewards(rewards_per_func, infra_local)
+        self.last_regular_rewards = rewards  # for `row_selection`, which runs after (lost rollouts are NaN)
         rows = self._gather_rows(extras, rewards, inputs, num_local, mode)
         # The groups whose rewards are all equal (every row, every process), for TracIn's validation direction.
         self.last_groups_without_spread = rows.groups[without_reward_spread(rows.rewards, rows.groups)].unique()

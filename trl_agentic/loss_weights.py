@@ -13,8 +13,8 @@ generation batch, as `num_items_in_batch` does for the token-level losses:
 
 `bnpo` divides each micro-batch by its own token count `T_mb`, so the real tokens of a micro-batch filled with padding
 rows weigh up to `B_mb` times more than those of a full one. When the trainer can reshape batches (a feature that adds
-or drops rows, or trl-agentic's loop, on: `equal_token_weights`), every real token weighs the same instead: the
-normaliser is the generation batch's token count shared equally among its micro-batches (as `dapo`'s):
+or drops rows, `row_selection`, or trl-agentic's loop, on: `equal_token_weights`), every real token weighs the same
+instead: the normaliser is the generation batch's token count shared equally among its micro-batches (as `dapo`'s):
 
     factor = T_mb * num_processes * steps_per_generation / num_items_in_batch
 
@@ -76,6 +76,7 @@ class RowWeightedLossMixin:
         An estimator passed to the trainer counts as the config's name does (it may add rows)."""
         return bool(
             self.args.agentic_features_enabled
+            or self.args.row_selection != "none"  # masks or drops rows as TracIn does
             or getattr(self, "_uses_agentic_loop", False)
             or getattr(self, "advantage_estimator", grpo_estimator) is not grpo_estimator
         )

@@ -11,7 +11,11 @@ own rows. Modes (`trl_agentic.selection.rules`):
 - `"max_variance"` (PODS): `num_generations` rollouts per prompt are generated and the `row_selection_keep` of each
   group with the largest reward variance are trained on, with advantages recomputed over the kept rows only. The other
   rows are removed from the batch (not masked: PODS saves the training compute of the rows it drops), so one process
-  only.
+  only. A group with fewer scorable rows keeps fewer; the batch is then filled up to a multiple of
+  `steps_per_generation` with dropped rows as zero-weight padding rows (TRL's split drops a remainder).
+
+Rewards are the batch augmenter's (`BatchAugmenter.last_regular_rewards`): a rollout lost to infrastructure is NaN, as
+an unscorable one, never selected and out of every group's statistics.
 - `"successful"` (rejection-sampled self-training, RFT/STaR): the rows whose reward is at least
   `row_selection_threshold`, each with advantage 1; the others are masked out. With one update per generation batch
   (`num_iterations=1`) and no KL term (`beta=0`), the importance ratio is 1 and the gradient of TRL's loss is then
@@ -25,6 +29,7 @@ import torch
 
 from ..advantages import group_advantages
 from ..batch import counted_rows
+from ..rollout.types import RowKind
 from .rules import max_variance_rows, random_rows, successful_rows
 
 
@@ -43,9 +48,12 @@ class RowSelectionMixin:
         if mode == "none" or not self.model.training:
             return batch
         device = batch["completion_mask"].device
-        rewards_per_func = self._last_rewards_per_func  # (N_global, n_funcs), gathered
-        rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
-        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+        rewards = getattr(getattr(self, "_augmenter", None), "last_regular_rewards", None)
+        if rewards is None:  # the augmenter kept TRL's batch (GDPO): TRL's rewards, which lose no rollout
+            rewards_per_func = self._last_rewards_per_func  # (N_global, n_funcs), gathered
+            rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+            rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+        rewards = rewards.clone()
         n_local = batch["prompt_ids"].size(0)
         start = self.accelerator.process_index * n_local
         values = rewards.tolist()
@@ -66,7 +74,8 @@ class RowSelectionMixin:
             groups = torch.arange(len(values), device=dropped.device) // self.num_generations
             advantages = group_advantages(dropped, groups, scale=self.scale_rewards)
             batch = dict(batch, advantages=advantages[start : start + n_local].to(device=device, dtype=torch.float32))
-            taken = _take_rows(batch, mine, n_local)
+            rows = _fill_to_multiple(mine, self.args.steps_per_generation)
+            taken = _pad_unkept(_take_rows(batch, rows, n_local), mine[rows])
             return self._recount(taken, counted_rows(taken))
         if mode == "successful":
             batch = dict(batch, advantages=mine.to(torch.float32))
@@ -107,4 +116,35 @@ def _take_rows(batch: dict, keep: torch.Tensor, n_rows: int) -> dict:
             out[key] = [value[k] for k in index.tolist()]
         else:
             out[key] = value
+    return out
+
+
+def _fill_to_multiple(keep: torch.Tensor, multiple: int) -> torch.Tensor:
+    """`keep` plus the first unkept rows needed for a multiple of `multiple` rows (at least `multiple`): TRL's
+    `split_tensor_dict` drops a remainder, and a batch of no row trains nothing. The batch's row count is such a
+    multiple, so there are enough."""
+    count = int(keep.sum())
+    target = max(-(-count // multiple) * multiple, multiple)
+    fill = (~keep).nonzero().squeeze(1)[: target - count]
+    out = keep.clone()
+    out[fill] = True
+    return out
+
+
+def _pad_unkept(batch: dict, kept: torch.Tensor) -> dict:
+    """Rows of `batch` not in `kept` become zero-weight padding rows (as `BatchAugmenter._pad_rows` makes them)."""
+    if bool(kept.all()):
+        return batch
+    pad = ~kept
+    out = dict(batch)
+    for key in ("completion_mask", "tool_mask", "advantages", "counted_row"):
+        if key in out:
+            value = out[key]
+            shape = (-1,) + (1,) * (value.dim() - 1)
+            out[key] = value.masked_fill(pad.to(value.device).reshape(shape), 0)
+    if "row_kind" in out:
+        out["row_kind"] = out["row_kind"].masked_fill(pad.to(out["row_kind"].device), int(RowKind.PADDING))
+    for key in ("group_id", "episode_id", "segment_index"):
+        if key in out:
+            out[key] = out[key].masked_fill(pad.to(out[key].device), -1)
     return out
