@@ -811,7 +811,8 @@ class LimitedBackend(ScriptBackend):
 
 class CallLimitedBackend(ScriptBackend):
     """A backend whose engine takes one length for the whole call (`takes_call_limit`, as the trainer's): each
-    scripted output is cut at that limit, as `generate` stops at `max_new_tokens`."""
+    scripted output is cut at that limit, as `generate` stops at `max_new_tokens`, and not at the model's context
+    (transformers' `generate` generates past `max_position_embeddings`, with a warning): the loop cuts by room."""
 
     takes_call_limit = True
 
@@ -822,8 +823,7 @@ class CallLimitedBackend(ScriptBackend):
     def generate(self, contexts, limit=None):
         self.call_limits.append(limit)
         ids, lps = super().generate(contexts)
-        rooms = [self.max_model_len - len(c) for c in contexts]
-        return [x[: min(limit, n)] for x, n in zip(ids, rooms)], [x[: min(limit, n)] for x, n in zip(lps, rooms)]
+        return [x[:limit] for x in ids], [x[:limit] for x in lps]
 
 
 @pytest.mark.parametrize(
@@ -855,6 +855,10 @@ def test_asking_the_engine_for_what_the_loop_keeps_changes_no_row(tiny_tokenizer
     limited, _, got, rows, stats = run(LimitedBackend)
     assert got == expected and rows == expected_rows
     counters = ("truncated_turns", "turn_cap_truncations", "hints_dropped", "rollback_attempts")
+    assert [getattr(stats, c) for c in counters] == [getattr(expected_stats, c) for c in counters]
+    # An engine that stops at nothing (the evaluation's backend takes no limit): the loop cuts every turn itself.
+    _, _, got, rows, stats = run(ScriptBackend)
+    assert got == expected and rows == expected_rows
     assert [getattr(stats, c) for c in counters] == [getattr(expected_stats, c) for c in counters]
     assert stats.rollback_attempts > 0
     if room is None:

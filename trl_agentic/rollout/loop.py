@@ -753,7 +753,9 @@ class AgenticRolloutLoop:
             if cap is not None and len(post) > cap:  # an engine that ignored the cap: cut like one that honoured it
                 post, post_lp = post[:cap], (post_lp[:cap] if post_lp is not None else None)
             budget = backend.max_completion_length - (len(context) - len(r.prompt_ids))
-            excess = len(post) - budget
+            # Also the room left in the model's context: a batched call asks for the most any of its contexts can keep,
+            # and transformers' `generate` does not stop at `max_position_embeddings` (only warns).
+            excess = len(post) - min(budget, backend.max_model_len - len(context))
             if excess > 0:
                 post = post[: max(0, len(post) - excess)]
                 post_lp = post_lp[: len(post)] if post_lp is not None else None
