@@ -79,3 +79,35 @@ def test_trl_deprecation_warnings_fail_the_suite(tmp_path):
         with pytest.raises(DeprecationWarning):
             warnings.warn_explicit("deprecated", DeprecationWarning, "x.py", 1, module=module)
     warnings.warn_explicit("deprecated", DeprecationWarning, "x.py", 1, module="transformers.utils")  # quiet
+
+
+@pytest.mark.parametrize("which", ["sync", "async"])
+def test_trainers_take_trls_parameters_in_trls_order(which):
+    """A drop-in subclass: every parameter of TRL's trainer, in TRL's order with TRL's defaults (positional calls such
+    as `GRPOTrainer(model, reward_funcs, args, dataset)` work unchanged); ours only after them, keyword-only."""
+    if which == "sync":
+        from trl_agentic import AgenticGRPOTrainer as ours
+
+        theirs = GRPOTrainer
+    else:
+        from trl.experimental.async_grpo import AsyncGRPOTrainer as theirs
+
+        from trl_agentic.async_grpo import AsyncAgenticGRPOTrainer as ours
+    expected = [(p.name, p.kind, p.default) for p in inspect.signature(theirs.__init__).parameters.values()]
+    params = list(inspect.signature(ours.__init__).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in params[: len(expected)]] == expected
+    assert [(p.name, p.kind) for p in params[len(expected) :]] == [
+        ("advantage_estimator", inspect.Parameter.KEYWORD_ONLY),
+        ("tracin_eval_dataset", inspect.Parameter.KEYWORD_ONLY),
+    ]
+
+
+def test_a_positional_train_dataset_reaches_the_trainer(tiny_model_dir, tmp_path):
+    from datasets import Dataset
+
+    from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+
+    args = AgenticGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
+    dataset = Dataset.from_dict({"prompt": ["Say hi."] * 8})
+    trainer = AgenticGRPOTrainer(tiny_model_dir, lambda completions, **kw: [0.0] * len(completions), args, dataset)
+    assert trainer.train_dataset is dataset

@@ -127,19 +127,39 @@ class AgenticGRPOTrainer(RowSelectionMixin, GenerationMixin, TracInMixin, RowWei
         model,
         reward_funcs=None,
         args: AgenticGRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
         *,
         advantage_estimator: Callable | None = None,
         tracin_eval_dataset=None,
-        tools=None,
-        environment_factory=None,
-        **kwargs,
     ):
+        # TRL's parameters in TRL's order (positional use as with `GRPOTrainer`; tests/test_trl_signatures.py).
+        kwargs = dict(
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+            rollout_func=rollout_func,
+        )
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = AgenticGRPOConfig(f"{str(name).split('/')[-1]}-AgenticGRPO")
         elif not isinstance(args, AgenticGRPOConfig):
             raise TypeError(f"`args` must be an AgenticGRPOConfig, got {type(args).__name__}.")
-        if args.tracin_enabled and kwargs.get("peft_config") is None and not hasattr(model, "peft_config"):
+        if args.tracin_enabled and peft_config is None and not hasattr(model, "peft_config"):
             # Checked before TRL loads the model: the influence hooks need LoRA layers.
             raise ValueError(
                 "`tracin_enabled=True` needs a PEFT LoRA policy: pass `peft_config` (a `peft.LoraConfig`) or a "

@@ -146,14 +146,26 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
         reward_funcs=None,
         args: AsyncAgenticGRPOConfig | None = None,
         train_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        tools=None,
+        environment_factory=None,
+        rollout_worker=None,
+        weight_transfer=None,
         *,
         advantage_estimator=None,
         tracin_eval_dataset=None,
-        tools=None,
-        environment_factory=None,
-        peft_config=None,
-        **kwargs,
     ):
+        # TRL's parameters in TRL's order (positional use as with `AsyncGRPOTrainer`; tests/test_trl_signatures.py).
+        kwargs = dict(
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            rollout_worker=rollout_worker,
+            weight_transfer=weight_transfer,
+        )
         if args is None:
             args = AsyncAgenticGRPOConfig(f"{str(model).split('/')[-1]}-AsyncAgenticGRPO")
         elif not isinstance(args, AsyncAgenticGRPOConfig):
