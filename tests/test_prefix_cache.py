@@ -21,17 +21,94 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from trl import GRPOTrainer
 
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
-from trl_agentic.rollout.prefix_cache import common_prefix_length, cut_after_eos, plan_layout
+from trl_agentic.rollout.prefix_cache import (
+    CachedConversation,
+    PrefixCache,
+    common_prefix_length,
+    cut_after_eos,
+    plan_layout,
+    token_array,
+)
 
 # ----------------------------------------------------------------------------------------------- pure functions
 
 
-@given(st.lists(st.integers(0, 3), max_size=12), st.lists(st.integers(0, 3), max_size=12))
-def test_common_prefix_length_matches_a_plain_loop(a, b):
+def _plain_common_prefix_length(a, b):
     n = 0
     while n < len(a) and n < len(b) and a[n] == b[n]:
         n += 1
-    assert common_prefix_length(a, b) == n
+    return n
+
+
+def _plain_match(conversations, context, min_reuse):
+    """`PrefixCache.match` as a plain loop: the first kept conversation with the strictly longest prefix."""
+    best, best_n = None, 0
+    for conversation in conversations:
+        n = min(_plain_common_prefix_length(conversation.ids, context), len(conversation.ids), len(context) - 1)
+        if n > best_n:
+            best, best_n = conversation, n
+    return (None, 0) if best_n < min_reuse else (best, best_n)
+
+
+tokens = st.lists(st.integers(0, 3), max_size=12)
+# Token lists sharing a prefix of a common base: equal lists, one a prefix of the other, empty ones, early and late
+# mismatches, and (small alphabet, short tails) several kept conversations with equally long best prefixes.
+base = st.lists(st.integers(0, 3), max_size=40)
+derived = st.tuples(st.integers(0, 40), st.lists(st.integers(0, 3), max_size=4))
+
+
+def _derive(base_ids, cut_tail):
+    cut, tail = cut_tail
+    return base_ids[:cut] + tail
+
+
+@given(tokens, tokens)
+def test_common_prefix_length_matches_a_plain_loop(a, b):
+    assert common_prefix_length(a, b) == _plain_common_prefix_length(a, b)
+
+
+@given(base, derived, derived)
+def test_common_prefix_length_of_shared_prefixes_lists_and_arrays(base_ids, x, y):
+    a, b = _derive(base_ids, x), _derive(base_ids, y)
+    expected = _plain_common_prefix_length(a, b)
+    assert common_prefix_length(a, b) == expected
+    assert common_prefix_length(token_array(a), token_array(b)) == expected
+    assert common_prefix_length(token_array(a), b) == expected
+    assert common_prefix_length(a, a) == common_prefix_length(token_array(a), token_array(a)) == len(a)
+    assert common_prefix_length(a, []) == common_prefix_length([], a) == 0
+    assert common_prefix_length(a, a + b) == len(a)  # one a prefix of the other
+
+
+@given(st.integers(0, 6000), st.integers(0, 6000), st.integers(0, 6000))
+def test_common_prefix_length_across_its_compare_blocks(length, other, mismatch):
+    """Long lists (compared in blocks of 1024, 4096, ... tokens): a mismatch anywhere, or none."""
+    a = [k % 7 for k in range(length)]
+    b = [k % 7 for k in range(other)]
+    if mismatch < len(b):
+        b[mismatch] = 9
+    expected = _plain_common_prefix_length(a, b)
+    assert common_prefix_length(a, b) == common_prefix_length(token_array(a), token_array(b)) == expected
+
+
+@given(base, st.lists(derived, max_size=6), st.lists(derived, min_size=1, max_size=5), st.integers(0, 4), st.data())
+def test_match_is_the_first_longest_kept_prefix_of_a_plain_loop(base_ids, kept, contexts, min_reuse, data):
+    kept_ids = [_derive(base_ids, k) for k in kept]
+    if kept_ids and data.draw(st.booleans()):
+        kept_ids.append(list(data.draw(st.sampled_from(kept_ids))))  # an equal copy: a tie the first must win
+    conversations = [CachedConversation(ids=ids, keys=[], values=[]) for ids in kept_ids]
+    pool = PrefixCache(min_reuse=min_reuse, conversations=conversations)
+    contexts = [_derive(base_ids, c) for c in contexts]
+    expected = [_plain_match(conversations, c, min_reuse) for c in contexts]
+    for got, want in zip([pool.match(c) for c in contexts], expected, strict=True):
+        assert got[0] is want[0] and got[1] == want[1]
+    for got, want in zip(pool.match_all(contexts), expected, strict=True):
+        assert got[0] is want[0] and got[1] == want[1]
+    # Matching the conversations in two parts (as `share_prefixes` does for the prefixes it adds) is one pass.
+    split = data.draw(st.integers(0, len(conversations)))
+    arrays = [token_array(c) for c in contexts]
+    whole = pool._longest(arrays, conversations)
+    parts = pool._longest(arrays, conversations[split:], pool._longest(arrays, conversations[:split]))
+    assert [(id(c), n) for c, n in parts] == [(id(c), n) for c, n in whole]
 
 
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)), min_size=1, max_size=6), st.integers(0, 7))
@@ -231,6 +308,51 @@ def test_copies_of_a_prompt_share_one_prefill(tiny_model_dir, tmp_path):
     assert stats.reused_tokens == 2 * (len(p) - 1) + 2 * (len(q) - 1)
 
 
+def test_each_generation_call_matches_its_contexts_once(tiny_model_dir, tmp_path, monkeypatch):
+    """Matching every context against every kept conversation is one pass per generation call (`share_prefixes`
+    hands its matches to `assemble`; the prefixes it adds are matched on their own, after the earlier ones), and the
+    matches `assemble` gets are those of a fresh `match_all`."""
+    trainer = _trainer(tmp_path, tiny_model_dir)
+    pool = trainer._prefix_cache
+    tok = trainer._tokenizer
+    passes = []
+    checking = [False]
+    longest = PrefixCache._longest
+
+    def spy(self, arrays, conversations, best=None):
+        if not checking[0]:
+            passes.append((len(arrays), list(conversations), best is None))
+        return longest(self, arrays, conversations, best)
+
+    monkeypatch.setattr(PrefixCache, "_longest", spy)
+    assembled = []
+    assemble = pool.assemble
+
+    def checked_assemble(contexts, padded_length, config, device, matches=None):
+        checking[0] = True
+        fresh = pool.match_all(contexts)
+        checking[0] = False
+        assert matches is not None and [(id(c), n) for c, n in matches] == [(id(c), n) for c, n in fresh]
+        assembled.append(sum(n for _, n in matches))
+        return assemble(contexts, padded_length, config, device, matches)
+
+    pool.assemble = checked_assemble
+    p, q = _prompt(tok, "the same question"), _prompt(tok, "another, longer question: " + "q" * 40)
+    contexts = [p, q, p, q]
+    for turn in range(3):
+        before = list(pool.conversations)
+        passes.clear()
+        cached, _ = trainer._generate_single_turn([list(c) for c in contexts], None, {}, 1)
+        first, *rest = passes
+        assert first[0] == len(contexts) and first[2], turn
+        assert [id(c) for c in first[1]] == [id(c) for c in before], turn
+        for n, conversations, fresh in rest:  # only the prefixes `share_prefixes` kept in this call
+            assert n == len(contexts) and not fresh and len(rest) == 1, turn
+            assert all(id(c) not in map(id, before) for c in conversations)
+        contexts = [c + ids + _suffix(tok, "r" * (2 + i)) for i, (c, ids) in enumerate(zip(contexts, cached))]
+    assert len(assembled) == 3 and all(assembled)
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_under_bf16_the_shared_prefill_runs_in_the_precision_generation_runs_in(tiny_model_dir, tmp_path, lora):
     """With `bf16=True` accelerate wraps the prepared model's own `forward` in bfloat16 autocast; PEFT's `generate`
@@ -256,8 +378,9 @@ def test_under_bf16_the_shared_prefill_runs_in_the_precision_generation_runs_in(
     original = trainer._prefix_cache.share_prefixes
 
     def share_prefixes(model, contexts):
-        original(model, contexts)
+        matches = original(model, contexts)
         kept.extend(trainer._prefix_cache.conversations)
+        return matches
 
     trainer._prefix_cache.share_prefixes = share_prefixes
     cached, plain, cached_logits, plain_logits = _both(trainer, [p, q, p, q])

@@ -12,7 +12,9 @@ only the tokens after the longest prefix the new context shares with a kept one:
   the first deleted message.
 
 Matching is by token ids (longest common prefix against every kept conversation), so nothing has to tell the cache
-which row is which, and a context that shares nothing is simply prefilled in full.
+which row is which, and a context that shares nothing is simply prefilled in full. It is done once per call
+(`share_prefixes` returns the matches, `assemble` takes them), on NumPy arrays made once per kept conversation and
+per context: one vectorised compare per (context, kept conversation) pair.
 
 Exactness. The call is `model.generate(input_ids, attention_mask, past_key_values=cache,
 generation_config=trainer.generation_config)` with the SAME left-padded `input_ids` and `attention_mask` as TRL's own
@@ -40,18 +42,34 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+Match = tuple["CachedConversation | None", int]
 
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    """Number of leading tokens `a` and `b` share."""
+
+def token_array(ids) -> np.ndarray:
+    """`ids` as a 1-D int64 NumPy array (no copy when it already is one)."""
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
+
+
+def common_prefix_length(a, b) -> int:
+    """Number of leading tokens `a` and `b` (lists of token ids or `token_array`s) share.
+
+    Compared in blocks growing fourfold: a pair that differs early (two conversations after their shared prompt)
+    costs about its shared length, not the length of the shorter one; an equal pair a few vectorised compares.
+    """
     n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    if a[:n] == b[:n]:
-        return n
-    ta, tb = torch.tensor(a[:n]), torch.tensor(b[:n])
-    return int((ta != tb).int().argmax().item())
+    a, b = token_array(a[:n]), token_array(b[:n])
+    start, block = 0, 1024
+    while start < n:
+        end = min(n, start + block)
+        differ = a[start:end] != b[start:end]
+        first = int(differ.argmax())  # the first True, or 0 when there is none
+        if differ[first]:
+            return start + first
+        start, block = end, 4 * block
+    return n
 
 
 def plan_layout(lengths: list[int], reusable: list[int], padded_length: int) -> tuple[int, list[int]]:
@@ -76,12 +94,17 @@ def plan_layout(lengths: list[int], reusable: list[int], padded_length: int) -> 
 class CachedConversation:
     """What one conversation's last generation left behind: the token ids and their keys and values.
 
-    `keys[layer]` / `values[layer]` have shape `[num_kv_heads, len(ids), head_dim]`.
+    `keys[layer]` / `values[layer]` have shape `[num_kv_heads, len(ids), head_dim]`. `array` is `ids` as a
+    `token_array`, made once here for matching (`ids` is not changed afterwards).
     """
 
     ids: list[int]
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    array: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.array = token_array(self.ids)
 
 
 @dataclass
@@ -197,21 +220,42 @@ class PrefixCache:
         stats, self.stats = self.stats, PrefixCacheStats()
         return stats
 
-    def match(self, context: list[int]) -> tuple[CachedConversation | None, int]:
+    def match(self, context: list[int]) -> Match:
         """The kept conversation sharing the longest prefix with `context`, and how many of its tokens can be reused
-        (at most `len(context) - 1`: the last token is always fed, its logits pick the next token)."""
-        best, best_n = None, 0
-        for conversation in self.conversations:
-            n = min(common_prefix_length(conversation.ids, context), len(conversation.ids), len(context) - 1)
-            if n > best_n:
-                best, best_n = conversation, n
-        if best_n < self.min_reuse:
-            return None, 0
-        return best, best_n
+        (at most `len(context) - 1`: the last token is always fed, its logits pick the next token). Of several
+        sharing as long a prefix, the first kept one."""
+        return self.match_all([context])[0]
 
-    def share_prefixes(self, model, contexts: list[list[int]]) -> None:
+    def match_all(self, contexts: list[list[int]]) -> list[Match]:
+        """`match` of every context (each context made an array once)."""
+        return self._reusable(self._longest([token_array(c) for c in contexts], self.conversations))
+
+    def _longest(
+        self, arrays: list[np.ndarray], conversations: list[CachedConversation], best: list[Match] | None = None
+    ) -> list[Match]:
+        """For each context, the first of `conversations` sharing the longest prefix with it (capped at its length
+        minus one), or `(None, 0)`; without `min_reuse`. `best`: the result over earlier kept conversations, which
+        `conversations` follow (a later one replaces it only when strictly longer, as in one pass over all)."""
+        out = list(best) if best is not None else [(None, 0)] * len(arrays)
+        for i, context in enumerate(arrays):
+            best_conversation, best_n = out[i]
+            for conversation in conversations:
+                cap = min(len(conversation.array), len(context) - 1)
+                if cap <= best_n:  # cannot share strictly more than the best so far
+                    continue
+                n = common_prefix_length(conversation.array[:cap], context[:cap])
+                if n > best_n:
+                    best_conversation, best_n = conversation, n
+            out[i] = (best_conversation, best_n)
+        return out
+
+    def _reusable(self, longest: list[Match]) -> list[Match]:
+        return [(c, n) if n >= self.min_reuse else (None, 0) for c, n in longest]
+
+    def share_prefixes(self, model, contexts: list[list[int]]) -> list[Match]:
         """Prefill once, and keep, the longest prefix each context shares with another context of the call (the
         `num_generations` copies of a prompt in the first turn); rows then reuse it like a cache of an earlier turn.
+        Returns `match_all(contexts)` over the kept conversations afterwards (for `assemble`), computed once.
 
         Done only when it lowers the call's prefill: with left padding every row feeds as many tokens as the row
         with the most uncached tokens (`plan_layout`), so sharing pays only if it shortens that longest row: cost
@@ -220,19 +264,22 @@ class PrefixCache:
         """
         from transformers import DynamicCache
 
+        arrays = [token_array(c) for c in contexts]
+        longest = self._longest(arrays, self.conversations)
         order = sorted(range(len(contexts)), key=lambda i: contexts[i])
         shared = [0] * len(contexts)
         for a, b in zip(order, order[1:]):  # in sorted order, a row's longest shared prefix is with a neighbour
-            n = min(common_prefix_length(contexts[a], contexts[b]), len(contexts[a]) - 1, len(contexts[b]) - 1)
+            n = min(common_prefix_length(arrays[a], arrays[b]), len(contexts[a]) - 1, len(contexts[b]) - 1)
             shared[a], shared[b] = max(shared[a], n), max(shared[b], n)
-        reuse = [self.match(c)[1] for c in contexts]
+        reuse = [n for _, n in self._reusable(longest)]
         prefixes = {tuple(c[:n]) for c, n, r in zip(contexts, shared, reuse, strict=True) if n > r}
         before = max(len(c) - r for c, r in zip(contexts, reuse, strict=True))
         after = max(len(c) - max(r, n) for c, r, n in zip(contexts, reuse, shared, strict=True))
         if not prefixes or len(contexts) * after + sum(map(len, prefixes)) >= len(contexts) * before:
-            return
+            return self._reusable(longest)
         device = next(model.parameters()).device
         forward = generation_module(model)
+        added = len(self.conversations)
         for ids in sorted(prefixes):
             cache = DynamicCache(config=model.config.get_text_config(decoder=True))
             forward(
@@ -246,16 +293,23 @@ class PrefixCache:
                 )
             )
             self.stats.shared_prefill_tokens += len(ids)
+        # The prefixes just kept follow the earlier kept conversations: matching only against them continues the pass.
+        return self._reusable(self._longest(arrays, self.conversations[added:], longest))
 
-    def assemble(self, contexts: list[list[int]], padded_length: int, config, device) -> tuple[object, list[int]]:
+    def assemble(
+        self, contexts: list[list[int]], padded_length: int, config, device, matches: list[Match] | None = None
+    ) -> tuple[object, list[int]]:
         """A `DynamicCache` holding the reusable prefixes of `contexts`, laid out for their left-padded batch.
+
+        `matches`: `match_all(contexts)` when already computed (`share_prefixes` returns it).
 
         Returns:
             `(cache, used)`: the cache (empty when nothing is reused) and the cached tokens each row uses.
         """
         from transformers import DynamicCache
 
-        matches = [self.match(c) for c in contexts]
+        if matches is None:
+            matches = self.match_all(contexts)
         cache_length, used = plan_layout([len(c) for c in contexts], [n for _, n in matches], padded_length)
         cache = DynamicCache(config=config.get_text_config(decoder=True))
         if cache_length == 0 or not any(used):
@@ -337,9 +391,8 @@ def generate_with_prefix_cache(
     one more forward, so only where a forward is not a collective of several processes).
     """
     padded_length = input_ids.shape[1]
-    if share_within_call:
-        pool.share_prefixes(model, contexts)
-    cache, used = pool.assemble(contexts, padded_length, model.config, input_ids.device)
+    matches = pool.share_prefixes(model, contexts) if share_within_call else None
+    cache, used = pool.assemble(contexts, padded_length, model.config, input_ids.device, matches)
     pool.clear()  # the assembled cache holds what the next call can use; the old copies go now (peak memory)
     output = model.generate(
         input_ids=input_ids,
