@@ -218,6 +218,31 @@ def test_validation_rows_are_the_rows_training_would_get(tiny_model_dir):
     torch.testing.assert_close(_flat(tracin.direction), _brute_force_direction(model, tracin.val_rows, 0.7))
 
 
+def test_a_tied_group_with_a_negative_out_of_the_baseline(tiny_model_dir):
+    """Six rollouts tied at 0.3, one with a negative row, `group_baseline="episodes"`: the negative is out of the
+    statistics, so the group is tied (the episodes' float32 advantages are noise: exactly 0 now) and the negative keeps
+    the advantage training gives it (`score_group_rows`, measured from its episode, at most 0)."""
+    from trl_agentic.async_grpo.rows import score_group_rows
+
+    model = lora_model(tiny_model_dir)
+    pool = _pool(7)
+    trainer = _trainer(model, save_negative_samples=True, enable_tool_rollback=True, group_baseline="episodes")
+    trainer.args.tracin_val_num_generations = 6
+    tracin = _tracin(trainer, ["p"])
+    negative = _row(*pool[6], kind=RowKind.NEGATIVE, error_types=["ValueError"])
+    plans = [("0.3", [_row(*pool[k])] + ([negative] if k == 0 else [])) for k in range(6)]
+    _script(tracin, lambda prompt, k: plans[k])
+    tracin.refresh()
+    assert [r["kind"] for r in tracin.val_rows] == [RowKind.REGULAR, RowKind.NEGATIVE] + [RowKind.REGULAR] * 5
+    rows = [row for _, rs in plans for row in rs]
+    scored, _ = score_group_rows(rows, [0, 0, 1, 2, 3, 4, 5], [0.3] * 7, 6, trainer.args)
+    assert bool((scored.advantages[scored.kinds == RowKind.REGULAR] != 0).any())  # the noise is real
+    advantages = [r["advantage"] for r in tracin.val_rows]
+    assert advantages[0] == 0.0 and advantages[2:] == [0.0] * 5
+    assert advantages[1] == pytest.approx(float(scored.advantages[1])) and advantages[1] < -0.1
+    assert not tracin.direction_is_zero
+
+
 @pytest.mark.parametrize("mask", [True, False])
 def test_a_truncated_validation_rollout_is_masked_as_in_training(tiny_model_dir, mask):
     """With `mask_truncated_completions` a truncated rollout's row is not a validation row, while its reward stays in

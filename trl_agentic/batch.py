@@ -241,6 +241,13 @@ def baseline_mask(kinds: torch.Tensor, args) -> torch.Tensor:
     return baseline
 
 
+def groups_without_spread(rewards: torch.Tensor, groups: torch.Tensor, baseline: torch.Tensor) -> torch.Tensor:
+    """The ids of the groups whose baseline rows' rewards are all equal (NaN ignored, `without_reward_spread`): rows
+    out of the baseline (`baseline_mask`) are measured from their episode and give the group's statistics no spread."""
+    in_statistics = torch.where(baseline, rewards, torch.full_like(rewards, torch.nan))
+    return groups[without_reward_spread(in_statistics, groups)].unique()
+
+
 class BatchAugmenter:
     """Turns TRL's batch of regular rows plus the rollout loop's extra rows into the training batch.
 
@@ -253,7 +260,7 @@ class BatchAugmenter:
         args = trainer.args
         self.segment_reward = snapshot_reward(args.snapshot_reward_func)
         self._warned_negative_reward = False
-        # Group ids (global) of the last batch's groups without reward spread (`without_reward_spread`); None for GDPO.
+        # Group ids (global) of the last batch's groups whose baseline rows have no reward spread; None for GDPO.
         self.last_groups_without_spread: torch.Tensor | None = None
         self.last_regular_rewards: torch.Tensor | None = None  # the last batch's, gathered (`_regular_rewards`)
 
@@ -304,11 +311,12 @@ class BatchAugmenter:
         rewards, infra = self._regular_rewards(rewards_per_func, infra_local)
         self.last_regular_rewards = rewards  # for `row_selection`, which runs after (lost rollouts are NaN)
         rows = self._gather_rows(extras, rewards, inputs, num_local, mode)
-        # The groups whose rewards are all equal (every row, every process), for TracIn's validation direction.
-        self.last_groups_without_spread = rows.groups[without_reward_spread(rows.rewards, rows.groups)].unique()
+        baseline = self._baseline(rows.kinds)
+        # The groups whose baseline rows' rewards are all equal (every process), for TracIn's validation direction: a
+        # negative row out of the baseline (`group_baseline="episodes"`) gives no spread to the episodes' statistics.
+        self.last_groups_without_spread = groups_without_spread(rows.rewards, rows.groups, baseline)
         if rows.kinds.numel() > num_local * t.accelerator.num_processes:
             _check_mergeable(output)
-        baseline = self._baseline(rows.kinds)
         batch = self._append_rows(output, rows.local_extras, t.accelerator.device)
         untrained = self._untrained_rows(output, infra_local, rows.local_extras)
         if bool(untrained.any()):

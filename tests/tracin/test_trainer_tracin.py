@@ -661,3 +661,37 @@ def test_trl_internals_the_tracin_step_relies_on():
     # The validation rollouts set the group size through this attribute.
     assert "num_generations = self.num_generations if mode == " in generate
     assert "self.state.num_input_tokens_seen +=" in generate
+
+
+@pytest.mark.parametrize("group_baseline", ["episodes", "all_rows"])
+def test_a_negative_out_of_the_baseline_gives_no_spread_and_keeps_its_advantage(group_baseline):
+    """Six episodes tied at 0.3 and a negative row: under `episodes` the negative is out of the statistics, so the
+    episodes' advantages are GRPO's tie noise (zeroed) and the negative keeps its own, measured from its episode; under
+    `all_rows` it is in the statistics and gives the group a spread (nothing zeroed)."""
+    from types import SimpleNamespace
+
+    from trl_agentic.batch import baseline_mask, groups_without_spread
+    from trl_agentic.estimators import resolve_estimator
+    from trl_agentic.rollout.types import RowKind
+    from trl_agentic.tracin.trainer_mixin import TracInMixin
+
+    kinds = torch.tensor([RowKind.REGULAR] * 6 + [RowKind.NEGATIVE] + [RowKind.REGULAR] * 2)
+    rewards = torch.tensor([0.3] * 6 + [-0.5, 0.0, 1.0])
+    groups = torch.tensor([0] * 7 + [1] * 2)
+    args = SimpleNamespace(
+        group_baseline=group_baseline, snapshot_advantage="episode", advantage_estimator="grpo", rlvcr_mode="copo"
+    )
+    tied = groups_without_spread(rewards, groups, baseline_mask(kinds, args))
+    assert tied.tolist() == ([0] if group_baseline == "episodes" else [])
+    advantages = torch.tensor([3e-4] * 6 + [-0.8, -0.7, 0.7])
+    batch = {"group_id": groups, "row_kind": kinds, "advantages": advantages}
+    stub = SimpleNamespace(
+        _augmenter=SimpleNamespace(last_groups_without_spread=tied),
+        args=args,
+        advantage_estimator=resolve_estimator("grpo"),
+    )
+    out = TracInMixin._tracin_zero_groups_without_spread(stub, batch)["advantages"]
+    expected = advantages.clone()
+    if group_baseline == "episodes":
+        expected[:6] = 0.0
+    assert torch.equal(out, expected)

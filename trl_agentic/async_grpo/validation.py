@@ -15,8 +15,9 @@ scored are the worker's (`worker.AgenticAsyncRolloutLoop._run_trajectory` and `_
   completion messages, the model's token ids, the dataset columns) plus an environment's `get_reward`; then
   `rows.score_group_rows` with the config (negative rewards and cap, `group_baseline`, `snapshot_advantage`,
   `snapshot_reward_func`, `mask_truncated_completions`), and the rows it trains are the validation rows;
-- a group whose rewards are all equal (its kept rows', NaN ignored) gets advantage exactly 0
-  (`advantages.without_reward_spread`), not float32 rounding noise of one sign;
+- a group whose baseline rows' rewards are all equal (NaN ignored) gets advantage exactly 0 on its baseline rows
+  (`advantages.without_reward_spread`), not float32 rounding noise of one sign; a negative out of the baseline
+  (`group_baseline="episodes"`) keeps its advantage, measured from its episode;
 
 - a trainer-side advantage estimator (`advantage_estimator != "grpo"`, RLVCR) runs on each validation group as the
   trainer's stage runs it on a training group (`stage.estimate_group`: every kept row, the untrained ones with a zero
@@ -43,7 +44,7 @@ import torch
 from transformers.utils import logging
 
 from ..advantages import without_reward_spread
-from ..batch import snapshot_reward
+from ..batch import baseline_mask, snapshot_reward
 from ..envs.protocol import tool_methods, with_observation
 from ..estimators import zero_without_reward_spread
 from ..rollout.loop import AgenticRolloutLoop, LoopConfig
@@ -442,14 +443,17 @@ class ValidationRollouts:
             terms,
             mask_truncated=bool(getattr(args, "mask_truncated_completions", False)),
         )
-        tied = bool(without_reward_spread(scored.rewards, torch.zeros(len(scored.rewards), dtype=torch.long)).all())
+        # Tied: the baseline rows' rewards are all equal (a negative out of the baseline gives the episodes no spread);
+        # only baseline rows are zeroed, the others keep their advantage, measured from their episode.
+        baseline_rewards = torch.where(scored.baseline, scored.rewards, torch.full_like(scored.rewards, torch.nan))
+        tied = bool(without_reward_spread(baseline_rewards, torch.zeros(len(scored.rewards), dtype=torch.long)).all())
         zero = tied and zero_without_reward_spread(self._estimator, args)
         if self._estimator is None:
             return [
                 {
                     "input_ids": np.asarray(rows[k].input_ids),
                     "completion_mask": np.asarray(rows[k].completion_mask),
-                    "advantage": 0.0 if zero else float(scored.advantages[j]),
+                    "advantage": 0.0 if zero and bool(scored.baseline[j]) else float(scored.advantages[j]),
                     "kind": int(rows[k].kind),
                 }
                 for k, j in trained
@@ -483,7 +487,7 @@ class ValidationRollouts:
                 "input_ids": s.input_ids,
                 "completion_mask": s.completion_mask,
                 "advantage": (np.zeros_like(s.advantage) if isinstance(s.advantage, np.ndarray) else 0.0)
-                if zero
+                if zero and bool(baseline_mask(torch.tensor([s.row_kind]), args)[0])
                 else s.advantage,
                 "kind": int(s.row_kind),
             }

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from ..batch import counted_rows
+from ..batch import baseline_mask, counted_rows
 from ..estimators import zero_without_reward_spread
 from ..loss_weights import LOCAL_TOKEN_LOSSES, ROW_MEAN_LOSSES
 from ..rollout.types import RowKind
@@ -488,7 +488,9 @@ class TracInMixin:
         return int(self.accelerator.reduce(_loss_mask(batch).sum().to(torch.long), reduction="sum").item())
 
     def _tracin_zero_groups_without_spread(self, batch: dict) -> dict:
-        """The validation batch with advantage 0 on every row of a group without reward spread.
+        """The validation batch with advantage 0 on every baseline row (`batch.baseline_mask`) of a group whose baseline
+        rows have no reward spread; rows out of the baseline (negatives with `group_baseline="episodes"`) keep theirs,
+        measured from their episode.
 
         GRPO's advantages there are 0 in exact arithmetic but float32 rounding noise of one sign in TRL's computation
         (e.g. six rewards of 0.3: 3.0e-4 on every row); when no validation group has a spread, that noise *is* V, a
@@ -504,6 +506,8 @@ class TracInMixin:
         if not zero_without_reward_spread(self.advantage_estimator, self.args):
             return batch
         rows = torch.isin(batch["group_id"], groups.to(batch["group_id"].device))
+        if "row_kind" in batch:
+            rows = rows & baseline_mask(batch["row_kind"], self.args).to(rows.device)
         advantages = batch["advantages"]
         return dict(batch, advantages=advantages.masked_fill(rows if advantages.dim() == 1 else rows[:, None], 0.0))
 
