@@ -612,17 +612,22 @@ def _tracin_run(tiny_model_dir, tmp_path, name: str, processes: int, selection: 
     "selection",
     [
         pytest.param([], id="positive"),
+        # V's row weights: per-row (`grpo`) and per-micro-batch token (`bnpo`) losses normalise by counts a process
+        # alone does not know (they weighed V 0.75x on 2 processes, `bnpo` in another direction); `dapo` by the batch's.
+        pytest.param(["--loss_type", "grpo"], id="positive_grpo"),
         # One row in all (ceil(0.05 * 17)): one process selects nothing and must still step with the other.
         pytest.param(
-            ["--tracin_selection", "top_fraction", "--tracin_top_fraction", "0.05", "--tracin_min_selected", "0"],
-            id="one_rank_selects_nothing",
+            ["--tracin_selection", "top_fraction", "--tracin_top_fraction", "0.05", "--tracin_min_selected", "0"]
+            + ["--loss_type", "bnpo"],
+            id="one_rank_selects_nothing_bnpo",
         ),
     ],
 )
 def test_tracin_scores_and_selection_match_one_process(tiny_model_dir, tmp_path, selection):
     """TracIn under DeepSpeed ZeRO-2 and ZeRO-3 (2 processes) against 1 process on the same global batch: the same
     per-row influence scores (1e-6 relative), the same validation gradient V, the same selected rows, and the same
-    adapter after the step. Rank 0 has 3 negative rows and rank 1 has 2, so the ranks also carry padding rows."""
+    adapter after the step, for `dapo`, `grpo` and `bnpo`. Rank 0 has 3 negative rows and rank 1 has 2, so the ranks
+    also carry padding rows."""
     *single, single_out = _tracin_run(tiny_model_dir, tmp_path, "single", 1, selection)
     ref = _tracin_index(single)
     assert len(ref) == 12 + 5
@@ -635,7 +640,8 @@ def test_tracin_scores_and_selection_match_one_process(tiny_model_dir, tmp_path,
     moved, _ = _lora_moved(single_out)
     assert moved > 1e-4
     n_selected = sum(chosen for v in ref.values() for _, chosen in v)
-    assert n_selected == (1 if selection else sum(score > 0 for v in ref.values() for score, _ in v))
+    top = "--tracin_selection" in selection
+    assert n_selected == (1 if top else sum(score > 0 for v in ref.values() for score, _ in v))
     for zero in ("zero2", "zero3"):
         *records, out = _tracin_run(tiny_model_dir, tmp_path, zero, 2, selection)
         assert "DEEPSPEED" in records[0]["distributed_type"]
@@ -648,7 +654,7 @@ def test_tracin_scores_and_selection_match_one_process(tiny_model_dir, tmp_path,
                 assert abs(score - ref_score) <= 1e-6 * scale, (zero, score, ref_score)
         per_rank = [sum(r["selected"] for r in record["tracin_rows"]) for record in records]
         assert sum(per_rank) == n_selected, per_rank
-        if selection:
+        if top:
             assert 0 in per_rank, per_rank  # the case under test: one process trained on no row
         for record in records:
             v = torch.tensor(record["tracin_direction"])

@@ -695,3 +695,26 @@ def test_a_negative_out_of_the_baseline_gives_no_spread_and_keeps_its_advantage(
     if group_baseline == "episodes":
         expected[:6] = 0.0
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
+def test_padding_rows_leave_the_validation_gradient_unchanged(tiny_model_dir, tmp_path, loss_type):
+    """V weighs every counted validation row (`bnpo`: token) as training does: zero-weight padding rows (a process with
+    fewer rows) change nothing. Local row counts, padding included, scaled `grpo`'s V by rows / (rows + padding)."""
+    from trl_agentic.batch import BatchAugmenter
+
+    trainer = make_trainer(
+        tiny_model_dir, tmp_path, loss_type=loss_type, per_device_train_batch_size=2, num_generations=2
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    batch, _ = trainer._tracin_rollout_validation(trainer._tracin_validation_rows())
+    rows = batch["prompt_ids"].size(0)
+    padded = BatchAugmenter._pad_rows(dict(batch), rows + 3)  # chunks of 2: one mixes a real and a padding row
+    assert padded["prompt_ids"].size(0) == rows + 3
+    flat = [
+        torch.cat([torch.cat([g.A.flatten(), g.B.flatten()]) for g in trainer._tracin_validation_gradient(b).values()])
+        for b in (batch, padded)
+    ]
+    assert flat[0].abs().max() > 0
+    torch.testing.assert_close(flat[1], flat[0], rtol=1e-5, atol=1e-6 * flat[0].abs().max().item())

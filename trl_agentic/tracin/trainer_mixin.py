@@ -515,7 +515,13 @@ class TracInMixin:
         """V: the gradient of TRL's loss on the validation batch, per LoRA layer, averaged over processes."""
         model = self.model
         direction = None
-        rows, tokens = _rows(batch), _loss_mask(batch).sum().clamp(min=1.0)
+        # Every counted validation row (or, `bnpo`, token) of every process weighs the same, as in training
+        # (`loss_weights.py`): shares of the global counts, times the processes the all-reduce's mean divides by.
+        # Local counts weighed a process's rows by its own row count, padding included (V and every score 0.75x on
+        # 2 processes with 6 and 2 + 2 padding rows; `bnpo` a different direction).
+        counts = torch.stack([counted_rows(batch).sum(), _loss_mask(batch).sum()]).to(torch.float64)
+        rows, tokens = self.accelerator.reduce(counts, reduction="sum").clamp(min=1.0).tolist()
+        processes = self.accelerator.num_processes
         with self._tracin_hooks() as hooks, self._tracin_quiet():
             for chunk in _row_slices(batch, self.args.per_device_train_batch_size):
                 # TRL's own loss on each chunk: the validation batch is not split into training micro-batches, so the
@@ -524,10 +530,10 @@ class TracInMixin:
                 # (the chunks' own means weighed the rows of a short last chunk more: 6 rows in chunks of 4 and 2
                 # gave the last two rows twice the weight of the others under `grpo`).
                 chunk.pop("num_rows_in_batch", None)
-                if self.loss_type in ROW_MEAN_LOSSES:
-                    share = _rows(chunk) / rows
-                elif self.loss_type in LOCAL_TOKEN_LOSSES:
-                    share = float(_loss_mask(chunk).sum().clamp(min=1.0) / tokens)
+                if self.loss_type in ROW_MEAN_LOSSES:  # TRL: the mean over the chunk's rows
+                    share = _rows(chunk) * processes / rows
+                elif self.loss_type in LOCAL_TOKEN_LOSSES:  # TRL: the mean over the chunk's tokens
+                    share = float(_loss_mask(chunk).sum().clamp(min=1.0)) * processes / tokens
                 else:  # normalised by the batch's `num_items_in_batch`, which every chunk shares
                     share = 1.0
                 with hooks.record():
