@@ -205,7 +205,8 @@ def test_rlvcr_copo_training_run(peaked_model_dir, tiny_tokenizer, tmp_path):
             thinking[level] = think_text(k, turn)
             conf = {}
             for lv in (1, 2, 3, 4):
-                head = prompt + completion[:start] + tok.encode(render_prefix(lv, thinking[lv], TAGS))
+                # The canonical prefix, then the policy's own "\n" after the tag (`turn_text`), then the action.
+                head = prompt + completion[:start] + tok.encode(render_prefix(lv, thinking[lv], TAGS) + "\n")
                 act = tok.encode(call(action))
                 ids = torch.tensor([head + act])
                 with torch.no_grad():
@@ -307,14 +308,16 @@ def test_rlvcr_expansion_rows_reach_the_batch(peaked_model_dir, tiny_tokenizer, 
     a_ep = 0.5 / (math.sqrt(1 / 3) + 1e-4)
     trained = batch["completion_mask"] * batch["tool_mask"]
     rows = []  # (context tokens, level, advantage) of each expansion row, in batch order
+    steps_ids = []  # the trained tokens of each expansion row
     for i in expansion:
         mask = trained[i].bool()
         context_len = int(mask.int().argmax())
         ids = batch["completion_ids"][i][mask].tolist()
         text = tok.decode(ids)
-        # Only the alternative step is trained: a canonical prefix, the original action, the end of the turn.
+        # Only the alternative step is trained: a canonical prefix, then the policy's own text from the action tag on
+        # (its "\n", the original action, the end of the turn).
         assert re.fullmatch(
-            r"<level>\d</level>\n<think>[^<]*</think>\n<tool_call>\{.*\}\n</tool_call><\|im_end\|>", text
+            r"<level>\d</level>\n<think>[^<]*</think>\n<tool_call>\n\{.*\}\n</tool_call><\|im_end\|>", text
         )
         assert mask[context_len:].sum() == len(ids)  # the context is one block before the step
         level = int(text[len("<level>")])
@@ -323,6 +326,7 @@ def test_rlvcr_expansion_rows_reach_the_batch(peaked_model_dir, tiny_tokenizer, 
         row_adv = batch["advantages"][i][mask]
         assert torch.allclose(row_adv, row_adv[0].expand_as(row_adv))
         rows.append((batch["completion_ids"][i][:context_len].tolist(), level, row_adv[0].item()))
+        steps_ids.append(ids)
     # Expansion rows come in (row, step, level) order: 3 per expanded step. Per step, the 4 levels' CoPO weights
     # average to 1, so (A of the chosen level on the original row + the 3 expansion rows) / 4 = A_ep.
     successful = []
@@ -331,11 +335,16 @@ def test_rlvcr_expansion_rows_reach_the_batch(peaked_model_dir, tiny_tokenizer, 
         first = tok.decode(batch["completion_ids"][r][steps[0][0] : steps[0][1]].tolist())
         k = int(re.search(r"Rollout (\d)", first).group(1)) if "Rollout" in first else 1
         if k in SUCCESS:
-            successful += [(r, k, turn, steps[turn][0]) for turn in (0, 1)]
+            successful += [(r, k, turn, *steps[turn]) for turn in (0, 1)]
     assert len(successful) == 4
-    for n, (r, k, turn, start) in enumerate(successful):
+    tag = tok.convert_tokens_to_ids("<tool_call>")
+    for n, (r, k, turn, start, end) in enumerate(successful):
         group = rows[3 * n : 3 * n + 3]
         completion = batch["completion_ids"][r].tolist()
+        # Each alternative step ends with the parent's own tokens from the action tag on, id for id.
+        own = completion[start:end]
+        own = own[own.index(tag) :]
+        assert all(ids[len(ids) - len(own) :] == own for ids in steps_ids[3 * n : 3 * n + 3])
         assert all(context == completion[:start] for context, _, _ in group)
         assert sorted(level for _, level, _ in group) == [lv for lv in (1, 2, 3, 4) if lv != PLANS[k][turn][0]]
         chosen = batch["advantages"][r, start].item()

@@ -8,13 +8,17 @@ CogRouter bug) would get the other action's numbers.
 
 import math
 import re
+import threading
 from collections import defaultdict
-from dataclasses import fields
+from contextlib import contextmanager
+from dataclasses import fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trl_agentic.advantages import group_advantages
 from trl_agentic.config import AgenticGRPOConfig
@@ -34,6 +38,7 @@ E = math.e
 NAN = float("nan")
 A_PAIR = 0.5 / (math.sqrt(0.5) + 1e-4)  # GRPO advantage of rewards (1, 0) in a group of 2: 0.5 / (std + 1e-4)
 
+CALL = '{"name": "act", "arguments": {"action": "look"}}'  # a Hermes/Qwen3 tool call as the action
 # Confidence of each action under each level (level -> c).
 CONF = {
     "look": {1: 0.2, 2: 0.5, 3: 0.8, 4: 0.5},
@@ -41,6 +46,7 @@ CONF = {
     "take apple": {1: 0.9, 2: 0.3, 3: 0.6, 4: 0.3},
     "wait": {1: 0.4, 2: 0.4, 3: 0.4, 4: 0.4},
     "x": {1: 0.5, 2: 0.5, 3: 0.5, 4: 0.5},
+    CALL: {1: 0.25, 2: 0.6, 3: 0.35, 4: 0.7},
 }
 # Generated alternative thinking per forced level.
 ALT = {2: "alt two", 3: "alt three thinking", 4: "alt four thinking longer"}
@@ -97,7 +103,10 @@ class FakeModel:
 
 
 class FakeTrainer:
-    def __init__(self, tokenizer, args, others=None, alt=None, training=True):
+    """Scores every token of a sequence `log(CONF[action][level])`; with `newline_logp`, a token of newlines only
+    `newline_logp` instead (a confidence that counted one would not be the table's)."""
+
+    def __init__(self, tokenizer, args, others=None, alt=None, training=True, newline_logp=None):
         self._tokenizer = tokenizer
         self.args = args
         self.chat_template = None
@@ -108,7 +117,9 @@ class FakeTrainer:
         self.alt = ALT if alt is None else alt
         self.generation_calls = []
         self.scored = []  # (decoded sequence, logits_to_keep)
+        self.scored_ids = []  # the token ids of each scored sequence
         self.score_calls = 0
+        self.newline_logp = newline_logp
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations):
         assert images is None and multimodal_fields == {} and num_generations == 1
@@ -129,13 +140,19 @@ class FakeTrainer:
             ids = input_ids[j][attention_mask[j].bool()].tolist()
             text = self._tokenizer.decode(ids)
             self.scored.append((text, logits_to_keep))
+            self.scored_ids.append(ids)
             level_pos = text.rfind("<level>")
             if level_pos < 0:  # dummy pass
                 continue
             level = int(text[level_pos + len("<level>")])
-            start = text.rfind("<action>") + len("<action>")
-            action = text[start : text.find("</action>", start)].strip()
+            open_tag = max(("<action>", "<tool_call>"), key=text.rfind)
+            start = text.rfind(open_tag) + len(open_tag)
+            action = text[start : text.find("</" + open_tag[1:], start)].strip()
             out[j] = math.log(CONF[action][level])
+            if self.newline_logp is not None:
+                for t, token in enumerate(ids[len(ids) - logits_to_keep :]):
+                    if self._tokenizer.decode([token]).strip("\n") == "":
+                        out[j, t] = self.newline_logp
         return out, None, None
 
 
@@ -754,3 +771,277 @@ def test_a_steps_confidence_does_not_depend_on_its_batch_companions(tiny_model_d
     for scored in (mixed[0], mixed[4]):
         close(confidence(scored, tails[0]), confidence(alone, tails[0]))
         assert abs(confidence(scored, tails[0]) / confidence(alone, tails[0]) - 1) < 1e-5
+
+
+# ---- the policy's own text after the action tag ----
+
+
+def _tagged(tag):
+    open_tag, close_tag = f"<{tag}>", f"</{tag}>"
+    action = "look" if tag == "action" else CALL
+    fail = f"<level>4</level>\n<think>Maybe wait.</think>\n{open_tag}wait{close_tag}<|im_end|>"
+    return open_tag, close_tag, action, fail
+
+
+@pytest.mark.parametrize("tag", ["action", "tool_call"])
+def test_whitespace_between_the_action_tag_and_the_action_is_scored_and_expanded_as_written(tiny_tokenizer, tag):
+    """`<action>\\nlook` / `<tool_call>\\n{...}` (Hermes/Qwen3's layout): the `\\n` after the open tag is the policy's
+    own text. The scored sequence of every level and every expansion row hold it (the original level's scored
+    sequence is the policy's own tokens, id for id); the confidence is over the action tokens alone (a newline
+    token scored otherwise than the action would change it)."""
+    tok = tiny_tokenizer
+    open_tag, close_tag, action, fail = _tagged(tag)
+    own = f"<level>2</level>\n<think>I should look first.</think>\n{open_tag}\n{action}\n{close_tag}<|im_end|>"
+    own_ids = tok.encode(own)
+    head = own[: own.index(open_tag) + len(open_tag)]
+    assert own_ids[: len(tok.encode(head))] == tok.encode(head)
+    after_tag = own_ids[len(tok.encode(head)) :]  # the policy's own tokens from the tag on: "\n", the action, ...
+    assert tok.decode(after_tag[:1]) == "\n"
+    batch = make_batch(tok, [[(own, True)], [(fail, True)]], [1.0, 0.0], [0, 0])
+    args = rlvcr_args(rlvcr_mode="copo", rlvcr_expand=True, rlvcr_action_tag=tag)
+    trainer = FakeTrainer(tok, args, newline_logp=math.log(1e-3))
+    result = rlvcr_estimator(batch, trainer)
+    tags = step_tags_from_args(args)
+    think = {1: LEVEL1_THINK, 2: "I should look first.", 3: ALT[3], 4: ALT[4]}
+    prompt = tok.encode(PROMPT)
+    assert prompt + own_ids in trainer.scored_ids  # the original level: exactly what the policy wrote
+    for level in (1, 2, 3, 4):
+        assert prompt + tok.encode(render_prefix(level, think[level], tags)) + after_tag in trainer.scored_ids
+    rows = result.extra_rows
+    assert [r.completion_ids for r in rows] == [
+        tok.encode(render_prefix(level, think[level], tags)) + after_tag for level in (1, 3, 4)
+    ]
+    assert all(len(r.logprobs) == len(r.completion_ids) == len(r.tool_mask) for r in rows)
+    # The confidences are the table's: the newline tokens around the action are outside the confidence mask.
+    n = len(own_ids)
+    expected = A_PAIR * copo_w(CONF[action], 2)
+    assert torch.allclose(result.advantages[0, :n], torch.full((n,), expected), atol=1e-5)
+    expected = [A_PAIR * copo_w(CONF[action], level) for level in (1, 3, 4)]
+    assert torch.allclose(result.extra_advantages, torch.tensor(expected), atol=1e-5)
+
+
+class NewlineMergingTokenizer(MergingTokenizer):
+    """`MergingTokenizer` with `>\\n` merged too: `<action>\\nlook` is `<`, `action`, `>\\n`, `l`, ...: the whitespace
+    after the tag shares a token with the tag's end."""
+
+    pieces = MergingTokenizer.special + ['>"', ">\n", "action", "<", ">", "\n"] + [chr(c) for c in range(32, 127)]
+
+
+def _own_tokens_from(tok, ids, char):
+    """The index of the first token of `ids` whose decoded text reaches past character `char`."""
+    for k in range(len(ids)):
+        if len(tok.decode(ids[: k + 1])) > char:
+            return k
+    return len(ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    which=st.sampled_from(["byte_level", "merging", "newline_merging"]),
+    level=st.sampled_from([1, 2, 3, 4]),
+    think=st.text(alphabet="ab .\n", min_size=1, max_size=12).filter(lambda s: s.strip()),
+    action=st.sampled_from(["look", '"look"', "take apple"]),
+    between=st.sampled_from(["", "\n", " ", "\n\n"]),
+    after_tag=st.sampled_from(["", "\n", " ", "\n\n", "\n "]),
+    tail=st.sampled_from(["", "\n"]),
+)
+def test_scored_and_expanded_steps_are_the_policys_own_text_from_the_action_tag_on(
+    tiny_tokenizer, which, level, think, action, between, after_tag, tail
+):
+    """Whatever the whitespace around the blocks and after the action tag, and however the tokenizer splits the tag
+    (byte-level; SmolLM2-like merges `>"` and `>\\n`): every scored sequence and every expansion row is the canonical
+    prefix of its level followed by the policy's own text after the tag, and ends with the policy's own tokens from
+    the first token that carries no tag text."""
+    tok = {"byte_level": tiny_tokenizer, "merging": MergingTokenizer(), "newline_merging": NewlineMergingTokenizer()}
+    tok = tok[which]
+    own = f"<level>{level}</level>{between}<think>{think}</think>{between}<action>{after_tag}{action}{tail}</action>"
+    batch = make_batch(tok, [[(own, True)], [(STEP_FAIL, True)]], [1.0, 0.0], [0, 0])
+    trainer = FakeTrainer(tok, rlvcr_args(rlvcr_mode="copo", rlvcr_expand=True))
+    result = rlvcr_estimator(batch, trainer)
+    own_ids = tok.encode(own)
+    content = own.index("<action>") + len("<action>")
+    k = _own_tokens_from(tok, own_ids, content)
+    k += len(tok.decode(own_ids[:k])) < content  # that token carries the tag's end too: the next one on
+    thinking = {lv: ALT.get(lv) for lv in (2, 3, 4)}
+    thinking[1] = LEVEL1_THINK
+    thinking[level] = think.strip()
+    assert len(trainer.scored_ids) == 4
+    for ids in trainer.scored_ids:
+        text = tok.decode(ids)
+        lv = int(text[text.rfind("<level>") + len("<level>")])
+        assert text == PROMPT + render_prefix(lv, thinking[lv]) + own[content:]
+        assert ids[len(ids) - (len(own_ids) - k) :] == own_ids[k:]
+    assert len(result.extra_rows) == 3
+    for row in result.extra_rows:
+        text = tok.decode(row.completion_ids)
+        lv = int(text[len("<level>")])
+        assert text == render_prefix(lv, thinking[lv]) + own[content:]
+        assert row.completion_ids[len(row.completion_ids) - (len(own_ids) - k) :] == own_ids[k:]
+
+
+# ---- ties, capped thinking, processes ----
+
+
+@pytest.mark.parametrize("policy", ["successful_varied", "all"])
+def test_a_tied_group_with_a_negative_sample_keeps_exact_zeros(tiny_tokenizer, policy):
+    """Six rollouts rewarded 0.3, a snapshot segment scored 0.3 (outside the baseline) and a negative sample at -1
+    (outside the baseline, `group_baseline="episodes"`). The tie is decided over the baseline rows: the rollouts and
+    the snapshot get exactly 0 (float32 statistics alone leave 3e-4 of noise; the negative's other reward made the
+    group count as varied), the negative its anchored advantage, by hand:
+    clip(0 + (-1 - 0.3) / max(std + 1e-4, std_floor=0.1), -C, C) = -C with C = (6 - 1) / sqrt(6)."""
+    tok = tiny_tokenizer
+    reg, snap, neg = int(RowKind.REGULAR), int(RowKind.SNAPSHOT), int(RowKind.NEGATIVE)
+    rows = [[(STEP_TAKE, True)]] * 7 + [[(STEP_FAIL, True)]]
+    kinds = [reg] * 6 + [snap, neg]
+    baseline = [True] * 6 + [False, False]
+    batch = make_batch(tok, rows, [0.3] * 7 + [-1.0], [0] * 8, kinds, baseline)
+    trainer = FakeTrainer(tok, rlvcr_args(rlvcr_mode="copo", rlvcr_expand_steps=policy))
+    adv = rlvcr_estimator(batch, trainer)
+    assert torch.count_nonzero(adv[:7]) == 0
+    n = len(tok.encode(STEP_FAIL))
+    assert torch.allclose(adv[7, :n], torch.full((n,), -5 / math.sqrt(6)), atol=1e-5)
+    # The rollouts' steps were expanded under "all" only (the group is not varied): weights times 0.
+    assert trainer._metrics["train"]["rlvcr/expanded_steps"] == [7 if policy == "all" else 0]
+
+
+def test_a_capped_thinking_cut_inside_a_character_keeps_whole_characters(tiny_tokenizer):
+    """A cap of 4 byte-level tokens cuts "思考..." (3 bytes a character) after the first byte of the second character:
+    the thinking is the whole first character, the generated tokens, not U+FFFD (whose bytes the policy never
+    wrote)."""
+    tok = tiny_tokenizer
+    alt = {2: "x", 3: "思考思考思考", 4: "y"}
+    args = rlvcr_args(rlvcr_mode="copo", rlvcr_expand=True, rlvcr_max_thinking_tokens=4)
+    trainer = FakeTrainer(tok, args, alt=alt)
+    batch = make_batch(tok, [[(STEP_LOOK, True)], [(STEP_FAIL, True)]], [1.0, 0.0], [0, 0])
+    result = rlvcr_estimator(batch, trainer)
+    generated = tok.encode(alt[3])[:4]
+    assert len(tok.encode("思")) == 3 and generated[:3] == tok.encode("思")
+    expected = tok.encode(render_prefix(3, "思")) + tok.encode("look</action>")
+    assert [r.completion_ids for r in result.extra_rows][1] == expected
+    assert tok.encode(PROMPT) + expected in trainer.scored_ids
+    assert not any("\ufffd" in text for text, _ in trainer.scored)
+    assert trainer._metrics["train"]["rlvcr/failed_alternatives"] == [0]
+
+
+class SimulatedProcesses:
+    """`n` processes as threads that meet in collectives (an all-gather)."""
+
+    def __init__(self, n):
+        self.n = n
+        self.barrier = threading.Barrier(n, timeout=60)
+        self.slots = [None] * n
+
+    def all_gather(self, rank, value):
+        self.slots[rank] = value
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()
+        return out
+
+    def run(self, fn):
+        results, errors = [None] * self.n, []
+
+        def target(rank):
+            try:
+                results[rank] = fn(rank)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+                errors.append(e)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(rank,)) for rank in range(self.n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results
+
+
+class ProcessAccelerator:
+    device = torch.device("cpu")
+
+    def __init__(self, processes, rank):
+        self.processes, self.process_index, self.num_processes = processes, rank, processes.n
+        self.is_main_process = rank == 0
+
+    def reduce(self, tensor, reduction="sum"):
+        stacked = torch.stack(self.processes.all_gather(self.process_index, tensor.clone()))
+        return stacked.max(0).values if reduction == "max" else stacked.sum(0)
+
+
+class VLLMFakeTrainer(FakeTrainer):
+    """TRL's vLLM generation across processes: every process's prompts are gathered and generated, and process k keeps
+    the outputs `[k n, (k + 1) n)`, `n` its own prompt count. The thinking names the action and level it was forced
+    for."""
+
+    use_vllm = True
+
+    def __init__(self, tokenizer, args, processes, rank):
+        super().__init__(tokenizer, args)
+        self.accelerator = ProcessAccelerator(processes, rank)
+        self.limits = []
+        self.sent = []
+
+    @contextmanager
+    def _generation_limit(self, limit):
+        self.limits.append(limit)
+        yield
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations):
+        rank, n = self.accelerator.process_index, len(prompt_ids)
+        self.sent.append(n)
+        everyone = [p for ps in self.accelerator.processes.all_gather(rank, list(prompt_ids)) for p in ps]
+        outputs = []
+        for ids in everyone:
+            text = self._tokenizer.decode(ids)
+            match = re.search(r"<level>(\d)</level>\n<think>$", text)
+            action = next((a for a in ("take apple", "look", "wait") if f'"{a}"' in text), "none")
+            thinking = f"for {action} at {match.group(1) if match else 'none'}"
+            outputs.append(self._tokenizer.encode(thinking + "</think>"))
+        return outputs[rank * n : (rank + 1) * n], None
+
+
+@pytest.mark.parametrize("idle", [False, True])
+def test_each_process_gets_the_thinking_of_its_own_contexts_under_vllm(tiny_tokenizer, idle):
+    """Two processes with 4 and 2 alternatives to generate (or 4 and none: a dummy call): the calls are padded to
+    equal counts, so each process gets the thinking generated for its own contexts (before, process 1 got process
+    0's: another action, another level), and the budget caps vLLM too (the call limit)."""
+    tok = tiny_tokenizer
+    look = step(2, "I should look first.", "look")
+    local = [two_row_batch(tok)]
+    if idle:  # a tied group: nothing to expand
+        local.append(make_batch(tok, [[(look, True)], [(STEP_FAIL, True)]], [1.0, 1.0], [1, 1]))
+    else:
+        local.append(make_batch(tok, [[(look, True)], [(STEP_FAIL, True)]], [1.0, 0.0], [1, 1]))
+    # The gathered rewards and groups of both processes; each process keeps its own token tensors.
+    rewards = torch.cat([b.rewards for b in local])
+    group_ids = torch.tensor([0, 0, 1, 1])
+    batches = [
+        replace(
+            b,
+            rewards=rewards,
+            group_ids=group_ids,
+            baseline_mask=torch.ones(4, dtype=torch.bool),
+            row_kind=torch.zeros(4, dtype=torch.long),
+            episode_ids=torch.arange(4),
+            local_index=torch.arange(2 * k, 2 * k + 2),
+        )
+        for k, b in enumerate(local)
+    ]
+    processes = SimulatedProcesses(2)
+    args = rlvcr_args(rlvcr_mode="copo", rlvcr_expand=True)
+    trainers = [VLLMFakeTrainer(tok, args, processes, rank) for rank in (0, 1)]
+    results = processes.run(lambda rank: rlvcr_estimator(batches[rank], trainers[rank]))
+    expected = {0: [("look", 3), ("look", 4), ("take apple", 2), ("take apple", 4)], 1: [("look", 3), ("look", 4)]}
+    if idle:
+        expected[1] = []
+    for rank, result in enumerate(results):
+        rows = [tok.decode(r.completion_ids) for r in result.extra_rows]
+        rows = [text[text.rfind("<level>") :] for text in rows]
+        alternatives = [text for text in rows if not text.startswith("<level>1<")]
+        assert len(alternatives) == len(expected[rank])
+        for text, (action, level) in zip(alternatives, expected[rank]):
+            assert text.startswith(render_prefix(level, f"for {action} at {level}") + action), (rank, text)
+    assert [t.sent for t in trainers] == [[4], [4]]  # one call on each, equal counts
+    assert all(t.limits == [args.rlvcr_max_thinking_tokens] for t in trainers)

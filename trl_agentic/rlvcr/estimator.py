@@ -8,8 +8,9 @@ that makes the taken action most likely gets more credit.
 Per generation batch (`rlvcr_estimator` is called once per batch on every process, see `trl_agentic.batch`):
 
 1. **Episode advantages**: `grpo_estimator` on the gathered rewards (group statistics over the batch's baseline rows),
-   exactly 0 for the rows of a group without reward spread (`advantages.without_reward_spread`; float32 statistics
-   leave rounding noise of one sign there).
+   exactly 0 for the baseline rows of a group whose baseline rewards are all equal (`advantages.without_reward_spread`
+   over the baseline rows; float32 statistics leave rounding noise of one sign there) and for its other rows with
+   that same reward; a row outside the baseline with another reward (a negative sample) keeps its anchored advantage.
 2. **Steps**: a step is one assistant turn, i.e. a maximal run of model tokens (`completion_mask * tool_mask == 1`).
    Each run is decoded and parsed with `parse_step` (strict: only whitespace around the step); the original action's
    character span is mapped to token positions with `decode_with_offsets` (byte-level tokenizers included). Only rows
@@ -23,11 +24,14 @@ Per generation batch (`rlvcr_estimator` is called once per batch on every proces
    level-forcing prompt (`level_forcing_prompt`: the decoded history up to the step and the original action) is
    rendered as a user message with the chat template and pre-filled with `<level>k</level>\\n<think>`, so the model
    writes the think content directly. All of them are generated in ONE batched `_generate_single_turn` call per
-   generation batch, cut at the first `</think>` or `<action>` and capped at `rlvcr_max_thinking_tokens` tokens (a
-   capped thinking is kept as it is). Level 1 uses `LEVEL1_THINK`; the original level keeps its own thinking.
+   generation batch (through `rollout.trl_backend.generate_single_turn`: equal counts on every process under vLLM),
+   cut at the first `</think>` or `<action>` and capped at `rlvcr_max_thinking_tokens` tokens (a capped thinking is
+   kept as it is, cut back to its last whole character). Level 1 uses `LEVEL1_THINK`; the original level keeps its
+   own thinking.
 5. **Scoring**: for each expanded step and each level, the sequence `context + render_prefix(level, thinking) +
-   the step's own original action tokens + the original tokens after the action` (context = the row's prompt and
-   completion up to the step) is scored under `torch.no_grad()`, in eval mode (no dropout), in chunks of
+   the step's own tokens between the action open tag and the action (whitespace, e.g. the `\\n` of
+   `<tool_call>\\n{...}`) + its original action tokens + the original tokens after the action` (context = the row's
+   prompt and completion up to the step) is scored under `torch.no_grad()`, in eval mode (no dropout), in chunks of
    `rlvcr_score_batch_size` rows (a step's score does not depend on the rows it shares a chunk with); the
    confidence is `c_l = exp(mean_t log p(a_t | prefix_l))` over the action tokens (`action_confidence`).
 6. **Token advantages** `(B, T)`: `"copo"`: `A_episode * w_l` on the step's tokens with `w = copo_weights(c, k)`;
@@ -60,6 +64,7 @@ from torch import Tensor
 from ..advantages import group_reward_range, without_reward_spread
 from ..estimators import AdvantageBatch, EstimatorResult, grpo_estimator
 from ..rank_errors import raise_on_every_rank
+from ..rollout.trl_backend import generate_single_turn
 from ..rollout.types import ExtraRow, RowKind
 from ..tracin.hooks import checkpointing_paused
 from .formulas import (
@@ -185,20 +190,26 @@ def model_runs(completion_mask, tool_mask) -> list[tuple[int, int]]:
 
 def locate_action_tokens(
     text: str, offsets: list[tuple[int, int]], parsed: ParsedStep, tags: StepTags
-) -> tuple[int, int, str] | None:
-    """Token range `[i0, i1)` of the original action of a parsed step, and the text its first token carries before
-    the action block's content.
+) -> tuple[int, int, int, str] | None:
+    """Token ranges of the original action of a parsed step: where the policy's own text after the action open tag
+    begins, the action tokens `[i0, i1)`, and the text the first of those tokens carries before the action block's
+    content.
 
     The action tokens are the tokens that overlap the stripped action text and end inside the action block's content
-    (between the action open and close tags); so a leading-space token (`" look"`) belongs to the action. A first
-    token may also begin in the open tag (SmolLM2 writes `<action>"look"` as `<`, `action`, `>"`, ...): it is an
-    action token, and the part before the content (`">"`, the *lead*) is cut from the canonical prefix the step is
-    scored and expanded under, so that text is exactly the step's own. A lead that is not the end of the canonical
-    `</think>\n<action>` (other whitespace) cannot be joined that way: no range then. A last token that runs into the
-    close tag stays outside the range (it follows the action as it is, unscored).
+    (between the action open and close tags); so a leading-space token (`" look"`) belongs to the action. Whitespace
+    between the open tag and the action in tokens of its own (`<tool_call>`, `"\n"`, `{...}`: Hermes/Qwen3's layout,
+    or `<action>\nlook`) is the policy's own text too: the tokens `[g0, i0)` are kept, unscored, after the canonical
+    prefix of every level, so that the scored and expanded step is the one the policy wrote. `g0` is the first token
+    that carries text after the open tag (`g0 == i0` when there is no such whitespace token).
+
+    That first token may also begin in the open tag (SmolLM2 writes `<action>"look"` as `<`, `action`, `>"`, ...): the
+    part before the content (`">"`, the *lead*) is cut from the canonical prefix the step is scored and expanded
+    under, so that text is exactly the step's own. A lead that is not the end of the canonical `</think>\n<action>`
+    (other whitespace) cannot be joined that way: no range then. A last token that runs into the close tag stays
+    outside the range (it follows the action as it is, unscored).
 
     Returns:
-        `tuple[int, int, str] | None`: `(i0, i1, lead)`, or `None` when no token qualifies.
+        `tuple[int, int, int, str] | None`: `(g0, i0, i1, lead)`, or `None` when no token qualifies.
     """
     a0, a1 = parsed.action_span
     content_start = text.rfind(tags.action_open, 0, a0) + len(tags.action_open)
@@ -209,10 +220,12 @@ def locate_action_tokens(
     if not overlapping:
         return None
     first = overlapping[0]
-    lead = text[offsets[first][0] : content_start] if offsets[first][0] < content_start else ""
+    # The first token with text after the open tag (the action's first token at the latest: it ends after a0).
+    own = next(i for i, (s, e) in enumerate(offsets) if e > s and e > content_start)
+    lead = text[offsets[own][0] : content_start] if offsets[own][0] < content_start else ""
     if lead and not f"{tags.think_close}\n{tags.action_open}".endswith(lead):
         return None
-    return first, overlapping[-1] + 1, lead
+    return own, first, overlapping[-1] + 1, lead
 
 
 @dataclass
@@ -226,6 +239,11 @@ class StepInfo:
         parsed: The parsed step, `None` when malformed.
         error: Why the step is malformed (a `PARSE_ERROR_REASONS` code or `"action_tokens"`), `None` when well formed.
         action_start / action_end: Absolute token range of the original action in the completion.
+        own_start: Absolute index of the first token with text after the action open tag: the tokens
+            `[own_start, action_start)` (whitespace such as the `\n` of `<tool_call>\n{...}`) are the policy's own
+            text between the tag and the action, kept after every level's canonical prefix.
+        lead: The text the token at `own_start` carries before the action content (`locate_action_tokens`), cut from
+            every level's canonical prefix.
     """
 
     row: int
@@ -236,7 +254,8 @@ class StepInfo:
     error: str | None = None
     action_start: int = -1
     action_end: int = -1
-    lead: str = ""  # the text the first action token carries before the action content (`locate_action_tokens`)
+    own_start: int = -1
+    lead: str = ""
     # Filled for expanded steps, per level 1..4: the thinking text (None when it could not be generated), its token
     # count and the tokens of its canonical prefix.
     thinking: dict = field(default_factory=dict)
@@ -277,7 +296,8 @@ def find_steps(
                 info.error = "action_tokens"
             else:
                 info.parsed = parsed
-                info.action_start, info.action_end, info.lead = start + span[0], start + span[1], span[2]
+                info.own_start, info.action_start, info.action_end = (start + i for i in span[:3])
+                info.lead = span[3]
         steps.append(info)
     return steps
 
@@ -312,6 +332,29 @@ def expandable_rows(batch: AdvantageBatch, policy: str) -> Tensor:
     return ok[batch.local_index]
 
 
+def _tied_rows(rewards: Tensor, group_ids: Tensor, baseline_mask: Tensor) -> Tensor:
+    """Rows whose episode advantage is 0 in exact arithmetic although it may not be in float32.
+
+    A group is tied when the finite rewards of its baseline rows are all equal (`without_reward_spread` over the
+    baseline: a row outside it, such as a negative sample, is not in the group statistics). Its baseline rows then
+    have advantage 0, and so does a row outside the baseline whose reward is that same value (a snapshot segment
+    scored with its episode's reward: its anchor's advantage, 0). A row outside the baseline with another reward (a
+    negative sample at -1) keeps its anchored advantage.
+
+    Returns:
+        `Tensor` of shape `(N,)`, bool.
+    """
+    rewards = rewards.double()
+    group_ids = group_ids.to(rewards.device)
+    baseline = baseline_mask.to(rewards.device).bool() & ~torch.isnan(rewards)
+    tied = without_reward_spread(torch.where(baseline, rewards, torch.nan), group_ids)
+    # The group's baseline reward on every row (-inf for a group without a baseline row: its advantages are 0).
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    value = rewards.new_full((int(inverse.max()) + 1 if inverse.numel() else 0,), -torch.inf)
+    value = value.scatter_reduce(0, inverse, torch.where(baseline, rewards, -torch.inf), "amax")[inverse]
+    return tied & (baseline | (rewards == value) | (value == -torch.inf))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Generation and scoring
 
@@ -320,8 +363,9 @@ def expandable_rows(batch: AdvantageBatch, policy: str) -> Tensor:
 def _generation_budget(trainer, max_new_tokens: int):
     """Cap the transformers generation length while the alternative thinking is generated.
 
-    The trainer generates up to `max_completion_length` tokens; the thinking needs at most `max_new_tokens`. vLLM keeps
-    its own length (the outputs are truncated afterwards in every case).
+    The trainer generates up to `max_completion_length` tokens; the thinking needs at most `max_new_tokens`. The
+    trainer's call limit (`GenerationMixin._generation_limit`, the `limit` of `generate_single_turn`) caps every engine,
+    vLLM included; this covers a trainer without one (the outputs are truncated afterwards in every case).
     """
     config = getattr(trainer, "generation_config", None)
     if getattr(trainer, "use_vllm", False) or config is None or getattr(config, "max_new_tokens", None) is None:
@@ -333,6 +377,19 @@ def _generation_budget(trainer, max_new_tokens: int):
         yield
     finally:
         config.max_new_tokens = old
+
+
+def _whole_characters(decode, ids: list[int]) -> list[int]:
+    """`ids` without the trailing tokens of a character they hold only part of.
+
+    A capped thinking can end inside a multi-byte character (a byte-level token holds one byte of it): its decoding
+    ends with U+FFFD, whose re-encoding is text the policy never wrote. The tokens are cut back instead, to a prefix of
+    what was generated.
+    """
+    ids = list(ids)
+    while ids and decode(ids).endswith(_INCOMPLETE):
+        ids.pop()
+    return ids
 
 
 def _render_user_prompt(trainer, text: str) -> list[int]:
@@ -422,10 +479,10 @@ def rlvcr_estimator(batch: AdvantageBatch, trainer) -> Tensor | EstimatorResult:
     """
     args = trainer.args
     episode = grpo_estimator(batch, trainer).to(torch.float32)
-    # 0 in a group without reward spread, as in exact arithmetic: TRL's float32 statistics leave rounding noise of one
-    # sign there (six rewards of 0.3: 3.0e-4 on every row), which CoPO's weights and the additive rule would carry
-    # onto every token of the group (and TracIn's validation direction would follow).
-    tied = without_reward_spread(batch.rewards, batch.group_ids)[batch.local_index]
+    # 0 where it is 0 in exact arithmetic: TRL's float32 statistics leave rounding noise of one sign in a group whose
+    # baseline rewards are all equal (six rewards of 0.3: 3.0e-4 on every row), which CoPO's weights and the additive
+    # rule would carry onto every token of the group (and TracIn's validation direction would follow).
+    tied = _tied_rows(batch.rewards, batch.group_ids, batch.baseline_mask)[batch.local_index]
     episode = episode.masked_fill(tied.to(episode.device), 0.0)
     if not trainer.model.training:
         return episode
@@ -507,21 +564,27 @@ def rlvcr_estimator(batch: AdvantageBatch, trainer) -> Tensor | EstimatorResult:
     raise_on_every_rank(trainer.accelerator, error, WHERE)
     generated = []
     if any_requests:
+        # Through the rollout's call: under vLLM with several processes, process k gets the outputs [k n, (k + 1) n)
+        # of every process's gathered prompts, n its own count, so the counts are padded to be equal there; `limit`
+        # caps every engine (vLLM included) at the budget.
         with _generation_budget(trainer, budget):
-            generated, _ = trainer._generate_single_turn(contexts, None, {}, num_generations=1)
+            generated, _ = generate_single_turn(trainer, contexts, limit=budget)
 
     error = None
     try:
         failed_alternatives = 0
         for (s, level), ids in zip(requests, generated):
-            think = cut_before_action(tags.think_open + decode(list(ids)[:budget]) + tags.think_close, tags)
+            kept = _whole_characters(decode, list(ids)[:budget])
+            think = cut_before_action(tags.think_open + decode(kept) + tags.think_close, tags)
             s.thinking[level] = think
             failed_alternatives += think is None
 
-        # 5. Scoring: context + canonical prefix of each level + the step's own action (and the rest of the turn).
+        # 5. Scoring: context + canonical prefix of each level + the step's own text from the action tag on (its
+        # whitespace after the tag, its action, the rest of the turn).
         sequences, tails, owners = [], [], []
         for n, s in enumerate(items):
             context = prompts[s.row] + completion_ids[s.row][: s.start]
+            own = completion_ids[s.row][s.own_start : s.action_start]  # whitespace after the tag: not scored
             action = completion_ids[s.row][s.action_start : s.action_end]
             rest = completion_ids[s.row][s.action_end : s.end]
             for level in LEVELS:
@@ -529,9 +592,9 @@ def rlvcr_estimator(batch: AdvantageBatch, trainer) -> Tensor | EstimatorResult:
                 if think is None:
                     continue
                 canonical = render_prefix(level, think, tags)
-                # Without the lead the first action token carries: prefix + action is the step's own text.
+                # Without the lead the step's first own token carries: prefix + own tokens is the step's own text.
                 canonical = canonical[: len(canonical) - len(s.lead)]
-                prefix = tokenizer.encode(canonical, add_special_tokens=False)
+                prefix = tokenizer.encode(canonical, add_special_tokens=False) + own
                 s.prefix_ids[level] = prefix
                 s.costs[level] = len(tokenizer.encode(think, add_special_tokens=False))
                 sequences.append(context + prefix + action + rest)
