@@ -219,26 +219,33 @@ def test_validation_rows_are_the_rows_training_would_get(tiny_model_dir):
 
 
 def test_a_tied_group_with_a_negative_out_of_the_baseline(tiny_model_dir):
-    """Six rollouts tied at 0.3, one with a negative row, `group_baseline="episodes"`: the negative is out of the
-    statistics, so the group is tied (the episodes' float32 advantages are noise: exactly 0 now) and the negative keeps
-    the advantage training gives it (`score_group_rows`, measured from its episode, at most 0)."""
+    """Six rollouts tied at 0.3, one with a negative row, one with a snapshot segment, `group_baseline="episodes"`:
+    the negative is out of the statistics, so the group is tied; the episodes' float32 advantages are noise (exactly 0
+    now), the snapshot's too (its episode's), and the negative keeps the advantage training gives it
+    (`score_group_rows`, measured from its episode, at most 0)."""
     from trl_agentic.async_grpo.rows import score_group_rows
 
     model = lora_model(tiny_model_dir)
-    pool = _pool(7)
-    trainer = _trainer(model, save_negative_samples=True, enable_tool_rollback=True, group_baseline="episodes")
+    pool = _pool(8)
+    trainer = _trainer(
+        model, save_negative_samples=True, enable_tool_rollback=True, group_baseline="episodes",
+        enable_context_snapshots=True,
+    )  # fmt: skip
     trainer.args.tracin_val_num_generations = 6
     tracin = _tracin(trainer, ["p"])
     negative = _row(*pool[6], kind=RowKind.NEGATIVE, error_types=["ValueError"])
-    plans = [("0.3", [_row(*pool[k])] + ([negative] if k == 0 else [])) for k in range(6)]
+    snapshot = _row(*pool[7], kind=RowKind.SNAPSHOT)
+    extra = {0: [negative], 1: [snapshot]}
+    plans = [("0.3", [_row(*pool[k])] + extra.get(k, [])) for k in range(6)]
     _script(tracin, lambda prompt, k: plans[k])
     tracin.refresh()
-    assert [r["kind"] for r in tracin.val_rows] == [RowKind.REGULAR, RowKind.NEGATIVE] + [RowKind.REGULAR] * 5
+    kinds = [RowKind.REGULAR, RowKind.NEGATIVE, RowKind.REGULAR, RowKind.SNAPSHOT] + [RowKind.REGULAR] * 4
+    assert [r["kind"] for r in tracin.val_rows] == kinds
     rows = [row for _, rs in plans for row in rs]
-    scored, _ = score_group_rows(rows, [0, 0, 1, 2, 3, 4, 5], [0.3] * 7, 6, trainer.args)
-    assert bool((scored.advantages[scored.kinds == RowKind.REGULAR] != 0).any())  # the noise is real
+    scored, _ = score_group_rows(rows, [0, 0, 1, 1, 2, 3, 4, 5], [0.3] * 8, 6, trainer.args)
+    assert bool((scored.advantages[scored.kinds != RowKind.NEGATIVE] != 0).all())  # the noise is real, snapshot too
     advantages = [r["advantage"] for r in tracin.val_rows]
-    assert advantages[0] == 0.0 and advantages[2:] == [0.0] * 5
+    assert advantages[0] == 0.0 and advantages[2:] == [0.0] * 6
     assert advantages[1] == pytest.approx(float(scored.advantages[1])) and advantages[1] < -0.1
     assert not tracin.direction_is_zero
 

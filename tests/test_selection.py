@@ -286,10 +286,12 @@ def test_keeping_every_row_trains_as_trl_with_masked_truncated_rows(tiny_model_d
     torch.testing.assert_close(_grad(trainer, trainer._compute_loss(trainer.model, selected)), g_plain)
 
 
-def test_max_variance_with_unscorable_rows_trains_every_kept_row(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+def test_max_variance_with_unscorable_rows_trains_every_kept_row(tiny_model_dir, tmp_path, aggregation):
     """A group with one scorable rollout keeps one row: 2 + 1 kept rows, not a multiple of the 2 micro-batches. TRL's
     split dropped the remainder (a kept row, at random after its shuffle); the batch is filled with a zero-weight
-    padding row instead, and every kept row weighs 1/3 in `grpo`."""
+    padding row instead, and every kept row weighs 1/3 in `grpo`. GDPO (`normalize_then_sum`) keeps TRL's batch,
+    which has no row kinds: the fill row is made a padding row all the same (it counted: 1/4 each)."""
     from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
     from trl_agentic.loss_weights import row_weight_factor
@@ -302,7 +304,7 @@ def test_max_variance_with_unscorable_rows_trains_every_kept_row(tiny_model_dir,
 
     trainer, dataset = _trainer(
         tiny_model_dir, tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
-        row_selection="max_variance", row_selection_keep=2, loss_type="grpo",
+        row_selection="max_variance", row_selection_keep=2, loss_type="grpo", multi_objective_aggregation=aggregation,
     )  # fmt: skip
     trainer.reward_funcs[0] = scored
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["group_advantages", "negative_sample_rewards", "without_reward_spread"]
+__all__ = ["group_advantages", "negative_sample_rewards", "tied_rows", "without_reward_spread"]
 
 _SCALES = ("group", "batch", "none")
 # Default smallest divisor of an outside row's reward difference (see `AgenticGRPOConfig.advantage_std_floor`).
@@ -274,3 +274,33 @@ def negative_sample_rewards(
         matched = [float(per_error[name]) for name in types if name in per_error]
         rewards.append(min(matched) if matched else float(default))
     return rewards
+
+
+def tied_rows(rewards: Tensor, group_ids: Tensor, baseline_mask: Tensor) -> Tensor:
+    """
+    Rows whose (episode) advantage is 0 in exact arithmetic although it may not be in float32: the one tie rule of
+    RLVCR's episode advantages and TracIn's validation batches (sync and async).
+
+    A group is tied when the finite rewards of its baseline rows are all equal (`without_reward_spread` over the
+    baseline: a row outside it, such as a negative sample, is not in the group statistics). Its baseline rows then
+    have advantage 0, and so does a row outside the baseline whose reward is that same value (a snapshot segment
+    scored with its episode's reward: its anchor's advantage, 0). A row outside the baseline with another reward (a
+    negative sample at -1) keeps its anchored advantage.
+
+    Args:
+        rewards (`Tensor`): `(N,)` rewards of every row (NaN: unscorable).
+        group_ids (`Tensor`): `(N,)` group ids.
+        baseline_mask (`Tensor`): `(N,)` bool, the rows in their group's statistics (`batch.baseline_mask`).
+
+    Returns:
+        `Tensor` of shape `(N,)`, bool.
+    """
+    rewards = rewards.double()
+    group_ids = group_ids.to(rewards.device)
+    baseline = baseline_mask.to(rewards.device).bool() & ~torch.isnan(rewards)
+    tied = without_reward_spread(torch.where(baseline, rewards, torch.nan), group_ids)
+    # The group's baseline reward on every row (-inf for a group without a baseline row: its advantages are 0).
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    value = rewards.new_full((int(inverse.max()) + 1 if inverse.numel() else 0,), -torch.inf)
+    value = value.scatter_reduce(0, inverse, torch.where(baseline, rewards, -torch.inf), "amax")[inverse]
+    return tied & (baseline | (rewards == value) | (value == -torch.inf))

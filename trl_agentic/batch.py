@@ -33,7 +33,7 @@ from accelerate.utils import gather, gather_object
 from transformers.utils import logging
 from trl.trainer.utils import use_adapter
 
-from .advantages import negative_sample_rewards, without_reward_spread
+from .advantages import negative_sample_rewards, tied_rows
 from .estimators import AdvantageBatch, EstimatorResult, grpo_estimator
 from .rank_errors import error_summary, raise_on_every_rank
 from .rollout.types import ExtraRow, RowKind
@@ -241,13 +241,6 @@ def baseline_mask(kinds: torch.Tensor, args) -> torch.Tensor:
     return baseline
 
 
-def groups_without_spread(rewards: torch.Tensor, groups: torch.Tensor, baseline: torch.Tensor) -> torch.Tensor:
-    """The ids of the groups whose baseline rows' rewards are all equal (NaN ignored, `without_reward_spread`): rows
-    out of the baseline (`baseline_mask`) are measured from their episode and give the group's statistics no spread."""
-    in_statistics = torch.where(baseline, rewards, torch.full_like(rewards, torch.nan))
-    return groups[without_reward_spread(in_statistics, groups)].unique()
-
-
 class BatchAugmenter:
     """Turns TRL's batch of regular rows plus the rollout loop's extra rows into the training batch.
 
@@ -260,8 +253,9 @@ class BatchAugmenter:
         args = trainer.args
         self.segment_reward = snapshot_reward(args.snapshot_reward_func)
         self._warned_negative_reward = False
-        # Group ids (global) of the last batch's groups whose baseline rows have no reward spread; None for GDPO.
-        self.last_groups_without_spread: torch.Tensor | None = None
+        # Per local row (regular, then extra; the batch's first rows) of the last batch: tied (`tied_rows`); None for
+        # GDPO.
+        self.last_tied_rows: torch.Tensor | None = None
         self.last_regular_rewards: torch.Tensor | None = None  # the last batch's, gathered (`_regular_rewards`)
 
     def _warn_negative_reward_not_lowest(self, rewards, group_ids, kinds) -> None:
@@ -299,7 +293,7 @@ class BatchAugmenter:
         any process stops every process.
         """
         t, args = self.trainer, self.trainer.args
-        self.last_groups_without_spread = None
+        self.last_tied_rows = None
         self.last_regular_rewards = None
         if args.multi_objective_aggregation != "sum_then_normalize":
             return output  # GDPO keeps TRL's advantages (the trainer refuses it with extra rows)
@@ -312,9 +306,9 @@ class BatchAugmenter:
         self.last_regular_rewards = rewards  # for `row_selection`, which runs after (lost rollouts are NaN)
         rows = self._gather_rows(extras, rewards, inputs, num_local, mode)
         baseline = self._baseline(rows.kinds)
-        # The groups whose baseline rows' rewards are all equal (every process), for TracIn's validation direction: a
-        # negative row out of the baseline (`group_baseline="episodes"`) gives no spread to the episodes' statistics.
-        self.last_groups_without_spread = groups_without_spread(rows.rewards, rows.groups, baseline)
+        # The local rows whose advantage is 0 in exact arithmetic (`tied_rows`, decided over every process), for
+        # TracIn's validation direction.
+        self.last_tied_rows = tied_rows(rows.rewards, rows.groups, baseline)[rows.local_index]
         if rows.kinds.numel() > num_local * t.accelerator.num_processes:
             _check_mergeable(output)
         batch = self._append_rows(output, rows.local_extras, t.accelerator.device)

@@ -90,7 +90,7 @@ def test_the_tie_rule_zeroes_copos_token_arrays_and_keeps_the_additive_rules(tin
     arrays are set to 0; the additive rule's are kept as RLVCR returned them, as the synchronous trainer keeps them."""
     import trl_agentic.rlvcr.estimator as rlvcr
 
-    monkeypatch.setattr(rlvcr, "without_reward_spread", lambda rewards, groups: torch.zeros_like(rewards, dtype=bool))
+    monkeypatch.setattr(rlvcr, "tied_rows", lambda rewards, groups, baseline: torch.zeros_like(rewards, dtype=bool))
     tok = tiny_tokenizer
     rewards = [0.3] * 6
     trainer = _trainer(

@@ -498,7 +498,7 @@ def test_groups_without_spread_are_zeroed_by_the_estimator_that_ran(estimator, m
         advantages = advantages[:, None] * torch.tensor([1.0, 0.5, 2.0])
     batch = {"group_id": torch.tensor([0, 0, 1, 1]), "advantages": advantages}
     stub = SimpleNamespace(
-        _augmenter=SimpleNamespace(last_groups_without_spread=torch.tensor([0])),
+        _augmenter=SimpleNamespace(last_tied_rows=torch.tensor([True, True, False, False])),
         args=SimpleNamespace(advantage_estimator="rlvcr" if callable(estimator) else estimator, rlvcr_mode=mode),
         advantage_estimator=resolve_estimator(estimator),
     )
@@ -665,35 +665,38 @@ def test_trl_internals_the_tracin_step_relies_on():
 
 @pytest.mark.parametrize("group_baseline", ["episodes", "all_rows"])
 def test_a_negative_out_of_the_baseline_gives_no_spread_and_keeps_its_advantage(group_baseline):
-    """Six episodes tied at 0.3 and a negative row: under `episodes` the negative is out of the statistics, so the
-    episodes' advantages are GRPO's tie noise (zeroed) and the negative keeps its own, measured from its episode; under
-    `all_rows` it is in the statistics and gives the group a spread (nothing zeroed)."""
+    """Six episodes tied at 0.3, a snapshot segment scored with its episode's reward and a negative row: under
+    `episodes` the negative is out of the statistics, so the episodes' advantages are GRPO's tie noise (zeroed), the
+    snapshot's too (its episode's), and the negative keeps its own, measured from its episode; under `all_rows` the
+    negative is in the statistics and gives the group a spread (nothing zeroed)."""
     from types import SimpleNamespace
 
-    from trl_agentic.batch import baseline_mask, groups_without_spread
+    from trl_agentic.advantages import tied_rows
+    from trl_agentic.batch import baseline_mask
     from trl_agentic.estimators import resolve_estimator
     from trl_agentic.rollout.types import RowKind
     from trl_agentic.tracin.trainer_mixin import TracInMixin
 
-    kinds = torch.tensor([RowKind.REGULAR] * 6 + [RowKind.NEGATIVE] + [RowKind.REGULAR] * 2)
-    rewards = torch.tensor([0.3] * 6 + [-0.5, 0.0, 1.0])
-    groups = torch.tensor([0] * 7 + [1] * 2)
+    kinds = [RowKind.REGULAR] * 6 + [RowKind.SNAPSHOT, RowKind.NEGATIVE] + [RowKind.REGULAR] * 2
+    kinds = torch.tensor(kinds)
+    rewards = torch.tensor([0.3] * 7 + [-0.5, 0.0, 1.0])
+    groups = torch.tensor([0] * 8 + [1] * 2)
     args = SimpleNamespace(
         group_baseline=group_baseline, snapshot_advantage="episode", advantage_estimator="grpo", rlvcr_mode="copo"
     )
-    tied = groups_without_spread(rewards, groups, baseline_mask(kinds, args))
-    assert tied.tolist() == ([0] if group_baseline == "episodes" else [])
-    advantages = torch.tensor([3e-4] * 6 + [-0.8, -0.7, 0.7])
-    batch = {"group_id": groups, "row_kind": kinds, "advantages": advantages}
+    tied = tied_rows(rewards, groups, baseline_mask(kinds, args))
+    assert tied.tolist() == ([True] * 7 + [False] * 3 if group_baseline == "episodes" else [False] * 10)
+    advantages = torch.tensor([3e-4] * 7 + [-0.8, -0.7, 0.7])
+    padded = torch.cat([advantages, torch.zeros(2)])  # the batch's padding rows follow its local rows
     stub = SimpleNamespace(
-        _augmenter=SimpleNamespace(last_groups_without_spread=tied),
+        _augmenter=SimpleNamespace(last_tied_rows=tied),
         args=args,
         advantage_estimator=resolve_estimator("grpo"),
     )
-    out = TracInMixin._tracin_zero_groups_without_spread(stub, batch)["advantages"]
-    expected = advantages.clone()
+    out = TracInMixin._tracin_zero_groups_without_spread(stub, {"advantages": padded})["advantages"]
+    expected = padded.clone()
     if group_baseline == "episodes":
-        expected[:6] = 0.0
+        expected[:7] = 0.0
     assert torch.equal(out, expected)
 
 

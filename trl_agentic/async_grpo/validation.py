@@ -15,9 +15,10 @@ scored are the worker's (`worker.AgenticAsyncRolloutLoop._run_trajectory` and `_
   completion messages, the model's token ids, the dataset columns) plus an environment's `get_reward`; then
   `rows.score_group_rows` with the config (negative rewards and cap, `group_baseline`, `snapshot_advantage`,
   `snapshot_reward_func`, `mask_truncated_completions`), and the rows it trains are the validation rows;
-- a group whose baseline rows' rewards are all equal (NaN ignored) gets advantage exactly 0 on its baseline rows
-  (`advantages.without_reward_spread`), not float32 rounding noise of one sign; a negative out of the baseline
-  (`group_baseline="episodes"`) keeps its advantage, measured from its episode;
+- a group whose baseline rows' rewards are all equal (NaN ignored) gets advantage exactly 0 on the rows where it is 0
+  in exact arithmetic (`advantages.tied_rows`: its baseline rows and the rows with that same reward), not float32
+  rounding noise of one sign; a negative out of the baseline (`group_baseline="episodes"`) with another reward keeps
+  its advantage, measured from its episode;
 
 - a trainer-side advantage estimator (`advantage_estimator != "grpo"`, RLVCR) runs on each validation group as the
   trainer's stage runs it on a training group (`stage.estimate_group`: every kept row, the untrained ones with a zero
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 from transformers.utils import logging
 
-from ..advantages import without_reward_spread
+from ..advantages import tied_rows
 from ..batch import baseline_mask, snapshot_reward
 from ..envs.protocol import tool_methods, with_observation
 from ..estimators import zero_without_reward_spread
@@ -443,17 +444,15 @@ class ValidationRollouts:
             terms,
             mask_truncated=bool(getattr(args, "mask_truncated_completions", False)),
         )
-        # Tied: the baseline rows' rewards are all equal (a negative out of the baseline gives the episodes no spread);
-        # only baseline rows are zeroed, the others keep their advantage, measured from their episode.
-        baseline_rewards = torch.where(scored.baseline, scored.rewards, torch.full_like(scored.rewards, torch.nan))
-        tied = bool(without_reward_spread(baseline_rewards, torch.zeros(len(scored.rewards), dtype=torch.long)).all())
-        zero = tied and zero_without_reward_spread(self._estimator, args)
+        # The synchronous trainer's tie rule (`advantages.tied_rows`): rows whose advantage is 0 in exact arithmetic.
+        zero = zero_without_reward_spread(self._estimator, args)
         if self._estimator is None:
+            tied = tied_rows(scored.rewards, torch.zeros(len(scored.rewards), dtype=torch.long), scored.baseline)
             return [
                 {
                     "input_ids": np.asarray(rows[k].input_ids),
                     "completion_mask": np.asarray(rows[k].completion_mask),
-                    "advantage": 0.0 if zero and bool(scored.baseline[j]) else float(scored.advantages[j]),
+                    "advantage": 0.0 if zero and bool(tied[j]) else float(scored.advantages[j]),
                     "kind": int(rows[k].kind),
                 }
                 for k, j in trained
@@ -482,15 +481,18 @@ class ValidationRollouts:
         host._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
         host.rng = rng
         estimated = estimate_group(samples, self._estimator, host)
+        kinds = torch.tensor([int(s.row_kind) for s in estimated])
+        rewards = torch.tensor([float(s.reward) for s in estimated], dtype=torch.float64)
+        tied = tied_rows(rewards, torch.zeros(len(estimated), dtype=torch.long), baseline_mask(kinds, args))
         return [
             {
                 "input_ids": s.input_ids,
                 "completion_mask": s.completion_mask,
                 "advantage": (np.zeros_like(s.advantage) if isinstance(s.advantage, np.ndarray) else 0.0)
-                if zero and bool(baseline_mask(torch.tensor([s.row_kind]), args)[0])
+                if zero and bool(tied[n])
                 else s.advantage,
                 "kind": int(s.row_kind),
             }
-            for s in estimated
+            for n, s in enumerate(estimated)
             if s.trained
         ]

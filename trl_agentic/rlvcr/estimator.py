@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..advantages import group_reward_range, without_reward_spread
+from ..advantages import group_reward_range, tied_rows
 from ..estimators import AdvantageBatch, EstimatorResult, grpo_estimator
 from ..rank_errors import raise_on_every_rank
 from ..rollout.trl_backend import generate_single_turn
@@ -332,29 +332,6 @@ def expandable_rows(batch: AdvantageBatch, policy: str) -> Tensor:
     return ok[batch.local_index]
 
 
-def _tied_rows(rewards: Tensor, group_ids: Tensor, baseline_mask: Tensor) -> Tensor:
-    """Rows whose episode advantage is 0 in exact arithmetic although it may not be in float32.
-
-    A group is tied when the finite rewards of its baseline rows are all equal (`without_reward_spread` over the
-    baseline: a row outside it, such as a negative sample, is not in the group statistics). Its baseline rows then
-    have advantage 0, and so does a row outside the baseline whose reward is that same value (a snapshot segment
-    scored with its episode's reward: its anchor's advantage, 0). A row outside the baseline with another reward (a
-    negative sample at -1) keeps its anchored advantage.
-
-    Returns:
-        `Tensor` of shape `(N,)`, bool.
-    """
-    rewards = rewards.double()
-    group_ids = group_ids.to(rewards.device)
-    baseline = baseline_mask.to(rewards.device).bool() & ~torch.isnan(rewards)
-    tied = without_reward_spread(torch.where(baseline, rewards, torch.nan), group_ids)
-    # The group's baseline reward on every row (-inf for a group without a baseline row: its advantages are 0).
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    value = rewards.new_full((int(inverse.max()) + 1 if inverse.numel() else 0,), -torch.inf)
-    value = value.scatter_reduce(0, inverse, torch.where(baseline, rewards, -torch.inf), "amax")[inverse]
-    return tied & (baseline | (rewards == value) | (value == -torch.inf))
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Generation and scoring
 
@@ -482,7 +459,7 @@ def rlvcr_estimator(batch: AdvantageBatch, trainer) -> Tensor | EstimatorResult:
     # 0 where it is 0 in exact arithmetic: TRL's float32 statistics leave rounding noise of one sign in a group whose
     # baseline rewards are all equal (six rewards of 0.3: 3.0e-4 on every row), which CoPO's weights and the additive
     # rule would carry onto every token of the group (and TracIn's validation direction would follow).
-    tied = _tied_rows(batch.rewards, batch.group_ids, batch.baseline_mask)[batch.local_index]
+    tied = tied_rows(batch.rewards, batch.group_ids, batch.baseline_mask)[batch.local_index]
     episode = episode.masked_fill(tied.to(episode.device), 0.0)
     if not trainer.model.training:
         return episode

@@ -13,14 +13,14 @@ own rows. Modes (`trl_agentic.selection.rules`):
   rows are removed from the batch (not masked: PODS saves the training compute of the rows it drops), so one process
   only. A group with fewer scorable rows keeps fewer; the batch is then filled up to a multiple of
   `steps_per_generation` with dropped rows as zero-weight padding rows (TRL's split drops a remainder).
-
-Rewards are the batch augmenter's (`BatchAugmenter.last_regular_rewards`): a rollout lost to infrastructure is NaN, as
-an unscorable one, never selected and out of every group's statistics.
 - `"successful"` (rejection-sampled self-training, RFT/STaR): the rows whose reward is at least
   `row_selection_threshold`, each with advantage 1; the others are masked out. With one update per generation batch
   (`num_iterations=1`) and no KL term (`beta=0`), the importance ratio is 1 and the gradient of TRL's loss is then
   that of supervised fine-tuning on the kept completions' model tokens (tool results masked, as in the warm start),
   normalised as the loss type normalises tokens (`dapo`: the mean over the kept tokens).
+
+Rewards are the batch augmenter's (`BatchAugmenter.last_regular_rewards`): a rollout lost to infrastructure is NaN, as
+an unscorable one, never selected and out of every group's statistics.
 """
 
 from __future__ import annotations
@@ -137,6 +137,9 @@ def _pad_unkept(batch: dict, kept: torch.Tensor) -> dict:
         return batch
     pad = ~kept
     out = dict(batch)
+    # TRL's own batch (GDPO keeps it) has no row kinds: the kept rows count, the fill rows are padding.
+    out.setdefault("counted_row", torch.ones_like(kept))
+    out.setdefault("row_kind", torch.full(kept.shape, int(RowKind.REGULAR), dtype=torch.long, device=kept.device))
     for key in ("completion_mask", "tool_mask", "advantages", "counted_row"):
         if key in out:
             value = out[key]

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from ..batch import baseline_mask, counted_rows
+from ..batch import counted_rows
 from ..estimators import zero_without_reward_spread
 from ..loss_weights import LOCAL_TOKEN_LOSSES, ROW_MEAN_LOSSES
 from ..rollout.types import RowKind
@@ -488,27 +488,26 @@ class TracInMixin:
         return int(self.accelerator.reduce(_loss_mask(batch).sum().to(torch.long), reduction="sum").item())
 
     def _tracin_zero_groups_without_spread(self, batch: dict) -> dict:
-        """The validation batch with advantage 0 on every baseline row (`batch.baseline_mask`) of a group whose baseline
-        rows have no reward spread; rows out of the baseline (negatives with `group_baseline="episodes"`) keep theirs,
-        measured from their episode.
+        """The validation batch with advantage 0 on its tied rows (`advantages.tied_rows`): the baseline rows of a group
+        whose baseline rewards are all equal, and its rows out of the baseline with that same reward (a snapshot
+        segment); a negative out of the baseline with another reward keeps its advantage, measured from its episode.
 
         GRPO's advantages there are 0 in exact arithmetic but float32 rounding noise of one sign in TRL's computation
         (e.g. six rewards of 0.3: 3.0e-4 on every row); when no validation group has a spread, that noise *is* V, a
         "raise (or lower) the validation completions' likelihood" direction whose sign rounding picked, and rows would be
         selected by it. With the zeros V is exactly 0 there and every row is kept (`direction_is_zero`). Decided from the
-        rewards (`BatchAugmenter.last_groups_without_spread`). Applies to the GRPO advantages and to CoPO's (`A_traj`
-        times a weight); RLVCR's additive rule and custom estimators keep their advantages, which can carry signal
-        without a reward spread.
+        rewards (`BatchAugmenter.last_tied_rows`, the batch's first rows). Applies to the GRPO advantages and to CoPO's
+        (`A_traj` times a weight); RLVCR's additive rule and custom estimators keep their advantages, which can carry
+        signal without a reward spread.
         """
-        groups = self._augmenter.last_groups_without_spread
-        if groups is None or "group_id" not in batch:
+        tied = self._augmenter.last_tied_rows
+        if tied is None:
             return batch
         if not zero_without_reward_spread(self.advantage_estimator, self.args):
             return batch
-        rows = torch.isin(batch["group_id"], groups.to(batch["group_id"].device))
-        if "row_kind" in batch:
-            rows = rows & baseline_mask(batch["row_kind"], self.args).to(rows.device)
         advantages = batch["advantages"]
+        rows = torch.zeros(advantages.size(0), dtype=torch.bool, device=advantages.device)
+        rows[: tied.numel()] = tied.to(rows.device)  # then the estimator's rows and padding rows: not tied here
         return dict(batch, advantages=advantages.masked_fill(rows if advantages.dim() == 1 else rows[:, None], 0.0))
 
     def _tracin_validation_gradient(self, batch: dict) -> LoraGradients:
