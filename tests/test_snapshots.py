@@ -402,7 +402,8 @@ def test_a_deletion_that_would_not_fit_is_refused_and_the_model_is_told(tiny_tok
     p0 = b.enc("user: go<|im_start|>")
     refused = "Context not deleted: the shortened conversation is still too long."
     context_after = p0 + b.enc(turn1) + suffix(b, "2") + b.enc(turn_del) + suffix(b, refused)
-    b.max_model_len = len(context_after) + 1  # room for the old context, not for the 300-character stub
+    # Room for the old context and the answer, not for the 300-character stub (an answer past the room is cut).
+    b.max_model_len = len(context_after) + len(b.enc(DONE))
     _, prompt_ids, (_, completions, completion_ids, _, _, _, _), result = run_loop(
         b, [turn1], [LedgerEnv()], cfg(context_stub_text=stub)
     )
