@@ -34,7 +34,6 @@ python examples/context_snapshots.py --config configs/context_snapshots.yaml --s
 ```
 """
 
-import functools
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is embedded: never touch the Hub
@@ -45,7 +44,6 @@ from trl import ModelConfig, TrlParser, get_peft_config  # noqa: E402
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer  # noqa: E402
 from trl_agentic.models import resolve_model_path  # noqa: E402
 from trl_agentic.reporting import format_metric_table, install_compact_progress  # noqa: E402
-from trl_agentic.rollout.context import delete_context  # noqa: E402
 from trl_agentic.tasks import TaskArguments, build_task  # noqa: E402
 from trl_agentic.warmstart import run_task_warmstart  # noqa: E402
 
@@ -94,22 +92,6 @@ def with_hint(row: dict, hint: str) -> dict:
     return {"prompt": prompt}
 
 
-@functools.cache
-def _with_delete_context(env_type: type) -> type:
-    return type(env_type.__name__, (env_type,), {"delete_context": staticmethod(delete_context)})
-
-
-def warmstart_environment(factory):
-    """The task's environments with a `delete_context` method (never called): warm-start prompts list its schema."""
-
-    def make():
-        env = factory()
-        env.__class__ = _with_delete_context(type(env))
-        return env
-
-    return make
-
-
 def main(argv: list[str] | None = None) -> AgenticGRPOTrainer:
     task_args, training_args, model_args = make_parser().parse_args_and_config(args=argv)
     if not training_args.enable_context_snapshots:
@@ -131,7 +113,9 @@ def main(argv: list[str] | None = None) -> AgenticGRPOTrainer:
             task,
             task_args,
             rows=task.warmstart_dataset.map(with_hint, fn_kwargs={"hint": hint}),  # the GRPO prompts' system message
-            environment_factory=warmstart_environment(task.environment_factory),  # and their tools
+            context_snapshots=True,  # and their tools: `delete_context` first, as the trainer lists it
+            template_kwargs=training_args.chat_template_kwargs,
+            max_tool_output_chars=training_args.max_tool_output_chars,
             peft_config=peft_config,
             output_dir=os.path.join(training_args.output_dir, "warmstart"),
             seed=training_args.seed,

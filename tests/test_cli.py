@@ -90,6 +90,30 @@ def test_bad_values_fail_before_a_model_loads(tmp_path, monkeypatch, values, fla
         main(["train", "--config", _config(tmp_path, **values), *flags])
 
 
+@pytest.mark.parametrize("config", ["snapshots_logsearch.yaml", "async_snapshots_logsearch.yaml"])
+def test_a_log_search_that_deletes_context_needs_the_delete_context_tool(monkeypatch, config):
+    """Its prompts and warm-start traces call `delete_context`; without `enable_context_snapshots` the rollouts have
+    no such tool, and the warm start taught calls to it."""
+    _forbid_model_loading(monkeypatch)
+    argv = ["train", "--config", str(CONFIGS / config), "--enable_context_snapshots", "false"]
+    with pytest.raises(ValueError, match="`enable_context_snapshots: true`"):
+        main(argv)
+
+
+def test_the_warm_start_says_when_its_traces_exceed_the_budget():
+    from types import SimpleNamespace
+
+    from trl_agentic.cli import _warn_traces_over_budget
+
+    with pytest.warns(UserWarning, match=r"2 of 3 warm-start traces .* \(96 tokens; the longest 142\)"):
+        _warn_traces_over_budget(SimpleNamespace(completion_tokens=[(66, False), (140, True), (142, True)]), 96)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_traces_over_budget(SimpleNamespace(completion_tokens=[(66, False), (96, True)]), 96)
+
+
 @pytest.mark.parametrize("field", ["write_report", "heldout_eval_base_model"])
 def test_the_async_trainer_refuses_what_it_does_not_write(monkeypatch, field):
     """`trainer: async_grpo` accepted these and wrote no report and evaluated no base model."""

@@ -6,10 +6,8 @@ from datasets import Dataset
 
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_agentic.envs.calculator import CalculatorEnv, answer_reward, make_arithmetic_tasks
-from trl_agentic.envs.protocol import tool_methods
 from trl_agentic.errors import render_tool_error
-from trl_agentic.evaluation import ChatRenderer
-from trl_agentic.warmstart import make_tool_traces, run_warmstart, tokenize_trace
+from trl_agentic.warmstart import make_tool_traces, run_warmstart
 
 
 def test_clean_traces_call_the_tool_and_answer_with_its_result():
@@ -91,15 +89,37 @@ class _Replay:
         return [list(t) for t in out], None
 
 
+RUN_SETTINGS = {
+    "plain": {},
+    # The GRPO run's tools (`delete_context` first, as the trainer lists it), template arguments (Qwen3's empty think
+    # block in the generation prompt) and tool-result cut: the warm start used none of them.
+    "snapshots_no_thinking_cut": {
+        "enable_context_snapshots": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "max_tool_output_chars": 64,
+    },
+}
+
+
+@pytest.mark.parametrize("settings", list(RUN_SETTINGS))
 @pytest.mark.parametrize("faulty", [False, True])
-def test_trace_tokens_equal_the_rollout_of_the_same_turns(tiny_model_dir, tiny_tokenizer, tmp_path, faulty):
+def test_trace_tokens_equal_the_rollout_of_the_same_turns(tiny_model_dir, tiny_tokenizer, tmp_path, faulty, settings):
     """A trace replayed by the trainer's real rollout loop gives the same prompt, completion and mask."""
+    from trl_agentic.warmstart import warmstart_examples
+
+    run = RUN_SETTINGS[settings]
     rows = make_arithmetic_tasks(1, 9, "medium")
-    trace = make_tool_traces(rows, CalculatorEnv, error_fraction=float(faulty), seed=0)[0]
-    renderer = ChatRenderer(tiny_tokenizer)
-    tools = list(tool_methods(CalculatorEnv()).values())
-    example = tokenize_trace(renderer, trace, tools)
+    traces, examples, renderer = warmstart_examples(
+        tiny_tokenizer, rows, environment_factory=CalculatorEnv, error_fraction=float(faulty), seed=1,
+        context_snapshots=run.get("enable_context_snapshots", False),
+        template_kwargs=run.get("chat_template_kwargs"), max_tool_output_chars=run.get("max_tool_output_chars"),
+    )  # fmt: skip
+    trace, example = traces[0], examples[0]
+    tools = trace["tools"]
+    assert [t.__name__ for t in tools] == ["delete_context", "calculate"] * bool(run) + ["calculate"] * (not run)
     prompt_len = len(renderer.prompt_ids(trace["prompt"], tools))
+    if run and faulty:  # the error message is cut as the loop cuts it
+        assert "...[truncated" in tiny_tokenizer.decode(example["input_ids"][prompt_len:])
     ids, labels = example["input_ids"], example["labels"]
     # Split the trained (assistant) tokens back into turns.
     turns, current = [], []
@@ -122,6 +142,7 @@ def test_trace_tokens_equal_the_rollout_of_the_same_turns(tiny_model_dir, tiny_t
         max_completion_length=4096,
         save_strategy="no",
         max_tool_calling_iterations=5,
+        **run,
     )
     trainer = AgenticGRPOTrainer(
         model=tiny_model_dir,

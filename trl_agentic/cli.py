@@ -14,6 +14,7 @@ import contextlib
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 from .gloo_exit import register_gloo_exit_pause
@@ -141,6 +142,7 @@ def train(task_args, training_args, model_args):
     from .trainer import AgenticGRPOTrainer
 
     clock = _Clock()
+    _check_context_deletion(task_args, training_args)
     task = build_task(task_args)
     _check_heldout_problems(
         task,
@@ -264,6 +266,22 @@ def _check_heldout_problems(task, task_args, **needs: bool) -> None:
         raise ValueError(f"{names} needs held-out problems, but the task has none: {source}.")
 
 
+def _check_context_deletion(task_args, training_args) -> None:
+    """Refuse, before any model loads, a log search whose prompts and warm-start traces delete context
+    (`logsearch_context_deletion`, the default) in a run without the `delete_context` tool (`enable_context_snapshots`
+    off): the warm start would teach calls to a tool the rollouts do not have."""
+    if (
+        task_args.task == "logsearch"
+        and task_args.logsearch_context_deletion
+        and not training_args.enable_context_snapshots
+    ):
+        raise ValueError(
+            "`task: logsearch` with `logsearch_context_deletion: true` (the default) needs `enable_context_snapshots: "
+            "true` (its prompts and warm-start traces use `delete_context`); set `logsearch_context_deletion: false` "
+            "for a run without it."
+        )
+
+
 def _rollouts_per_step(args) -> int:
     """Rollouts generated per optimizer step (TRL's generation batch; with `num_iterations=1`)."""
     return args.per_device_train_batch_size * getattr(args, "steps_per_generation", 1) * args.world_size
@@ -280,6 +298,7 @@ def train_async(task_args, training_args, model_args):
     from .tasks import build_task
 
     clock = _Clock()
+    _check_context_deletion(task_args, training_args)
     task = build_task(task_args)
     _check_heldout_problems(
         task, task_args, heldout_eval=task_args.heldout_eval, tracin_enabled=training_args.tracin_enabled
@@ -379,7 +398,7 @@ def _warm_start(model, tokenizer, task, task_args, training_args, peft_config):
     """The SFT warm start of both pipelines (`run_task_warmstart` with the run's settings)."""
     from .warmstart import run_task_warmstart
 
-    return run_task_warmstart(
+    result = run_task_warmstart(
         model,
         tokenizer,
         task,
@@ -390,7 +409,25 @@ def _warm_start(model, tokenizer, task, task_args, training_args, peft_config):
         use_cpu=training_args.use_cpu,
         bf16=training_args.bf16,
         compact_progress=not training_args.disable_tqdm,
+        # The GRPO prompts' tools, template arguments and tool-result cut: the warm start trains what rollouts see.
+        context_snapshots=training_args.enable_context_snapshots,
+        template_kwargs=training_args.chat_template_kwargs,
+        max_tool_output_chars=training_args.max_tool_output_chars,
     )
+    _warn_traces_over_budget(result, training_args.max_completion_length)
+    return result
+
+
+def _warn_traces_over_budget(result, budget: int) -> None:
+    """Say when warm-start traces are longer than the GRPO budget: a rollout cuts what they teach."""
+    over = [n for n, _ in result.completion_tokens if n > budget]
+    if over:
+        warnings.warn(
+            f"{len(over)} of {len(result.completion_tokens)} warm-start traces are longer than `max_completion_length` "
+            f"({budget} tokens; the longest {max(over)}): a rollout is cut where they go on, so what they teach past "
+            "the budget cannot score. Raise the budget, or shorten the traces (e.g. `warmstart_error_fraction`).",
+            stacklevel=2,
+        )
 
 
 def _merged_warm_start(training_args) -> str:

@@ -103,9 +103,10 @@ class TaskArguments:
             are the ground-truth conversations of the training tasks. `textworld`: solved episodes (shortest plans)
             in the RLVCR step format.
         warmstart_batch_size (`int`, *optional*, defaults to `8`):
-            Traces per SFT step; `warmstart_steps * warmstart_batch_size` traces are generated (each seen once), from
-            problems other than the training and held-out ones (seed `task_seed + 2`). `bfcl`: the training tasks'
-            traces, repeated as needed.
+            Traces per SFT step; `warmstart_steps * warmstart_batch_size` rows are drawn (seed `task_seed + 2`: an
+            independent draw, so a problem can also be a training or held-out one; the ablation removes those) and
+            that many traces are trained on (`logsearch`: one trace per segment, three per row with deletion, of
+            which SFT sees that many). `bfcl`: the training tasks' traces, repeated as needed.
         warmstart_learning_rate (`float`, *optional*, defaults to `2e-4`):
             Peak learning rate of the SFT stage (linear decay); positive and finite.
         warmstart_error_fraction (`float`, *optional*, defaults to `0.0`):
@@ -284,7 +285,7 @@ class Task:
     tools: list[Callable] = field(default_factory=list)
     # Keyword arguments of `trl_agentic.warmstart.make_tool_traces` (None: the task has no warm start).
     warmstart_options: dict | None = None
-    # Rows the warm-start traces are made from (problems other than the training and held-out ones).
+    # Rows the warm-start traces are made from (an independent draw: it can share problems with the other sets).
     warmstart_dataset: Dataset | None = None
     system_prompt: str | None = None
     # `make_traces(rows) -> traces` for the warm start instead of the arithmetic trace generator (e.g. BFCL's

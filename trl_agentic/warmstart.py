@@ -63,6 +63,7 @@ def make_tool_traces(
     argument: str = "expression",
     argument_template: str = "{expression}",
     answer_template: str = "Answer: {result}",
+    max_tool_output_chars: int | None = None,
 ) -> list[dict]:
     """
     Build synthetic tool-use conversations for arithmetic rows (with an `expression` and an `answer` column).
@@ -85,6 +86,8 @@ def make_tool_traces(
             Value of that argument; e.g. `"print({expression})"` for a Python tool.
         answer_template (`str`, *optional*, defaults to `"Answer: {result}"`):
             Final assistant message; `{result}` is the tool's result.
+        max_tool_output_chars (`int`, *optional*):
+            Tool results cut as the rollout loop cuts them (its `max_tool_output_chars`); None: no limit.
 
     Returns:
         `list[dict]`: One dict per row: `prompt` (the row's messages), `turns` (assistant and tool messages, in order),
@@ -104,7 +107,9 @@ def make_tool_traces(
         def call(expression: str, tools=tools) -> tuple[dict, dict, bool]:
             value = argument_template.format(expression=expression)
             request = {"type": "function", "function": {"name": tool_name, "arguments": {argument: value}}}
-            outcome = run_tool_call(request, tools, {}, timeout=0, max_chars=None, policy=ErrorPolicy([], []))
+            outcome = run_tool_call(
+                request, tools, {}, timeout=0, max_chars=max_tool_output_chars, policy=ErrorPolicy([], [])
+            )
             assistant = {"role": "assistant", "content": "", "tool_calls": [request]}
             return assistant, {"role": "tool", "name": tool_name, "content": outcome.content}, not outcome.failed
 
@@ -133,6 +138,15 @@ def make_tool_traces(
         if callable(close):
             close()
     return traces
+
+
+def _parameters(function) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def tokenize_trace(renderer: ChatRenderer, trace: dict, tools: Sequence[Callable]) -> dict:
@@ -217,6 +231,52 @@ def _completion_tokens(example: dict) -> int:
     return len(example["input_ids"]) - first
 
 
+def warmstart_examples(
+    tokenizer,
+    rows: Sequence[dict],
+    *,
+    environment_factory: Callable,
+    error_fraction: float = 0.0,
+    seed: int = 0,
+    trace_options: dict | None = None,
+    make_traces: Callable[[Sequence[dict]], list[dict]] | None = None,
+    context_snapshots: bool = False,
+    template_kwargs: dict | None = None,
+    max_tool_output_chars: int | None = None,
+) -> tuple[list[dict], list[dict], ChatRenderer]:
+    """
+    The traces of a warm start and their SFT examples, rendered as the GRPO run's rollouts (arguments as in
+    [`run_warmstart`]).
+
+    Returns:
+        `(traces, examples, renderer)`: each trace with the `tools` its prompt lists, its `input_ids` / `labels`, and
+        the renderer used.
+    """
+    if make_traces is not None:
+        cut = {}
+        if max_tool_output_chars is not None and "max_tool_output_chars" in _parameters(make_traces):
+            cut = {"max_tool_output_chars": max_tool_output_chars}
+        traces = make_traces(rows, **cut)
+    else:
+        options = {"max_tool_output_chars": max_tool_output_chars, **(trace_options or {})}
+        traces = make_tool_traces(rows, environment_factory, error_fraction=error_fraction, seed=seed, **options)
+    renderer = ChatRenderer(tokenizer, template_kwargs=template_kwargs)
+    default_tools = None
+    if any("tools" not in trace for trace in traces):
+        default_tools = list(tool_methods(environment_factory()).values())
+
+    def rendered_tools(tools):
+        if not context_snapshots:
+            return tools
+        from .rollout.context import delete_context
+
+        return [delete_context, *(t for t in tools or [] if getattr(t, "__name__", None) != delete_context.__name__)]
+
+    traces = [{**trace, "tools": rendered_tools(trace.get("tools", default_tools))} for trace in traces]
+    examples = [tokenize_trace(renderer, trace, trace["tools"]) for trace in traces]
+    return traces, examples, renderer
+
+
 def run_warmstart(
     model,
     tokenizer,
@@ -239,6 +299,9 @@ def run_warmstart(
     make_traces: Callable[[Sequence[dict]], list[dict]] | None = None,
     gradient_checkpointing: bool = False,
     lr_scheduler_type: str = "linear",
+    context_snapshots: bool = False,
+    template_kwargs: dict | None = None,
+    max_tool_output_chars: int | None = None,
 ) -> WarmStartResult:
     """
     Train a LoRA adapter with TRL's `SFTTrainer` on synthetic tool-use traces of the task.
@@ -290,6 +353,14 @@ def run_warmstart(
             whose tool schemas alone are 2-5k tokens), whose attention activations otherwise exhaust the memory.
         lr_scheduler_type (`str`, *optional*, defaults to `"linear"`):
             Learning-rate schedule over `max_steps` (`"constant"` for a run stopped by time rather than steps).
+        context_snapshots (`bool`, *optional*, defaults to `False`):
+            The GRPO run's `enable_context_snapshots`: `delete_context` leads every prompt's tool list, as the trainer
+            renders it (TRL's `tools + environment methods`), so that the warm start trains under the GRPO prompts.
+        template_kwargs (`dict`, *optional*):
+            The GRPO run's `chat_template_kwargs` (e.g. `enable_thinking`), used to render the traces as the rollouts.
+        max_tool_output_chars (`int`, *optional*):
+            The GRPO run's `max_tool_output_chars`: tool results are cut as the rollout loop cuts them (the built-in
+            traces, and a task's `make_traces` that takes this argument).
 
     Returns:
         [`WarmStartResult`].
@@ -301,17 +372,18 @@ def run_warmstart(
     if batch_size % micro_batch_size:
         raise ValueError(f"`batch_size` ({batch_size}) must be a multiple of `micro_batch_size` ({micro_batch_size}).")
     start = time.perf_counter()
-    if make_traces is not None:
-        traces = make_traces(rows)
-    else:
-        traces = make_tool_traces(
-            rows, environment_factory, error_fraction=error_fraction, seed=seed, **(trace_options or {})
-        )
-    renderer = ChatRenderer(tokenizer)
-    default_tools = None
-    if any("tools" not in trace for trace in traces):
-        default_tools = list(tool_methods(environment_factory()).values())
-    examples = [tokenize_trace(renderer, trace, trace.get("tools", default_tools)) for trace in traces]
+    traces, examples, renderer = warmstart_examples(
+        tokenizer,
+        rows,
+        environment_factory=environment_factory,
+        error_fraction=error_fraction,
+        seed=seed,
+        trace_options=trace_options,
+        make_traces=make_traces,
+        context_snapshots=context_snapshots,
+        template_kwargs=template_kwargs,
+        max_tool_output_chars=max_tool_output_chars,
+    )
     dataset = Dataset.from_list(examples)
     args = SFTConfig(
         output_dir=output_dir,
@@ -346,7 +418,7 @@ def run_warmstart(
 
         install_compact_progress(trainer)
     trainer.train()
-    first_tools = traces[0].get("tools", default_tools)
+    first_tools = traces[0]["tools"]
     sample = tokenizer.decode(examples[0]["input_ids"][len(renderer.prompt_ids(traces[0]["prompt"], first_tools)) :])
     trained = _leave_deepspeed(trainer, output_dir) if trainer.is_deepspeed_enabled else trainer.model
     return WarmStartResult(
