@@ -241,6 +241,27 @@ def baseline_mask(kinds: torch.Tensor, args) -> torch.Tensor:
     return baseline
 
 
+def mark_padding(batch: dict, rows: torch.Tensor) -> dict:
+    """`batch` with `rows` (`(B,)` bool) made zero-weight padding rows: no token of theirs reaches the loss (masks and
+    advantages 0), they do not count (`counted_row`), their kind is `RowKind.PADDING` and their ids -1. The keys present
+    are changed; the others are left out."""
+    out = dict(batch)
+    for key, fill in (
+        ("completion_mask", 0),
+        ("tool_mask", 0),
+        ("advantages", 0),
+        ("counted_row", 0),
+        ("row_kind", int(RowKind.PADDING)),
+        ("group_id", -1),
+        ("episode_id", -1),
+        ("segment_index", -1),
+    ):
+        if key in out:
+            value = out[key]
+            out[key] = value.masked_fill(rows.to(value.device).reshape(-1, *[1] * (value.dim() - 1)), fill)
+    return out
+
+
 class BatchAugmenter:
     """Turns TRL's batch of regular rows plus the rollout loop's extra rows into the training batch.
 
@@ -681,15 +702,9 @@ class BatchAugmenter:
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 padded[key] = value
                 continue
-            filler = value[:1].expand(extra, *value.shape[1:]).clone()
-            if key in ("completion_mask", "tool_mask", "advantages", "counted_row"):
-                filler.zero_()  # zero weight: no token of a padding row reaches the loss, and it does not count
-            elif key == "row_kind":
-                filler.fill_(int(RowKind.PADDING))
-            elif key in ("group_id", "episode_id", "segment_index"):
-                filler.fill_(-1)
-            padded[key] = torch.cat([value, filler])
-        return padded
+            padded[key] = torch.cat([value, value[:1].expand(extra, *value.shape[1:])])
+        added = torch.arange(target, device=batch["prompt_ids"].device) >= rows
+        return mark_padding(padded, added)
 
     def _log_trained_rows(
         self, batch: dict, num_local: int, local_extras: list[ExtraRow], loop_result, inputs

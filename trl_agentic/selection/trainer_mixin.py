@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..advantages import group_advantages
-from ..batch import counted_rows
+from ..batch import counted_rows, mark_padding
 from ..rollout.types import RowKind
 from .rules import max_variance_rows, random_rows, successful_rows
 
@@ -132,22 +132,11 @@ def _fill_to_multiple(keep: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def _pad_unkept(batch: dict, kept: torch.Tensor) -> dict:
-    """Rows of `batch` not in `kept` become zero-weight padding rows (as `BatchAugmenter._pad_rows` makes them)."""
+    """Rows of `batch` not in `kept` become zero-weight padding rows (`batch.mark_padding`)."""
     if bool(kept.all()):
         return batch
-    pad = ~kept
     out = dict(batch)
     # TRL's own batch (GDPO keeps it) has no row kinds: the kept rows count, the fill rows are padding.
     out.setdefault("counted_row", torch.ones_like(kept))
     out.setdefault("row_kind", torch.full(kept.shape, int(RowKind.REGULAR), dtype=torch.long, device=kept.device))
-    for key in ("completion_mask", "tool_mask", "advantages", "counted_row"):
-        if key in out:
-            value = out[key]
-            shape = (-1,) + (1,) * (value.dim() - 1)
-            out[key] = value.masked_fill(pad.to(value.device).reshape(shape), 0)
-    if "row_kind" in out:
-        out["row_kind"] = out["row_kind"].masked_fill(pad.to(out["row_kind"].device), int(RowKind.PADDING))
-    for key in ("group_id", "episode_id", "segment_index"):
-        if key in out:
-            out[key] = out[key].masked_fill(pad.to(out[key].device), -1)
-    return out
+    return mark_padding(out, ~kept)
