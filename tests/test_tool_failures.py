@@ -349,3 +349,102 @@ def test_the_truncation_marker_counts_the_characters_cut(length, limit):
     kept, count = out.split("\n...[truncated ")
     assert kept == text[: len(kept)] and count == f"{length - len(kept)} chars]"
     assert len(out) <= limit or kept == ""  # within the budget unless the marker alone exceeds it
+
+
+def _http_404(url: str) -> str:
+    """
+    Fetches a page.
+
+    Args:
+        url: The page.
+    """
+    raise Exception("HTTP 404")  # noqa: TRY002 - the commonest failure of user tools and their libraries
+
+
+@pytest.mark.parametrize("kind, timeout", [("sync", 0.0), ("sync", 5.0), ("async", 0.0), ("async", 5.0)])
+def test_a_tool_raising_a_bare_exception_is_a_message(tiny_tokenizer, event_loop_thread, kind, timeout):
+    """`raise Exception(...)` has no class name below the catch-all bases: the loop indexed an empty list of names and
+    the IndexError stopped training (on every rank) and evaluation. TRL's loop shows it as `{"error": ...}`."""
+
+    async def fetch(url: str) -> str:
+        """
+        Fetches a page.
+
+        Args:
+            url: The page.
+        """
+        return _http_404(url)
+
+    tools = {"fetch": _http_404} if kind == "sync" else {"fetch": fetch}
+    b = ScriptBackend(tiny_tokenizer, [["Done.<|im_end|>"]])
+    p, prompt_ids, completion_ids, completions, lps = start(b, [call("fetch", url="x")])
+    loop = AgenticRolloutLoop(
+        b, cfg(tool_timeout=timeout, malformed_tool_call_feedback=True), async_loop=event_loop_thread
+    )
+    trl_tuple, result = loop.run(p, prompt_ids, completion_ids, completions, lps, [{}], [tools], None)
+    assert _tool_messages(trl_tuple) == [render_tool_error("HTTP 404")]
+    assert trl_tuple[1][0][-1]["content"] == "Done." and result.stats.tool_failures == 1
+
+
+@pytest.mark.parametrize(
+    "raised, names",
+    [
+        (Exception("x"), ["Exception"]),
+        (BaseException("x"), ["BaseException"]),
+        (ValueError("x"), ["ValueError"]),
+        (FileNotFoundError("x"), ["FileNotFoundError", "OSError"]),
+        (InfrastructureError("x"), ["InfrastructureError", "RuntimeError"]),
+    ],
+    ids=repr,
+)
+def test_class_names_always_name_the_exceptions_own_class(raised, names):
+    from trl_agentic.errors import class_names
+
+    assert class_names(raised) == names
+
+
+@pytest.mark.parametrize("listed, category", [("rollback", "model"), ("infra", "infra"), (None, "error")])
+def test_a_bare_exception_is_matched_by_its_own_name_only(listed, category):
+    """Listing `"Exception"` matches a bare `Exception` (and no subclass: the catch-all is never a base name)."""
+    from trl_agentic.rollout.tools import ErrorPolicy, run_tool_call
+
+    policy = ErrorPolicy(
+        rollback_on_errors=["Exception"] if listed == "rollback" else [],
+        infra_error_types=["Exception"] if listed == "infra" else [],
+    )
+    fetch = {"type": "function", "function": {"name": "fetch", "arguments": {"url": "x"}}}
+    assert (
+        run_tool_call(fetch, {"fetch": _http_404}, {}, timeout=0, max_chars=None, policy=policy).category == category
+    )
+    value_error = {"type": "function", "function": {"name": "bad", "arguments": {}}}
+    assert run_tool_call(value_error, {"bad": _raiser(ValueError("v"))}, {}, timeout=0, max_chars=None, policy=policy)
+    assert (
+        run_tool_call(
+            value_error, {"bad": _raiser(ValueError("v"))}, {}, timeout=0, max_chars=None, policy=policy
+        ).category
+        == "error"
+    )
+
+
+def test_a_tool_timeout_is_the_models_error_even_when_oserror_is_infrastructure(tiny_tokenizer):
+    """The loop's `ToolTimeout` is a `TimeoutError`, an `OSError`; with `infra_error_types: [..., OSError]` (network
+    errors are OSErrors) a hung call was re-run `max_infra_retries` times, a full timeout each, and the rollout then
+    dropped from the loss: the model was never penalised for a call that hangs (config: a timeout is the model's)."""
+    runs = []
+
+    def slow(x: int) -> str:
+        """
+        Sleeps.
+
+        Args:
+            x: Unused.
+        """
+        runs.append(x)
+        threading.Event().wait(2.0)
+        return "late"
+
+    b = ScriptBackend(tiny_tokenizer, [["Done.<|im_end|>"]])
+    config = cfg(tool_timeout=0.2, infra_error_types=["InfrastructureError", "OSError"], max_infra_retries=2)
+    _, _, trl_tuple, result = run_tools_loop(b, [call("slow", x=1)], [{"slow": slow}], config)
+    assert runs == [1] and result.infra_failed == [False] and result.stats.infra_retries == 0
+    assert result.stats.tool_failures == 1 and "did not return within" in _tool_messages(trl_tuple)[0]

@@ -85,12 +85,14 @@ def error_type_names(exc: BaseException) -> list[str]:
 
 def class_names(exc: BaseException) -> list[str]:
     """
-    The class names of an exception's hierarchy up to `BaseException`, most specific first: what `infra_error_types`
-    is matched against. A `ToolCallError`'s `error_type` is not among them: model-written code chooses it (a cell that
-    raises its own `InfrastructureError` is the model's error).
+    The class names of an exception's hierarchy, most specific first, without the catch-all bases (`Exception`,
+    `BaseException`) unless the exception is of that class itself (`raise Exception("HTTP 404")`, the commonest
+    failure of user tools, is `["Exception"]`, never no name): what `infra_error_types` is matched against. A
+    `ToolCallError`'s `error_type` is not among them: model-written code chooses it (a cell that raises its own
+    `InfrastructureError` is the model's error).
     """
-    names = []
-    for cls in type(exc).__mro__:
+    names = [type(exc).__name__]
+    for cls in type(exc).__mro__[1:]:
         if cls in (object, BaseException, Exception):
             break
         names.append(cls.__name__)

@@ -300,7 +300,10 @@ def run_tool_call(
             return failure(name, UNKNOWN_TOOL, f"Tool {name} not found.", policy)
     except Exception as e:  # noqa: BLE001 - every failure must reach the model as a message
         names = error_type_names(e)
-        outcome = failure(name, names[0], truncate(_exception_text(e), max_chars), policy, names, class_names(e))
+        # The loop's own timeout is the model's (config: a hung call is never infrastructure), though `ToolTimeout`
+        # is a `TimeoutError`, an `OSError`: a user's `infra_error_types: [OSError]` must not retry it.
+        classes = [] if isinstance(e, ToolTimeout) else class_names(e)
+        outcome = failure(name, names[0], truncate(_exception_text(e), max_chars), policy, names, classes)
         outcome.timed_out = isinstance(e, ToolTimeout)
         return outcome
     # The tool returned: a result, whatever it says (TRL's loop does not count it as a failure either).
