@@ -507,6 +507,21 @@ def test_a_sandbox_that_cannot_start_is_an_infrastructure_error(monkeypatch):
     env._close()
 
 
+def test_a_sandbox_that_cannot_join_its_cgroup_is_an_infrastructure_error(monkeypatch):
+    """The launcher says so on its stderr and exits with its own code: the sandbox is unavailable (not the model's).
+    The code alone is not enough: a sandbox's processes could exit with it."""
+    assert PythonSandboxEnv().mechanisms & {"memory_cgroup", "pids_cgroup"}  # the suite's sandboxes need cgroups
+    monkeypatch.setattr(
+        sandbox_process.CellCgroup, "procs_files", property(lambda self: ["/nonexistent/cgroup.procs"])
+    )
+    env = PythonSandboxEnv()
+    with pytest.raises(SandboxUnavailable, match="could not join its cgroup: cannot join the sandbox cgroup"):
+        env.python("1")
+    monkeypatch.undo()
+    assert env.python("1 + 1") == "2"
+    env._close()
+
+
 def test_the_python_task_passes_the_policy_through(monkeypatch):
     from trl_agentic.tasks import TaskArguments, build_task
 

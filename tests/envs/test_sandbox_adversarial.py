@@ -392,7 +392,9 @@ _RESPONSE_PIPE = (
         b'{"dead": true}\n',
         b'{"text": 5, "error_type": null, "n": 2}\n',
         b'{"text": "x", "error_type": null}\n',
+        b"[" * 60000 + b"\n",  # deeper than the JSON parser goes: a bare RecursionError, one answer behind after
     ],
+    ids=lambda forged: repr(forged[:24]),
 )
 def test_a_message_a_cell_writes_to_the_protocol_pipe_is_not_an_answer(make_env, forged):
     """A cell can write to the interpreter's response pipe. Another shape escaped as a bare `KeyError` &c.; a
@@ -405,6 +407,78 @@ def test_a_message_a_cell_writes_to_the_protocol_pipe_is_not_an_answer(make_env,
     assert isinstance(error, SandboxError), text
     assert [env.python(f"print({c!r})") for c in "AB"] == ["A", "B"]
     assert_restores_and_works(env)
+
+
+_PTRACE = (
+    "import ctypes\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "libc.ptrace.restype = ctypes.c_long\n"
+    "libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]\n"
+)
+
+
+def test_the_supervisor_cannot_be_traced(make_env, policy):
+    """The supervisor (the namespace's pid 1 under bubblewrap) has the cells' uid and holds the host capture file: a
+    cell that could ptrace it or write its memory could run any system call in it (write past `max_file_mb` into the
+    host's /tmp, exit with the launcher's cgroup-failure code, which is an infrastructure error and kept the rollout
+    out of the loss). It is not dumpable, so both need a capability the cells lack."""
+    env = make_env()
+    start(env)
+    code = _PTRACE + (
+        "parent = os.getppid()\n"
+        "attached = libc.ptrace(16, parent, None, None)\n"  # PTRACE_ATTACH
+        "errno = ctypes.get_errno()\n"
+        "try:\n"
+        "    open(f'/proc/{parent}/mem', 'r+b').close()\n"
+        "    mem = 'opened'\n"
+        "except OSError as e:\n"
+        "    mem = type(e).__name__\n"
+        "print(parent if policy == 'required' else 'supervisor', attached, errno, mem)"
+    )
+    text, error = attack(env, f"policy = {policy!r}\n" + code)
+    assert error is None, text
+    assert text == f"{1 if policy == 'required' else 'supervisor'} -1 1 PermissionError"  # EPERM both ways
+    # The interpreter itself stays dumpable: its own children can still read its /proc files.
+    assert attack(env, "subprocess.run(['cat', f'/proc/{os.getpid()}/environ'], capture_output=True).returncode") == (
+        "0",
+        None,
+    )
+    assert_restores_and_works(env)
+
+
+_LEAVE_CGROUPS = """
+for line in open('/proc/self/cgroup'):
+    _, controllers, path = line.strip().split(':', 2)
+    for controller in filter(None, controllers.split(',')) if 'trl_agentic_sandbox_' in path else ():
+        try:
+            with open(f'/sys/fs/cgroup/{controller}{os.path.dirname(path)}/cgroup.procs', 'w') as f:
+                f.write(str(os.getpid()))
+        except OSError:
+            pass
+print(sum('trl_agentic_sandbox_' in line for line in open('/proc/self/cgroup')))
+"""
+
+
+def test_a_cell_that_moves_itself_out_of_its_cgroups(make_env, policy):
+    """Under bubblewrap no cgroup file is visible inside. Without it (best_effort) the cells run with the trainer's
+    uid, which owns the cgroup tree: the code can leave its memory, pids and cpu cgroups. A documented gap, named by
+    the best-effort warning (`PROTECTS["bwrap"]`)."""
+    from trl_agentic.envs.sandbox_isolation import PROTECTS
+
+    env = make_env()
+    start(env)
+    inside = attack(env, "sum('trl_agentic_sandbox_' in line for line in open('/proc/self/cgroup'))")[0]
+    text, error = attack(env, _LEAVE_CGROUPS)
+    assert error is None, text
+    if policy == "required":
+        assert text == inside  # still in every one
+    else:
+        assert (
+            int(inside) > 0
+            and text == "0"
+            and "move itself out of its memory, pids and cpu cgroups" in PROTECTS["bwrap"]
+        )
+    os.kill(os.getpid(), 0)
 
 
 # ------------------------------------------------------------------------------------------------------------- disk

@@ -35,6 +35,7 @@ import time
 import traceback
 
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
 PR_CAPBSET_DROP = 24
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
@@ -43,8 +44,10 @@ PR_SET_NO_NEW_PRIVS = 38
 WAIT_ANY_CHILD = os.WNOHANG | 0x40000000
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "out of memory")
-# The launcher exits with this code when it cannot join the cgroups: the parent reports the sandbox unavailable.
+# The launcher exits with this code, after writing CGROUP_FAILED_MESSAGE to its stderr, when it cannot join the
+# cgroups: the parent reports the sandbox unavailable (an infrastructure error, so the rollout is not trained).
 EXIT_CGROUP_FAILED = 97
+CGROUP_FAILED_MESSAGE = "cannot join the sandbox cgroup"
 # The interpreter exits with this code when the protocol's own work between cells runs out of memory.
 EXIT_OUT_OF_MEMORY = 98
 
@@ -71,7 +74,7 @@ def _launch(config: dict) -> None:
             with open(procs, "w") as f:
                 f.write(str(os.getpid()))
         except OSError as exc:
-            sys.stderr.write(f"cannot join the sandbox cgroup {procs}: {exc}\n")
+            sys.stderr.write(f"{CGROUP_FAILED_MESSAGE} {procs}: {exc}\n")
             os._exit(EXIT_CGROUP_FAILED)
     if config["exec"]:
         os.execv(config["exec"][0], config["exec"])  # bubblewrap, which runs `supervise` inside the namespaces
@@ -90,8 +93,14 @@ def _supervise(config: dict) -> None:
     hangup_fd = os.dup(0)
     report_fd = os.dup(1)
     config["supervisor"] = os.getpid()
+    # The cells run as our uid: dumpable, we could be ptraced by them (our /proc/pid/mem written, our system calls
+    # replaced: host files written past their rlimits, our exit code made the launcher's cgroup failure, which is an
+    # infrastructure error). Not dumpable, that needs CAP_SYS_PTRACE, which the cells lack. Set before the fork, so
+    # that no cell can run before it; the interpreter is dumpable again (its own children read its /proc files).
+    _prctl(PR_SET_DUMPABLE, 0)
     interpreter = os.fork()
     if interpreter == 0:
+        _prctl(PR_SET_DUMPABLE, 1)
         os.close(hangup_fd)
         os.close(report_fd)
         _interpret(config, pid_namespace, capture_fd)

@@ -32,7 +32,9 @@ MECHANISMS = ("bwrap", "memory_cgroup", "pids_cgroup", "cpu_cgroup")
 PROTECTS = {
     "bwrap": (
         "bubblewrap namespaces (without them: the network is blocked only at the Python `socket` level, the host "
-        "filesystem is readable and writable with the trainer's uid, and the code can signal the trainer's processes)"
+        "filesystem is readable and writable with the trainer's uid, the code can signal the trainer's processes, and "
+        "it can move itself out of its memory, pids and cpu cgroups, which the trainer's uid owns, so those limits "
+        "hold only for code that does not try)"
     ),
     "memory_cgroup": "a memory cgroup (without it: the memory limit is per process, not for the whole cell)",
     "pids_cgroup": "a pids cgroup (without it: no process limit for root, and a per-user one otherwise)",

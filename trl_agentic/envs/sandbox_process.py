@@ -21,6 +21,7 @@ CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbo
 # bubblewrap's monitor, the supervisor and the interpreter count against the cgroup's pids.max on top of the budget.
 _OWN_PROCESSES = 3
 _EXIT_CGROUP_FAILED = 97  # `_sandbox_child.EXIT_CGROUP_FAILED`
+_CGROUP_FAILED_MESSAGE = "cannot join the sandbox cgroup"  # `_sandbox_child.CGROUP_FAILED_MESSAGE`
 
 
 def _minimal_env(workdir: str, executable: str = sys.executable) -> dict[str, str]:
@@ -353,7 +354,8 @@ class SandboxProcess:
                 stderr = self._stderr_tail()
                 killed = (self.cgroup.oom_kills() if self.cgroup is not None else 0) - oom_kills
                 self.close()
-                if self._popen.returncode == _EXIT_CGROUP_FAILED:
+                # Both the code and the launcher's own message: an exit code alone could come from the cells.
+                if self._popen.returncode == _EXIT_CGROUP_FAILED and _CGROUP_FAILED_MESSAGE in stderr:
                     raise SandboxUnavailable(f"the sandbox could not join its cgroup{stderr}")
                 if killed > 0 and timeout is not None:
                     raise SandboxMemoryError(self._over_memory(killed))
@@ -365,10 +367,8 @@ class SandboxProcess:
         line, self._buffer = self._buffer.split(b"\n", 1)
         try:
             message = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # the cell's code can write a line nested deeper than the parser goes
             message = None
-        # The cell's code can write to the response pipe too: a message of another shape, or one more than the one
-        # expected (every later call would get the answer of the call before), ends the interpreter.
         # The cell's code can write to the response pipe too: a message of another shape, or not the answer to this
         # command (one it wrote, or the answer to an earlier command after it did: every later call would get the
         # answer of the call before), ends the interpreter.
