@@ -262,6 +262,26 @@ def mark_padding(batch: dict, rows: torch.Tensor) -> dict:
     return out
 
 
+def negative_not_a_penalty(rewards: torch.Tensor, group_ids: torch.Tensor, kinds: torch.Tensor) -> str | None:
+    """The warning to give when a negative row's reward is not below every episode of its group, else None: its
+    advantage is clamped to 0, but in the baseline (`group_baseline="all_rows"`) it still lowers every episode's
+    advantage. Used by both trainers (the asynchronous one per group, on the trainer side)."""
+    negative = kinds == RowKind.NEGATIVE
+    if not bool(negative.any()):
+        return None
+    for g in group_ids[negative].unique().tolist():
+        episodes = rewards[(group_ids == g) & (kinds == RowKind.REGULAR)]
+        penalties = rewards[(group_ids == g) & negative]
+        if episodes.numel() and bool((penalties >= episodes.min()).any()):
+            return (
+                f"A negative sample's reward ({penalties.max().item():g}) is not below the rewards of its group's "
+                f"episodes (lowest {episodes.min().item():g}): it is not a penalty. Its advantage "
+                "is clamped to 0 (with `group_baseline='all_rows'` it also moves the group's baseline): the failed "
+                "attempt is not pushed down. Set `negative_sample_reward` below the task's reward range."
+            )
+    return None
+
+
 class BatchAugmenter:
     """Turns TRL's batch of regular rows plus the rollout loop's extra rows into the training batch.
 
@@ -280,23 +300,13 @@ class BatchAugmenter:
         self.last_regular_rewards: torch.Tensor | None = None  # the last batch's, gathered (`_regular_rewards`)
 
     def _warn_negative_reward_not_lowest(self, rewards, group_ids, kinds) -> None:
-        """Warn once when a negative row's reward is not below every episode of its group: its advantage is clamped
-        to 0, but in the baseline (`group_baseline="all_rows"`) it still lowers every episode's advantage."""
-        negative = kinds == RowKind.NEGATIVE
-        if self._warned_negative_reward or not bool(negative.any()):
+        """Warn once when a negative row's reward is not below every episode of its group (`negative_not_a_penalty`)."""
+        if self._warned_negative_reward:
             return
-        for g in group_ids[negative].unique().tolist():
-            episodes = rewards[(group_ids == g) & (kinds == RowKind.REGULAR)]
-            penalties = rewards[(group_ids == g) & negative]
-            if episodes.numel() and bool((penalties >= episodes.min()).any()):
-                self._warned_negative_reward = True
-                logger.warning(
-                    f"A negative sample's reward ({penalties.max().item():g}) is not below the rewards of its group's "
-                    f"episodes (lowest {episodes.min().item():g}): it is not a penalty. Its advantage "
-                    "is clamped to 0 (with `group_baseline='all_rows'` it also moves the group's baseline): the failed "
-                    "attempt is not pushed down. Set `negative_sample_reward` below the task's reward range."
-                )
-                return
+        message = negative_not_a_penalty(rewards, group_ids, kinds)
+        if message is not None:
+            self._warned_negative_reward = True
+            logger.warning(message)
 
     def __call__(self, output: dict, inputs: list[dict], rewards_per_func: torch.Tensor, loop_result) -> dict:
         """TRL's batch of regular rows plus the loop's extra rows → the training batch, in named stages (in order):

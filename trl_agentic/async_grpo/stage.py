@@ -29,14 +29,16 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import logging
 import math
+import queue
 import random
 import time
 
 import numpy as np
 import torch
 
-from ..batch import check_estimate
+from ..batch import check_estimate, negative_not_a_penalty
 from ..rollout.types import RowKind
 from .compat import trainer_module
 from .rows import advantage_batch, baseline_mask, clamp_negatives, row_from_tokens
@@ -49,6 +51,12 @@ __all__ = [
     "pack_with_token_advantages",
     "token_advantage_collate",
 ]
+
+logger = logging.getLogger(__name__)
+
+# Groups in a row without a row to train after which the stage warns (once a streak); a whole pass over the training
+# prompts (at least this many groups) without one is an error: TRL's dataset would wait for a row forever.
+UNTRAINED_GROUPS_WARNING = 8
 
 # Generation requests an `EstimatorHost` keeps in flight at once (the server queues what it cannot batch).
 MAX_CONCURRENT_REQUESTS = 64
@@ -222,14 +230,20 @@ class AgenticRolloutQueue:
         self._host = EstimatorHost(trainer) if estimator is not None else None
         self._pending: list = []
         self._ready: collections.deque = collections.deque()
+        self._untrained_streak = 0  # groups in a row the worker pushed no row to train of
+        self._warned_negative_reward = False
 
     def qsize(self) -> int:
         # TRL logs it as `sample/rollout_queue_size`: a group being collected is still queued.
         return self._inner.qsize() + len(self._pending) + len(self._ready)
 
     def get(self, timeout=None):
+        # `timeout` bounds the whole call, not only each read: while the worker pushes only groups without a row to
+        # train (consumed markers), TRL's dataset still gets `queue.Empty` and runs its health check between polls.
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not self._ready:
-            sample = self._inner.get(timeout=timeout)  # `queue.Empty` reaches TRL's dataset, which polls again
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            sample = self._inner.get(timeout=remaining)  # `queue.Empty` reaches TRL's dataset, which polls again
             if getattr(sample, "group_rows", 0) <= 0:  # not trl-agentic's worker: no groups to wait for
                 if self._estimator is not None:
                     raise RuntimeError(
@@ -245,15 +259,66 @@ class AgenticRolloutQueue:
             self._pending.append(sample)
             if len(self._pending) >= sample.group_rows:
                 self._release()
+                self._check_progress()
+            if not self._ready and not self._pending and deadline is not None and time.monotonic() >= deadline:
+                if not self._queued():  # at a group's end, once what was already pushed is read
+                    raise queue.Empty
         sample = self._ready.popleft()
         self._observe(sample)
         return sample
 
+    def _queued(self) -> bool:
+        try:
+            return self._inner.qsize() > 0
+        except NotImplementedError:  # a multiprocessing queue on macOS
+            return False
+
+    def _check_progress(self) -> None:
+        """Warn once a streak of groups without a row to train reaches `UNTRAINED_GROUPS_WARNING`; raise after a whole
+        pass over the training prompts: no step can ever come (the synchronous trainer steps with a zero loss)."""
+        streak = self._untrained_streak
+        prompts = getattr(self._trainer, "train_dataset", None)
+        try:
+            limit = max(UNTRAINED_GROUPS_WARNING, len(prompts))
+        except TypeError:  # an iterable dataset without a length
+            limit = None
+        causes = (
+            "every rollout was lost to an infrastructure error (`infra/lost_rollouts_total`, the worker's log) or "
+            "every conversation was truncated under `mask_truncated_completions` (raise `max_completion_length`, or "
+            "turn it off)"
+        )
+        if limit is not None and streak >= limit:
+            raise RuntimeError(
+                f"The rollout worker pushed {streak} groups in a row without a row to train, a whole pass over the "
+                f"{len(prompts)} training prompts: {causes}. Training would wait for a row forever."
+            )
+        if streak == UNTRAINED_GROUPS_WARNING:
+            logger.warning(
+                f"The rollout worker pushed {streak} groups in a row without a row to train, so no step can run: "
+                f"{causes}. Training stops with an error after {limit or 'an unbounded number of'} such groups."
+            )
+
+    def _warn_negative_reward_not_lowest(self, rows: list) -> None:
+        """The synchronous trainer's warning (`batch.negative_not_a_penalty`), once a run, from a group's rows."""
+        kinds = [int(getattr(s, "row_kind", RowKind.REGULAR)) for s in rows]
+        if self._warned_negative_reward or int(RowKind.NEGATIVE) not in kinds:
+            return
+        rewards = torch.tensor([float(getattr(s, "reward", math.nan)) for s in rows])
+        message = negative_not_a_penalty(rewards, torch.zeros(len(rows), dtype=torch.long), torch.tensor(kinds))
+        if message is not None:
+            self._warned_negative_reward = True
+            logger.warning(message)
+
     def _release(self) -> None:
         group, self._pending = self._pending, []
         real = [s for s in group if not is_consumed_marker(s)]
-        rows = self._estimate(real) if self._estimator is not None and real else real
+        self._warn_negative_reward_not_lowest(real)
+        # A group already past `max_staleness` is dropped by TRL's dataset, every row: the estimator's work (RLVCR:
+        # generation and scoring forwards on the training process) would be spent on nothing.
+        stale = self._trainer.model_version - int(group[0].model_version) > self._trainer.args.max_staleness
+        rows = self._estimate(real) if self._estimator is not None and real and not stale else real
         trained = [s for s in rows if getattr(s, "trained", True)]
+        self._untrained_streak = 0 if trained else self._untrained_streak + 1
         if not trained:
             # TRL counts a group as trained when its collator packs one of its rows: its checkpoints resume from the
             # first group never counted (`_save_checkpoint`'s `prompt_index`), and `num_train_epochs` ends when the

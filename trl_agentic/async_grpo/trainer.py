@@ -25,6 +25,7 @@ reloaded under the same name would reuse the old adapter's cached prefix blocks)
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import uuid
 
@@ -37,6 +38,7 @@ from ..envs.protocol import check_checkpointable, has_user_turns
 from ..estimators import resolve_estimator
 from ..rollout.context import delete_context
 from ..rollout.loop import LoopConfig
+from ..trainer import _check_tool_names
 from .compat import (
     AsyncGRPOTrainer,
     cpu_peak_flops,
@@ -83,11 +85,21 @@ def _use_agentic_loop(worker, what: str) -> None:
     worker._loop_cls = AgenticAsyncRolloutLoop
 
 
-def _environment_classes(environment_factory) -> list:
+def _environment_probes(environment_factory) -> list[tuple]:
+    """`(factory, probe)` per environment factory, the probe being what the environment's protocol (user turns, tool
+    names) is read from: the class itself, the class of a `functools.partial` (TRL's worker asks for picklable
+    factories and names it), else an instance the factory makes (the worker builds the rollouts' environments in its
+    own process: the synchronous trainer reads the instances TRL built)."""
     if environment_factory is None:
         return []
     factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
-    return [f for f in factories if isinstance(f, type)]
+    probes = []
+    for factory in factories:
+        target = factory
+        while isinstance(target, functools.partial):
+            target = target.func
+        probes.append((factory, target if isinstance(target, type) else factory()))
+    return probes
 
 
 def _refuse_environment_rewards(reward_funcs) -> None:
@@ -183,9 +195,13 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
                     "`enable_context_snapshots=True` needs a multi-turn tool setup: pass `tools` or "
                     "`environment_factory` (the `delete_context` tool is added to them)."
                 )
+        probes = _environment_probes(environment_factory)
+        if args.enable_context_snapshots:
+            _check_tool_names(tools, None, args)  # before ours is added
+            for _, probe in probes:
+                _check_tool_names([], probe if isinstance(probe, type) else type(probe), args)
             tools = [*(tools or []), delete_context]
-        env_classes = _environment_classes(environment_factory)
-        user_turns = any(has_user_turns(cls) for cls in env_classes)
+        user_turns = any(has_user_turns(probe) for _, probe in probes)
         # An estimator passed here counts as one in the config does: it runs in the estimator stage (and in TRL's
         # plain worker setup it would be ignored).
         self._features_on = (
@@ -243,9 +259,9 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
         self._stage_on = self._features_on or (args.mask_truncated_completions and is_trl_worker)
         if not self._features_on:
             return
-        for cls in env_classes:
-            if args.enable_tool_rollback or has_user_turns(cls):
-                check_checkpointable(cls())
+        for factory, probe in probes:
+            if args.enable_tool_rollback or has_user_turns(probe):
+                check_checkpointable(factory() if isinstance(probe, type) else probe)
         if self.accelerator.is_main_process and is_trl_worker:
             self.vllm_client.wait_for_server_ready()
             _use_agentic_loop(worker, "trl-agentic's features")

@@ -380,7 +380,7 @@ class ValidationRollouts:
             [sync],
             [asynchronous],
             # The environment the worker's loop gets: the owner of the rollout's tool methods (`environment_of`).
-            [loop_environment] if (loop_environment := environment_of(tool_dict)) is not None else None,
+            [env] if (env := environment_of(tool_dict, self.trainer._tools_list or ())) is not None else None,
         )
         tool_mask, completions, completion_ids, *_ = trl_tuple
         rows = trajectory_rows(prompt_lists[0], trl_tuple, result, backend.stop_token_ids)

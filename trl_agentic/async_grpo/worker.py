@@ -123,12 +123,13 @@ class _Stopping(Exception):
     """A trajectory abandoned because the worker is stopping."""
 
 
-def environment_of(tool_dict: dict):
+def environment_of(tool_dict: dict, standalone_tools=()):
     """The environment instance whose bound methods are this rollout's tools (TRL does not pass it on): what the
-    rollout loop gets as the trajectory's environment (checkpoints, user turns)."""
+    rollout loop gets as the trajectory's environment (checkpoints, user turns). `standalone_tools` (the trainer's
+    `tools`, listed first by TRL) are left out: a bound method among them (`client.search`) is not the environment's."""
     for tool in tool_dict.values():
         owner = getattr(tool, "__self__", None)
-        if owner is not None and not inspect.ismodule(owner):
+        if owner is not None and not inspect.ismodule(owner) and not any(tool == t for t in standalone_tools):
             return owner
     return None
 
@@ -355,7 +356,7 @@ class AgenticAsyncRolloutLoop(_worker._AsyncRolloutLoop):
     def _run_trajectory(self, prompt, tool_dict, tools, group_id, event_loop, seed):
         """One trajectory through trl-agentic's loop (in a worker thread). Returns TRL's 6-tuple and counters."""
         backend = WorkerBackend(self, tools, event_loop)
-        environment = environment_of(tool_dict)
+        environment = environment_of(tool_dict, getattr(self, "_standalone_tools", ()))
         prompt_msgs = copy.deepcopy(list(prompt))
         prompt_ids = self._renderer.prompt_ids(prompt_msgs, tools=tools)
         loop = AgenticRolloutLoop(backend, self._loop_config, async_loop=event_loop, rng=random.Random(seed))
