@@ -43,7 +43,8 @@ class ScriptedModel(torch.nn.Module):
         result = int(text.rsplit("<tool_response>\n", 1)[1].split("\n", 1)[0])
         return f"Answer: {result + (1 if behaviour == 'wrong-copy' else 0)}"
 
-    def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, eos_token_id, **kwargs):
+    def generate(self, input_ids, attention_mask, generation_config, **kwargs):
+        pad_token_id, [eos_token_id] = generation_config.pad_token_id, generation_config.eos_token_id
         self.modes.append(self.training)
         rows = []
         for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):

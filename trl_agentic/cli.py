@@ -139,10 +139,11 @@ def train(task_args, training_args, model_args):
 
     from .models import resolve_model_path
     from .tasks import build_task
-    from .trainer import AgenticGRPOTrainer
+    from .trainer import AgenticGRPOTrainer, check_before_model
 
     clock = _Clock()
     _check_context_deletion(task_args, training_args)
+    check_before_model(training_args)  # before the warm start: a typo in an import path costs nothing
     task = build_task(task_args)
     _check_heldout_problems(
         task,
@@ -172,10 +173,15 @@ def train(task_args, training_args, model_args):
                 "base model", model, processing_class, task, task_args, training_args, eval_results, eval_records
             )
     if task_args.warmstart_steps:
+        errors = (  # only the arithmetic trace generator writes rejected calls; a task's own traces do not
+            f", {task_args.warmstart_error_fraction:.0%} with a rejected call first"
+            if task.make_traces is None
+            else ""
+        )
         _stage(
-            f"Stage 1/2: warm start — SFT on {task_args.warmstart_steps * task_args.warmstart_batch_size} synthetic "
-            f"tool-use traces ({task_args.warmstart_steps} steps, {task_args.warmstart_error_fraction:.0%} with a "
-            "rejected call first)"
+            f"Stage 1/2: warm start — SFT on {task_args.warmstart_steps * task_args.warmstart_batch_size} "
+            f"{'synthetic tool-use' if task.make_traces is None else 'solved'} traces ({task_args.warmstart_steps} "
+            f"steps{errors})"
         )
         with clock("warmstart"):
             result = _warm_start(model, processing_class, task, task_args, training_args, peft_config)
@@ -294,11 +300,16 @@ def train_async(task_args, training_args, model_args):
 
     from .async_grpo import AsyncAgenticGRPOTrainer
     from .async_grpo.server import VLLMServer
+    from .batch import snapshot_reward
+    from .estimators import resolve_estimator
     from .models import resolve_model_path
     from .tasks import build_task
 
     clock = _Clock()
     _check_context_deletion(task_args, training_args)
+    # Before the warm start and the server: the trainer checks them again (it may be built without the CLI).
+    snapshot_reward(training_args.snapshot_reward_func)
+    resolve_estimator(training_args.advantage_estimator)
     task = build_task(task_args)
     _check_heldout_problems(
         task, task_args, heldout_eval=task_args.heldout_eval, tracin_enabled=training_args.tracin_enabled
@@ -453,6 +464,8 @@ def _load(model_path: str, model_init_kwargs: dict):
 
     kwargs = {k: v for k, v in model_init_kwargs.items() if k != "device_map"}
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left", truncation_side="left")
+    if tokenizer.pad_token is None:  # as GRPO and `trl-agentic eval` set it (batched generation needs one)
+        tokenizer.pad_token = tokenizer.eos_token
     return AutoModelForCausalLM.from_pretrained(model_path, **kwargs), tokenizer
 
 
@@ -483,6 +496,9 @@ def _evaluate_into(stage, model, tokenizer, task, task_args, training_args, resu
             desc=f"eval {stage}",
             context_snapshots=training_args.enable_context_snapshots,
             context_stub_text=training_args.context_stub_text,
+            chat_template_kwargs=training_args.chat_template_kwargs,  # the prompts GRPO renders
+            # BFCL's verdict runs the model's JSON values as written (`trl-agentic eval` and `evaluate_bfcl` too).
+            **({"typed_arguments": False, "batch_by": "environment"} if task_args.task == "bfcl" else {}),
         )
         results[stage], records[stage] = result.metrics, result.records
         m = result.metrics

@@ -623,8 +623,13 @@ class AgenticGRPOConfig(GRPOConfig):
             if isinstance(patterns, str):  # a single pattern from the command line
                 patterns = [patterns]
                 setattr(self, name, patterns)
-            if not all(isinstance(p, str) and p for p in patterns):
-                raise ValueError(f"`{name}` must be a list of non-empty strings, got {patterns!r}.")
+            # Class names: "NameError, TypeError" (a YAML list written inline without brackets) would match nothing.
+            if not isinstance(patterns, list | tuple) or not all(
+                isinstance(p, str) and p.isidentifier() for p in patterns
+            ):
+                raise ValueError(
+                    f"`{name}` must be a list of exception class names (e.g. [NameError, TypeError]), got {patterns!r}."
+                )
         if self.enable_tool_rollback and not self.rollback_on_errors:
             raise ValueError("`rollback_on_errors` is empty but `enable_tool_rollback=True`: nothing would roll back.")
         if self.rollback_feedback == "hint":
@@ -687,7 +692,9 @@ class AgenticGRPOConfig(GRPOConfig):
                 f"`rlvcr_expand` (True) needs `rlvcr_mode` = 'copo' (expansion rows carry CoPO advantages), "
                 f"got `rlvcr_mode` = {self.rlvcr_mode!r}."
             )
+        check_finite("rlvcr_alpha", self.rlvcr_alpha)
         for name in ("rlvcr_cost_max", "rlvcr_k", "advantage_std_floor"):
+            check_finite(name, getattr(self, name))  # inf: NaN CoPO weights, no penalty difference, no saturation
             if not getattr(self, name) > 0:
                 raise ValueError(f"`{name}` must be positive, got {getattr(self, name)!r}.")
         for name in (
@@ -740,3 +747,9 @@ class AgenticGRPOConfig(GRPOConfig):
                 UserWarning,
                 stacklevel=3,
             )
+        for on, budget in (
+            ("enable_tool_rollback", "max_tool_retries"),
+            ("save_negative_samples", "max_negative_samples_per_group"),
+        ):
+            if getattr(self, on) and getattr(self, budget) == 0:
+                warnings.warn(f"`{on}=True` does nothing with `{budget}=0`.", UserWarning, stacklevel=3)

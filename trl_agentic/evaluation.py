@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import GenerationConfig
 
 from .envs.protocol import tool_methods, with_observation
 from .errors import tool_call_failed
@@ -106,6 +107,7 @@ class HFGenerationBackend:
         max_turn_tokens: int | None = None,
         chunk_tokens: int | None = None,
         typed_arguments: bool = True,
+        chat_template_kwargs: dict | None = None,
     ):
         if chunk_tokens is not None and chunk_tokens < 1:
             raise ValueError(f"`chunk_tokens` must be positive or None, got {chunk_tokens}.")
@@ -113,9 +115,14 @@ class HFGenerationBackend:
         self.typed_arguments = typed_arguments
         self.model = model
         self.tokenizer = tokenizer
-        self.renderer = ChatRenderer(tokenizer)
+        self.renderer = ChatRenderer(tokenizer, template_kwargs=chat_template_kwargs)
         self.environment_factory: Callable | None = None  # for a fresh environment after a timed-out call
-        self.stop_token_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
+        # A turn ends at any of TRL's `eos_token_ids`: the tokenizer's and every one of the model's generation config
+        # (Qwen, Llama-3 instruct checkpoints declare several).
+        declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        declared = declared if isinstance(declared, list | tuple) else [declared]
+        self.eos_ids = list(dict.fromkeys(i for i in (tokenizer.eos_token_id, *declared) if i is not None))
+        self.stop_token_ids = {*self.eos_ids, tokenizer.pad_token_id} - {None}
         self.tools_per_row = tools_per_row
         self.max_completion_length = max_completion_length
         self.max_iterations = sys.maxsize if max_iterations is None else max_iterations  # TRL's reading of None
@@ -143,7 +150,7 @@ class HFGenerationBackend:
 
     @torch.no_grad()
     def generate(self, contexts: list[list[int]]) -> tuple[list[list[int]], None]:
-        eos = self.tokenizer.eos_token_id
+        eos = set(self.eos_ids)
         outputs: list[list[int]] = [[] for _ in contexts]
         active = list(range(len(contexts)))
         while active:
@@ -153,7 +160,7 @@ class HFGenerationBackend:
             still = []
             for k, ids in zip(active, new):
                 outputs[k] += ids
-                if (not ids or ids[-1] != eos) and len(ids) == step and len(outputs[k]) < self.max_turn_tokens:
+                if (not ids or ids[-1] not in eos) and len(ids) == step and len(outputs[k]) < self.max_turn_tokens:
                     still.append(k)  # neither ended nor out of tokens: continue with the other unfinished rows
             active = still
         self.generated_tokens += sum(len(ids) for ids in outputs)
@@ -161,7 +168,7 @@ class HFGenerationBackend:
 
     def _generate_once(self, contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """One batched `generate` call of at most `max_new_tokens`, each row cut after its first end-of-turn token."""
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        pad, eos = self.tokenizer.pad_token_id, self.eos_ids
         device = next(self.model.parameters()).device
         # Every prompt starts with the same system prompt and tool schemas (most of its tokens): encode that prefix
         # once and reuse its KV cache, with each row's own tokens left-padded after it. Positions come from the
@@ -188,20 +195,25 @@ class HFGenerationBackend:
         sampling = {"do_sample": False}
         if self.temperature > 0:
             sampling = {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
-        output = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
+        # A generation config of its own, as TRL's: a checkpoint's own (e.g. `repetition_penalty: 1.05`) would apply.
+        config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             pad_token_id=pad,
             eos_token_id=eos,
             use_cache=True,
+            repetition_penalty=1.0,
             **sampling,
+        )
+        output = self.model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=config,
             **extra,
         )
         new_ids = []
         for row in output[:, start + width :].tolist():
             # Keep everything up to and including the first end-of-turn token, like TRL's generation path.
-            cut = row.index(eos) + 1 if eos in row else len(row)
+            cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
             new_ids.append(row[:cut])
         return new_ids
 
@@ -278,6 +290,7 @@ def evaluate_policy(
     context_stub_text: str = "[deleted]",
     typed_arguments: bool = True,
     max_tool_output_chars: int | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> EvalResult:
     """
     Roll out a policy on held-out problems with the multi-turn tool loop and score it.
@@ -342,6 +355,13 @@ def evaluate_policy(
             them unchanged does (BFCL: `trl_agentic.envs.bfcl.evaluate`).
         max_tool_output_chars (`int`, *optional*):
             Cut each tool result to this many characters, as training's `max_tool_output_chars` does (None: no cut).
+        chat_template_kwargs (`dict`, *optional*):
+            Training's `chat_template_kwargs` (e.g. `enable_thinking: false`): the prompts are rendered as GRPO's.
+
+    The protocol is fixed, whatever the training run used, so that runs compare: malformed tool calls are shown to
+    the model and counted as failed calls (`malformed_tool_call_feedback`), a tool call has 10 s, nothing rolls back.
+    Generation stops at every end-of-turn id TRL stops at (the tokenizer's and the model's generation config's) and
+    uses its own sampling settings (temperature, `top_p`, no `top_k`, no repetition penalty), not the checkpoint's.
 
     Returns:
         [`EvalResult`]: The metrics and one record per problem.
@@ -367,7 +387,9 @@ def evaluate_policy(
     bar = tqdm(total=len(rows), desc=desc, disable=not progress, unit="problem")
     # A forked RNG: the sampled completions depend only on `seed`, and training's random stream is left as it was.
     with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.random.fork_rng(devices=[]))
+        # Every visible CUDA device too: `manual_seed` below seeds them all (GRPO's sampling stream on a GPU).
+        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        stack.enter_context(torch.random.fork_rng(devices=cuda))
         stack.callback(model.train, was_training)
         stack.callback(bar.close)
         torch.manual_seed(seed)
@@ -397,6 +419,7 @@ def evaluate_policy(
                 max_turn_tokens=max_turn_tokens,
                 chunk_tokens=chunk_tokens,
                 typed_arguments=typed_arguments,
+                chat_template_kwargs=chat_template_kwargs,
             )
             # A fresh environment after a timed-out call (multi-environment mode: the class of the old one).
             backend.environment_factory = None if isinstance(environment_factory, dict) else environment_factory

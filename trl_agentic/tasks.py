@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -111,7 +112,8 @@ class TaskArguments:
             Peak learning rate of the SFT stage (linear decay); positive and finite.
         warmstart_error_fraction (`float`, *optional*, defaults to `0.0`):
             Fraction of traces that first make a malformed call, see the tool's error and then make the right call,
-            so the warm-started policy still errs sometimes and rollback has something to fix.
+            so the warm-started policy still errs sometimes and rollback has something to fix. The arithmetic tasks
+            only (`calculator`, `python`): the others' traces are their own solved episodes (a warning says so).
 
         > Held-out evaluation and report
 
@@ -191,7 +193,10 @@ class TaskArguments:
     warmstart_learning_rate: float = field(default=2e-4, metadata={"help": "Peak learning rate of the warm start."})
     warmstart_error_fraction: float = field(
         default=0.0,
-        metadata={"help": "Fraction of warm-start traces with a rejected tool call before the right one."},
+        metadata={
+            "help": "Fraction of warm-start traces with a rejected tool call before the right one (the arithmetic "
+            "tasks, `calculator` and `python`; the others' traces are their own solved episodes)."
+        },
     )
     heldout_eval: bool = field(
         default=False,
@@ -255,6 +260,13 @@ class TaskArguments:
             raise ValueError(f"`warmstart_learning_rate` must be positive, got {self.warmstart_learning_rate}.")
         if not 0.0 <= self.warmstart_error_fraction <= 1.0:
             raise ValueError(f"`warmstart_error_fraction` must be in [0, 1], got {self.warmstart_error_fraction}.")
+        if self.warmstart_error_fraction and self.task in ("textworld", "logsearch", "bfcl"):
+            warnings.warn(
+                f"`warmstart_error_fraction` has no effect with `task: {self.task}`: its warm-start traces are the "
+                "task's own solved episodes, without rejected calls (only the arithmetic tasks' generator writes them).",
+                UserWarning,
+                stacklevel=3,
+            )
         if self.heldout_eval_temperature < 0:  # finite: checked above
             raise ValueError(f"`heldout_eval_temperature` must be >= 0, got {self.heldout_eval_temperature}.")
         if self.task == "bfcl":
@@ -296,12 +308,18 @@ class Task:
     warmstart_trainer_options: dict | None = None
 
 
-def import_object(path: str):
-    """Import `"package.module:attr"` (the current directory is importable, like TRL's scripts)."""
+def import_object(path: str, field: str | None = None):
+    """Import `"package.module:attr"` (the current directory is importable, like TRL's scripts); with `field`, a path
+    that does not import is a `ValueError` naming that field."""
     module, _, attr = path.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    return getattr(importlib.import_module(module), attr)
+    if field is None:
+        return getattr(importlib.import_module(module), attr)
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"`{field}`: cannot import {path!r} ({type(e).__name__}: {e}).") from e
 
 
 def _arithmetic(args: TaskArguments, system_prompt: str | None):
@@ -320,7 +338,7 @@ def _arithmetic(args: TaskArguments, system_prompt: str | None):
 
 def build_task(args: TaskArguments) -> Task:
     """Build the dataset, environment factory and reward functions of a task."""
-    extra = [import_object(p) for p in args.extra_reward_funcs or []]
+    extra = [import_object(p, "extra_reward_funcs") for p in args.extra_reward_funcs or []]
     if args.task == "calculator":
         from .envs.calculator import SYSTEM_PROMPT, CalculatorEnv, answer_reward
 
@@ -399,7 +417,7 @@ def build_task(args: TaskArguments) -> Task:
         )
     if args.task == "bfcl":
         return _bfcl(args, extra)
-    return import_object(args.task)(args)
+    return import_object(args.task, "task")(args)
 
 
 def _bfcl(args: TaskArguments, extra: list[Callable]) -> Task:

@@ -24,7 +24,7 @@ from .rollout.context import delete_context
 from .rollout.loop import AgenticRolloutLoop, LoopConfig
 from .rollout.trl_backend import TrainerBackend
 from .selection.trainer_mixin import RowSelectionMixin
-from .tracin.trainer_mixin import TracInMixin
+from .tracin.trainer_mixin import TracInMixin, tracin_validation_set
 from .vllm_lora import lora_sync_vllm
 
 STATE_FILE = "trl_agentic_state.json"
@@ -73,6 +73,28 @@ def _check_tool_names(tools, environment_factory, args) -> None:
             f"A tool is named `{delete_context.__name__}`, the name of trl-agentic's context-deletion tool, which "
             "`enable_context_snapshots=True` adds: rename yours."
         )
+
+
+def check_before_model(args: AgenticGRPOConfig, advantage_estimator=None):
+    """The checks of `AgenticGRPOConfig` that import user code or depend on the estimator: run by the trainer before
+    TRL loads the model, and by `trl-agentic train` before its warm start. Returns the estimator that runs (a
+    callable passed to the trainer takes precedence over the config's name), what decides here, not the string."""
+    snapshot_reward(args.snapshot_reward_func)  # a path that does not import fails here, naming the field
+    estimator = resolve_estimator(advantage_estimator or args.advantage_estimator)
+    if (
+        args.agentic_features_enabled or estimator is not grpo_estimator
+    ) and args.multi_objective_aggregation != "sum_then_normalize":
+        raise ValueError(
+            "`multi_objective_aggregation` must be 'sum_then_normalize' when rollback, snapshots, TracIn or an "
+            "advantage estimator is on: negative and snapshot rows have a single reward, not one per reward "
+            "function, and an estimator takes the summed rewards (GDPO would keep TRL's advantages, ignoring it)."
+        )
+    if estimator is not grpo_estimator and args.row_selection != "none":
+        raise ValueError(
+            f"`row_selection={args.row_selection!r}` selects among the regular rollouts and sets their advantages: "
+            "it cannot be combined with an advantage estimator (passed as `advantage_estimator=`)."
+        )
+    return estimator
 
 
 class AgenticGRPOTrainer(RowSelectionMixin, GenerationMixin, TracInMixin, RowWeightedLossMixin, GRPOTrainer):
@@ -165,8 +187,9 @@ class AgenticGRPOTrainer(RowSelectionMixin, GenerationMixin, TracInMixin, RowWei
                 "`tracin_enabled=True` needs a PEFT LoRA policy: pass `peft_config` (a `peft.LoraConfig`) or a "
                 "`peft.PeftModel` with LoRA adapters."
             )
+        if args.tracin_enabled:
+            tracin_validation_set(tracin_eval_dataset, eval_dataset)  # before TRL loads the model
         _check_tool_names(tools, environment_factory, args)
-        snapshot_reward(args.snapshot_reward_func)  # a path that does not import fails here, naming the field
         if args.enable_context_snapshots:
             if environment_factory is None and not tools:
                 raise ValueError(
@@ -181,22 +204,7 @@ class AgenticGRPOTrainer(RowSelectionMixin, GenerationMixin, TracInMixin, RowWei
             from .models import resolve_model_path
 
             model = resolve_model_path(model)
-        # The estimator that runs (a callable passed here takes precedence over the config's name): resolved before
-        # the model loads, and what decides below, not the config's string alone.
-        estimator = resolve_estimator(advantage_estimator or args.advantage_estimator)
-        if (
-            args.agentic_features_enabled or estimator is not grpo_estimator
-        ) and args.multi_objective_aggregation != "sum_then_normalize":
-            raise ValueError(
-                "`multi_objective_aggregation` must be 'sum_then_normalize' when rollback, snapshots, TracIn or an "
-                "advantage estimator is on: negative and snapshot rows have a single reward, not one per reward "
-                "function, and an estimator takes the summed rewards (GDPO would keep TRL's advantages, ignoring it)."
-            )
-        if estimator is not grpo_estimator and args.row_selection != "none":
-            raise ValueError(
-                f"`row_selection={args.row_selection!r}` selects among the regular rollouts and sets their advantages: "
-                "it cannot be combined with an advantage estimator (passed as `advantage_estimator=`)."
-            )
+        estimator = check_before_model(args, advantage_estimator)
         # TRL builds its vLLM engine in here; LoRA support must be on from creation (docs/vllm.md).
         with lora_sync_vllm(args.use_vllm and args.vllm_lora_sync):
             super().__init__(

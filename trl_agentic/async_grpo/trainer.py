@@ -187,6 +187,9 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
         _refuse_environment_rewards(reward_funcs)
         # Imported in the worker's child, where an error reaches only the child's stderr: checked here first.
         snapshot_reward(args.snapshot_reward_func)
+        estimator = None  # resolved before TRL loads the model: an import path that does not import fails here
+        if args.advantage_estimator != "grpo" or advantage_estimator is not None:
+            estimator = resolve_estimator(advantage_estimator or args.advantage_estimator)
         if args.tracin_enabled and peft_config is None:
             raise ValueError("`tracin_enabled=True` needs a PEFT LoRA policy: pass `peft_config` (a `LoraConfig`).")
         if args.enable_context_snapshots:
@@ -240,9 +243,7 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
             # TRL's fixed name would collide with a previous run's adapters on the same server (module docstring).
             self._lora_name = f"trl-policy-{uuid.uuid4().hex[:8]}"
             worker._loop_kwargs["lora_name"] = self._lora_name
-        self.advantage_estimator = None
-        if args.advantage_estimator != "grpo" or advantage_estimator is not None:
-            self.advantage_estimator = resolve_estimator(advantage_estimator or args.advantage_estimator)
+        self.advantage_estimator = estimator
         if args.mask_truncated_completions and is_trl_worker:
             _use_agentic_loop(worker, "`mask_truncated_completions`")  # TRL's worker has no such option
             worker._loop_kwargs["mask_truncated_completions"] = True

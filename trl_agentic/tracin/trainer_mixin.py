@@ -162,6 +162,25 @@ def _reusable(batch: dict) -> dict:
     }
 
 
+def tracin_validation_set(tracin_eval_dataset, eval_dataset):
+    """The TracIn validation prompts (`tracin_eval_dataset`, else `eval_dataset`), refused with a clear error when
+    missing, a dict, not map-style or empty: checked by the trainer before TRL loads the model, and at set-up."""
+    dataset = tracin_eval_dataset if tracin_eval_dataset is not None else eval_dataset
+    if dataset is None:
+        raise ValueError(
+            "TracIn needs validation prompts: pass `tracin_eval_dataset` (or `eval_dataset`) to the trainer."
+        )
+    if isinstance(dataset, dict):
+        raise ValueError(
+            "`eval_dataset` is a dict of datasets; pass the TracIn validation prompts as `tracin_eval_dataset`."
+        )
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        raise ValueError("The TracIn validation set must be a map-style dataset (with `len` and indexing).")
+    if len(dataset) == 0:
+        raise ValueError("The TracIn validation set is empty: it needs at least one prompt.")
+    return dataset
+
+
 class TracInMixin:
     """TracIn row filtering for `AgenticGRPOTrainer`, mixed in before `GRPOTrainer`. Inactive unless
     `args.tracin_enabled`.
@@ -218,19 +237,7 @@ class TracInMixin:
             raise ValueError(
                 f"TracIn does not support loss_type={self.loss_type!r}; use one of {SUPPORTED_LOSS_TYPES}."
             )
-        dataset = tracin_eval_dataset if tracin_eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError(
-                "TracIn needs validation prompts: pass `tracin_eval_dataset` (or `eval_dataset`) to the trainer."
-            )
-        if isinstance(dataset, dict):
-            raise ValueError(
-                "`eval_dataset` is a dict of datasets; pass the TracIn validation prompts as `tracin_eval_dataset`."
-            )
-        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-            raise ValueError("The TracIn validation set must be a map-style dataset (with `len` and indexing).")
-        if len(dataset) == 0:
-            raise ValueError("The TracIn validation set is empty: it needs at least one prompt.")
+        dataset = tracin_validation_set(tracin_eval_dataset, self.eval_dataset)
 
         disable_checkpointing = reentrant_checkpointing(args)
         if disable_checkpointing:
