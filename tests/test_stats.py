@@ -108,3 +108,37 @@ def test_bootstrap_interval_of_the_first_ablation():
     assert stats.bootstrap_interval([[1.0, 1.0], [1.0, 1.0]]) == (1.0, 1.0, 1.0)
     with pytest.raises(ValueError, match="same problems"):
         stats.bootstrap_interval([[1.0, 1.0], [1.0]])
+
+
+def test_a_value_that_is_not_finite_is_refused():
+    """A NaN passed through as a NaN interval, which the report read as "not enough seeds" (found by a review)."""
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError, match="finite"):
+            stats.t_interval([0.01, bad, 0.03])
+
+
+def _cells(diffs):
+    """Cells of the primary comparison whose per-seed differences are `diffs` (128 problems, all at one value)."""
+    out = {}
+    for seed, d in enumerate(diffs):
+        out["calculator", seed, "feedback"] = {"sampled": [0.5] * 128, "greedy": [1.0] * 128}
+        out["calculator", seed, "rollback"] = {"sampled": [0.5 + d] * 128, "greedy": [1.0] * 128}
+    return out
+
+
+@pytest.mark.parametrize("diffs", [[1 / 128] * 3, [-1 / 128] * 2, [0.0] * 3])
+def test_every_seed_giving_the_same_difference_is_not_a_decided_verdict(diffs):
+    """Per-seed success comes in steps of 1/problems: equal differences over 2-3 seeds happen (seed 1's `feedback -
+    trl` was exactly 0). Their zero-width t interval rendered "helps" [0.0078, 0.0078], MDE 0.000, 3 seeds enough."""
+    from trl_agentic.ablation import design, report
+
+    primary = next(c for c in design.COMPARISONS if (c.a, c.b) == ("rollback", "feedback"))
+    s = report.comparison_stats(_cells(diffs), primary)
+    assert s["verdict"] == f"undecided: every seed gave {diffs[0]:+.3f}" and s["underpowered"]
+    assert s["mde"] == math.inf and s["seeds_needed"] is None and not s["spread"]
+    # One seed: no interval, and no claim that one seed is enough ("seeds for 0.1: 1").
+    s = report.comparison_stats(_cells([0.05]), primary)
+    assert s["verdict"] == "not enough seeds" and s["seeds_needed"] is None
+    # With a spread, the registered rule as before.
+    s = report.comparison_stats(_cells([0.03, 0.04, 0.05]), primary)
+    assert s["verdict"] == "helps" and s["spread"] and s["seeds_needed"] is not None

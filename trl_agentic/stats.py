@@ -5,8 +5,10 @@ incomplete beta function, and tested against closed forms and published quantile
 
 **Seeds are the unit.** Every arm of a seed starts from the seed's warm start and is evaluated on the same problems, so
 the comparison of arms A and B is the per-seed difference `d_s = mean_A(s) - mean_B(s)`, where each mean is over that
-seed's problems (and samples): problems are nested within seeds, and their noise is part of `d_s`. The interval is
-Student's t over the `n` differences:
+seed's problems (and samples). Every seed is scored on the same held-out problems (one list, `task_seed` 0), so
+problems are shared by the seeds, not nested within them: the interval generalises over seeds (the warm start, the RL
+seed, the sampling) for this set of problems, not over new problems. The interval is Student's t over the `n`
+differences:
 
     mean(d) ± t_{1 - alpha/2, n - 1} * sd(d) / sqrt(n)
 
@@ -109,6 +111,9 @@ def mean_sd(values: Sequence[float]) -> tuple[float, float]:
     n = len(values)
     if n == 0:
         raise ValueError("No values.")
+    if not all(math.isfinite(v) for v in values):
+        # A NaN would pass through as "not enough seeds"; a cell with one is broken, not short of seeds.
+        raise ValueError(f"Every value must be a finite number, got {list(values)!r}.")
     mean = sum(values) / n
     if n == 1:
         return mean, 0.0

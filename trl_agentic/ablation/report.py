@@ -90,9 +90,16 @@ def comparison_stats(cells: dict, c: design.Comparison, metric: str = "sampled")
         planned = design.planned_mde(design.TASKS[c.task])
         return {"seeds": 0, "interval": None, "verdict": "pending", "underpowered": True, "mde": planned}
     iv = stats.paired_t_interval(a, b, level=1 - design.ALPHA)
-    verdict, underpowered = stats.verdict(iv.low, iv.high, design.MIN_EFFECT)
-    mde = stats.minimum_detectable_effect(iv.sd, iv.n, design.ALPHA, design.POWER)
-    needed = stats.seeds_needed(iv.sd, design.MIN_EFFECT, design.ALPHA, design.POWER) if iv.sd > 0 else iv.n
+    spread = iv.n >= 2 and iv.sd > 0
+    if iv.n >= 2 and not spread:
+        # Every seed gave the same difference (success comes in steps of 1/problems): a zero-width t interval would
+        # read as certain. The registered rule needs a spread to estimate; none is claimed.
+        verdict, underpowered, mde = f"undecided: every seed gave {iv.mean:+.3f}", True, math.inf
+    else:
+        verdict, underpowered = stats.verdict(iv.low, iv.high, design.MIN_EFFECT)
+        mde = stats.minimum_detectable_effect(iv.sd, iv.n, design.ALPHA, design.POWER)
+    # `None`: more than the search goes to (rendered "> 100"), or nothing to say without a spread ("–").
+    needed = stats.seeds_needed(iv.sd, design.MIN_EFFECT, design.ALPHA, design.POWER) if spread else None
     return {
         "seeds": len(seeds),
         "per_seed": [x - y for x, y in zip(a, b)],
@@ -101,6 +108,7 @@ def comparison_stats(cells: dict, c: design.Comparison, metric: str = "sampled")
         "underpowered": underpowered,
         "mde": mde,
         "seeds_needed": needed,
+        "spread": spread,
     }
 
 
@@ -266,7 +274,8 @@ def render_results(
         lines.append(
             f"| {c.task} | `{c.a}` − `{c.b}`{' (primary)' if c.primary else ''} | {s['seeds']} | "
             f"{_fmt(iv.mean, True) if iv else '–'} | {_interval(iv, True) if iv else '–'} | {mde} | "
-            f"{needed if needed is not None else '> 100' if iv else '–'} | {row['verdict']} | {greedy} | {peak} |"
+            f"{needed if needed is not None else '> 100' if iv and s.get('spread') else '–'} | {row['verdict']} | "
+            f"{greedy} | {peak} |"
         )
     lines += ["", *_calibration_lines(cells, calibration), *_lr_lines(lr_rungs, cells), *_arm_lines(cells)]
     lines += [*_per_seed_lines(cells), *_form_lines(cells, forms or {})]
