@@ -149,3 +149,18 @@ def test_tracin_without_validation_prompts_fails_before_the_model(tmp_path, monk
 def test_a_switched_on_feature_with_a_zero_budget_warns(values, field):
     with pytest.warns(UserWarning, match=field):
         AgenticGRPOConfig(**BASE, **values)
+
+
+@pytest.mark.parametrize(
+    "values, field",
+    [
+        ({"task": "bfcl", "bfcl_heldout_fraction": 1.0, "num_train_tasks": 4}, "bfcl_heldout_fraction"),
+        ({"task": "textworld", "textworld_max_plan_steps": 1, "num_train_tasks": 4}, "textworld_max_plan_steps"),
+    ],
+)
+def test_a_task_with_nothing_to_train_on_names_the_field(values, field):
+    """It blamed `bfcl_categories` and `bfcl_classes`, or named no field."""
+    from trl_agentic.tasks import TaskArguments, build_task
+
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        build_task(TaskArguments(**values))

@@ -438,7 +438,11 @@ def _bfcl(args: TaskArguments, extra: list[Callable]) -> Task:
     train = rows(train_ids, args.num_train_tasks, args.task_seed)
     evaluation = rows(heldout_ids, args.num_eval_tasks, args.task_seed + 1)
     if not train:
-        raise ValueError("No BFCL training task matches `bfcl_categories` and `bfcl_classes`.")
+        raise ValueError(
+            "No BFCL training task matches `bfcl_categories` and `bfcl_classes` outside the held-out scenarios "
+            f"(`bfcl_heldout_fraction` = {args.bfcl_heldout_fraction:g}"
+            f"{': every scenario is held out' if args.bfcl_heldout_fraction >= 1 else ''})."
+        )
     factories = environment_factories(train + evaluation, hide_excluded=args.bfcl_hide_excluded)
     rewards = [bfcl_reward, *([bfcl_turn_credit] if args.bfcl_turn_credit else []), *extra]
     return Task(

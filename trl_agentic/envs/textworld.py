@@ -519,7 +519,9 @@ def _task_seeds(rng: random.Random, n: int, env: TextWorldEnv, max_steps: int, m
             seeds.append(task_seed)
             if len(seeds) == n:
                 return seeds
-    raise ValueError(f"Fewer than {n} text-world tasks have a plan of at most {max_plan_steps} steps.")
+    raise ValueError(
+        f"Fewer than {n} text-world tasks have a plan of at most {max_plan_steps} steps (`textworld_max_plan_steps`)."
+    )
 
 
 def make_textworld_tasks(
