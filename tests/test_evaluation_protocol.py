@@ -195,3 +195,42 @@ def test_eval_forks_the_random_state_of_every_visible_cuda_device(tok, model, mo
         reward_funcs=[answer_reward], max_completion_length=4, temperature=0.8, progress=False,
     )  # fmt: skip
     assert forked == [[0, 1]]
+
+
+def lookup(key: str) -> str:
+    """
+    Looks a key up.
+
+    Args:
+        key: The key.
+    """
+    return f"value of {key}"
+
+
+def test_standalone_tools_of_a_task_are_evaluated_with_them(tiny_tokenizer):
+    """A custom task's `tools` were never given to evaluation: with no environment it crashed ('NoneType' object is
+    not callable), with one it was evaluated without them. Listed first, as TRL lists them; a scripted turn calls one."""
+    from test_evaluation import ScriptedModel
+
+    from trl_agentic.envs.calculator import CalculatorEnv, answer_reward, make_arithmetic_tasks
+    from trl_agentic.evaluation import evaluate_policy
+
+    class LookupThenAnswer(ScriptedModel):
+        def _turn(self, text):
+            if "<tool_response>" not in text:
+                return '<tool_call>\n{"name": "lookup", "arguments": {"key": "k"}}\n</tool_call>'
+            return "Answer: 0"
+
+    rows = make_arithmetic_tasks(2, 3, "easy")
+    for factory in (None, CalculatorEnv):
+        model = LookupThenAnswer(tiny_tokenizer, rows, ["right"])
+        result = evaluate_policy(
+            model, tiny_tokenizer, rows, environment_factory=factory, tools=[lookup], reward_funcs=[answer_reward],
+            max_completion_length=4096, prefix_caching=False, progress=False,
+        )  # fmt: skip
+        for record in result.records:
+            [tool] = [m for m in record["messages"] if m["role"] == "tool"]
+            assert tool["content"] == "value of k"
+        assert result.metrics["tool_call_success_rate"] == 1.0
+    with pytest.raises(ValueError, match="`environment_factory` or `tools`"):
+        evaluate_policy(model, tiny_tokenizer, rows, environment_factory=None, reward_funcs=[answer_reward])

@@ -482,6 +482,7 @@ def _evaluate_into(stage, model, tokenizer, task, task_args, training_args, resu
             tokenizer,
             list(task.eval_dataset),
             environment_factory=task.environment_factory,
+            tools=task.tools,
             reward_funcs=task.reward_funcs,
             max_completion_length=training_args.max_completion_length,
             # The rollout limits of training (None: no limit, 0: no tool call, as TRL reads them).

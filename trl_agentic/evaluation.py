@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import sys
 import time
@@ -272,7 +273,7 @@ def evaluate_policy(
     tokenizer,
     rows: Sequence[dict],
     *,
-    environment_factory: Callable,
+    environment_factory: Callable | None,
     reward_funcs: Sequence[Callable],
     max_completion_length: int = 96,
     max_tool_calling_iterations: int | None = 3,
@@ -291,6 +292,7 @@ def evaluate_policy(
     typed_arguments: bool = True,
     max_tool_output_chars: int | None = None,
     chat_template_kwargs: dict | None = None,
+    tools: Sequence[Callable] | None = None,
 ) -> EvalResult:
     """
     Roll out a policy on held-out problems with the multi-turn tool loop and score it.
@@ -305,7 +307,7 @@ def evaluate_policy(
         environment_factory (`Callable` or `dict[str, Callable]`):
             Builds one environment per problem (TRL's environment protocol: `reset(**row)` plus public tool methods).
             A dict is TRL's multi-environment mode: each row's `environment` column names its factory, and is not
-            passed to `reset`.
+            passed to `reset`. None with standalone `tools` only.
         reward_funcs (`Sequence[Callable]`):
             TRL-style reward functions `f(completions=..., prompts=..., **columns) -> list[float]`; the first one
             defines `success_rate`. An environment with a `get_reward()` method adds its reward last, as in TRL.
@@ -357,6 +359,9 @@ def evaluate_policy(
             Cut each tool result to this many characters, as training's `max_tool_output_chars` does (None: no cut).
         chat_template_kwargs (`dict`, *optional*):
             Training's `chat_template_kwargs` (e.g. `enable_thinking: false`): the prompts are rendered as GRPO's.
+        tools (`Sequence[Callable]`, *optional*):
+            Training's standalone `tools` (synchronous functions), listed before the environment's methods as TRL
+            lists them; with tools, `environment_factory` may be None.
 
     The protocol is fixed, whatever the training run used, so that runs compare: malformed tool calls are shown to
     the model and counted as failed calls (`malformed_tool_call_feedback`), a tool call has 10 s, nothing rolls back.
@@ -368,6 +373,11 @@ def evaluate_policy(
     """
     from tqdm.auto import tqdm
 
+    standalone = {tool.__name__: tool for tool in tools or ()}
+    if any(inspect.iscoroutinefunction(tool) for tool in standalone.values()):
+        raise ValueError("`tools`: evaluation runs synchronous tools only (no event loop for async ones).")
+    if not environment_factory and not standalone:
+        raise ValueError("Evaluation needs an `environment_factory` or `tools`.")
     tokenizer = with_response_schema(tokenizer)
     if tokenizer.pad_token_id is None:
         raise ValueError("The tokenizer needs a pad token for batched generation.")
@@ -395,17 +405,19 @@ def evaluate_policy(
         torch.manual_seed(seed)
         for chunk in _chunks(rows, batch_size, batch_by):
             chunk = [dict(r) for r in chunk]
-            envs = [_factory_for(environment_factory, row)() for row in chunk]
+            envs = [_factory_for(environment_factory, row)() if environment_factory else None for row in chunk]
             # What `reset` returns joins the last prompt message, as in TRL's rollouts (the text world's first
             # observation): the evaluated model sees the prompt GRPO trained it on.
             prompts = [
-                with_observation(row["prompt"], env.reset(**_reset_kwargs(environment_factory, row)))
+                with_observation(
+                    row["prompt"], env.reset(**_reset_kwargs(environment_factory, row)) if env is not None else None
+                )
                 for env, row in zip(envs, chunk)
             ]
-            # Prompts are rendered with the environment's bound methods (and `delete_context`, which the trainer adds
-            # to `tools` with snapshots on), the schema GRPO shows the model.
-            extra = {DELETE_CONTEXT_TOOL: delete_context} if context_snapshots else {}
-            tool_dicts = [{**extra, **tool_methods(env)} for env in envs]  # TRL's order: standalone tools first
+            # Prompts are rendered with the standalone tools, `delete_context` (which the trainer adds to `tools` with
+            # snapshots on) and the environment's bound methods: the schema GRPO shows the model, in TRL's order.
+            extra = {**standalone, **({DELETE_CONTEXT_TOOL: delete_context} if context_snapshots else {})}
+            tool_dicts = [{**extra, **(tool_methods(env) if env is not None else {})} for env in envs]
             tools_per_row = [list(tools.values()) for tools in tool_dicts]
             backend = HFGenerationBackend(
                 model,
@@ -438,7 +450,7 @@ def evaluate_policy(
                 None,
                 tool_dicts,
                 [{} for _ in chunk],
-                envs,
+                envs if environment_factory else None,
             )
             tool_mask, completions, completion_ids = trl_tuple[0], trl_tuple[1], trl_tuple[2]
             columns = {key: [row.get(key) for row in chunk] for key in chunk[0] if key != "prompt"}
