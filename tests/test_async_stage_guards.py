@@ -5,7 +5,8 @@
 - the estimator does not run on a group TRL's dataset drops as stale, every row;
 - the negative-reward warning of the synchronous trainer is given here too;
 - the environment a worker's rollout loop checkpoints is the environment, not the owner of a standalone tool;
-- an environment given as a `functools.partial` (TRL's worker asks for picklable factories) is probed like a class.
+- an environment given as a `functools.partial` (TRL's worker asks for picklable factories) is probed like a class,
+  a function through its return annotation (never called in the trainer).
 """
 
 import collections
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from trl_agentic.async_grpo.stage import UNTRAINED_GROUPS_WARNING, AgenticRolloutQueue
+from trl_agentic.async_grpo.stage import UNTRAINED_GROUPS_LIMIT, UNTRAINED_GROUPS_WARNING, AgenticRolloutQueue
 from trl_agentic.async_grpo.worker import AgenticRolloutSample, consumed_marker, environment_of
 from trl_agentic.rollout.types import RowKind
 
@@ -94,17 +95,27 @@ def test_get_gives_the_dataset_empty_while_only_groups_without_a_row_arrive():
     assert len(trainer._trained_groups) > 0
 
 
-def test_a_whole_pass_without_a_row_to_train_is_an_error_after_a_warning(caplog):
-    trainer = _trainer(dataset_size=10)
+def test_three_passes_without_a_row_to_train_are_an_error_after_warnings(caplog):
+    """Warnings at 8, 16, 32 and 64 groups in a row; the error at three passes over the prompts (at least 64 groups:
+    an early policy truncated under `mask_truncated_completions` fails a small dataset's groups in a row by chance)."""
+    trainer = _trainer(dataset_size=30)
     inner = queue.Queue()
-    for group_id in range(12):
+    for group_id in range(95):
         inner.put(_marker(group_id))
     stage = AgenticRolloutQueue(trainer, inner, None)
     with caplog.at_level(logging.WARNING, logger="trl_agentic.async_grpo.stage"):
-        with pytest.raises(RuntimeError, match="10 groups in a row without a row to train, a whole pass over the 10"):
+        with pytest.raises(
+            RuntimeError, match="90 groups in a row without a row to train .at least three passes over"
+        ):
             stage.get(timeout=5)
     warnings = [r.getMessage() for r in caplog.records if "groups in a row" in r.getMessage()]
-    assert len(warnings) == 1 and f"{UNTRAINED_GROUPS_WARNING} groups in a row" in warnings[0]
+    assert [int(w.split(" groups")[0].rsplit(" ", 1)[1]) for w in warnings] == [UNTRAINED_GROUPS_WARNING, 16, 32, 64]
+    # A small dataset: at least UNTRAINED_GROUPS_LIMIT groups (8 prompts: not 8 groups, nor 24).
+    trainer, inner = _trainer(dataset_size=8), queue.Queue()
+    for group_id in range(UNTRAINED_GROUPS_LIMIT - 1):
+        inner.put(_marker(group_id))
+    inner.put(_row(UNTRAINED_GROUPS_LIMIT - 1, 0, rows=1))
+    assert AgenticRolloutQueue(trainer, inner, None).get(timeout=5).group_id == UNTRAINED_GROUPS_LIMIT - 1
     # A group with a row resets the streak: 7 markers, a row, 7 markers never stop the run.
     trainer, inner = _trainer(dataset_size=8), queue.Queue()
     for group_id in range(7):
@@ -273,9 +284,16 @@ def test_environment_probes_read_a_partials_class(factory):
 
     [(given, probe)] = _environment_probes(factory)
     assert given is factory and probe is UserTurnEnv and has_user_turns(probe)
-    # A factory that is neither a class nor a partial of one is probed through an instance it makes.
-    [(_, instance)] = _environment_probes({"env": lambda: UserTurnEnv(turns=1)})
-    assert isinstance(instance, UserTurnEnv) and instance.turns == 1
+    # A function is never called here (the worker builds environments; a factory may start a container): its return
+    # annotation names the class, else it is not probed.
+    calls = []
+
+    def annotated() -> UserTurnEnv:
+        calls.append(1)
+        return UserTurnEnv(turns=1)
+
+    assert _environment_probes({"a": annotated, "b": lambda: calls.append(1)}) == [(annotated, UserTurnEnv)]
+    assert calls == []
 
 
 def test_a_partial_user_turn_environment_runs_the_agentic_loop(tiny_model_dir, tmp_path, monkeypatch):

@@ -164,3 +164,14 @@ def test_a_task_with_nothing_to_train_on_names_the_field(values, field):
 
     with pytest.raises(ValueError, match=f"`{field}`"):
         build_task(TaskArguments(**values))
+
+
+def test_rollback_names_may_be_an_environments_own_error_types_but_infrastructure_names_are_classes():
+    """`rollback_on_errors` also matches a `ToolCallError`'s own `error_type` ("http-404"); infrastructure is read
+    from class names alone. A catch-all base warns: it matches only itself."""
+    config = AgenticGRPOConfig(**BASE, enable_tool_rollback=True, rollback_on_errors=["http-404", "api.error"])
+    assert config.rollback_on_errors == ["http-404", "api.error"]
+    with pytest.raises(ValueError, match="`infra_error_types` must be a list of exception class names"):
+        AgenticGRPOConfig(**BASE, infra_error_types=["http-404"])
+    with pytest.warns(UserWarning, match="lists `Exception`: it matches a bare `Exception` only"):
+        AgenticGRPOConfig(**BASE, infra_error_types=["InfrastructureError", "Exception"])

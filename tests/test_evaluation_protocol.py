@@ -122,7 +122,6 @@ def test_eval_stops_a_turn_at_every_eos_id_of_the_generation_config(tok, model):
     )
     [ids], _ = backend.generate([backend.render_prompt(row["prompt"], 0)])
     assert ids == script[:3]  # the turn ends at <|endoftext|>, as in training
-    # and the scripted run: /tmp/review_eval/repro_eos.py (eval scores 0, training's turn scores 1)
 
 
 def test_eval_generation_ignores_the_checkpoints_repetition_penalty(tok, model):

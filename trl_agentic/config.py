@@ -623,12 +623,26 @@ class AgenticGRPOConfig(GRPOConfig):
             if isinstance(patterns, str):  # a single pattern from the command line
                 patterns = [patterns]
                 setattr(self, name, patterns)
-            # Class names: "NameError, TypeError" (a YAML list written inline without brackets) would match nothing.
-            if not isinstance(patterns, list | tuple) or not all(
-                isinstance(p, str) and p.isidentifier() for p in patterns
-            ):
-                raise ValueError(
-                    f"`{name}` must be a list of exception class names (e.g. [NameError, TypeError]), got {patterns!r}."
+
+            # "NameError, TypeError" (a YAML list written inline without brackets) would match nothing. Infrastructure
+            # is read from class names alone; `rollback_on_errors` also matches an environment's own `error_type`
+            # (any name without commas or spaces, e.g. "http-404").
+            def valid(p, infra=name == "infra_error_types"):
+                return (
+                    isinstance(p, str)
+                    and bool(p)
+                    and (p.isidentifier() if infra else not any(c in p for c in ", \t\n"))
+                )
+
+            if not isinstance(patterns, list | tuple) or not all(valid(p) for p in patterns):
+                what = "exception class names" if name == "infra_error_types" else "error type names"
+                raise ValueError(f"`{name}` must be a list of {what} (e.g. [NameError, TypeError]), got {patterns!r}.")
+            for catch_all in {"Exception", "BaseException"} & set(patterns):
+                warnings.warn(
+                    f"`{name}` lists `{catch_all}`: it matches a bare `{catch_all}` only, not its subclasses (the "
+                    "catch-all bases are left out of the hierarchy matched); list the classes you mean.",
+                    UserWarning,
+                    stacklevel=3,
                 )
         if self.enable_tool_rollback and not self.rollback_on_errors:
             raise ValueError("`rollback_on_errors` is empty but `enable_tool_rollback=True`: nothing would roll back.")

@@ -196,7 +196,8 @@ class HFGenerationBackend:
         sampling = {"do_sample": False}
         if self.temperature > 0:
             sampling = {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
-        # A generation config of its own, as TRL's: a checkpoint's own (e.g. `repetition_penalty: 1.05`) would apply.
+        # A generation config as TRL passes one: the sampling settings and the repetition penalty are ours (a
+        # checkpoint's `repetition_penalty: 1.05` would otherwise apply); its unset fields merge from the checkpoint's.
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             pad_token_id=pad,
@@ -366,7 +367,8 @@ def evaluate_policy(
     The protocol is fixed, whatever the training run used, so that runs compare: malformed tool calls are shown to
     the model and counted as failed calls (`malformed_tool_call_feedback`), a tool call has 10 s, nothing rolls back.
     Generation stops at every end-of-turn id TRL stops at (the tokenizer's and the model's generation config's) and
-    uses its own sampling settings (temperature, `top_p`, no `top_k`, no repetition penalty), not the checkpoint's.
+    samples with its own temperature, `top_p`, no `top_k` and a repetition penalty of 1.0 (a checkpoint's own penalty
+    does not apply); the checkpoint's other generation settings merge in as they do in TRL's training generation.
 
     Returns:
         [`EvalResult`]: The metrics and one record per problem.

@@ -200,11 +200,11 @@ class AgenticGRPOTrainer(RowSelectionMixin, GenerationMixin, TracInMixin, RowWei
         if isinstance(environment_factory, type) and has_user_turns(environment_factory):
             # Before the model loads when it can; after `delete_context` joined the tools (TRL's loop runs with it).
             _check_user_turns_have_tools(tools, [environment_factory])
+        estimator = check_before_model(args, advantage_estimator)
         if isinstance(model, str):
             from .models import resolve_model_path
 
             model = resolve_model_path(model)
-        estimator = check_before_model(args, advantage_estimator)
         # TRL builds its vLLM engine in here; LoRA support must be on from creation (docs/vllm.md).
         with lora_sync_vllm(args.use_vllm and args.vllm_lora_sync):
             super().__init__(

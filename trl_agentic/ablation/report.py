@@ -273,7 +273,8 @@ def render_results(
         peak = _peak(cells, c)
         lines.append(
             f"| {c.task} | `{c.a}` − `{c.b}`{' (primary)' if c.primary else ''} | {s['seeds']} | "
-            f"{_fmt(iv.mean, True) if iv else '–'} | {_interval(iv, True) if iv else '–'} | {mde} | "
+            f"{_fmt(iv.mean, True) if iv else '–'} | {_interval(iv, True) if iv and s.get('spread') else '–'} | "
+            f"{mde} | "
             f"{needed if needed is not None else '> 100' if iv and s.get('spread') else '–'} | {row['verdict']} | "
             f"{greedy} | {peak} |"
         )

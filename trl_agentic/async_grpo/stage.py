@@ -54,9 +54,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Groups in a row without a row to train after which the stage warns (once a streak); a whole pass over the training
-# prompts (at least this many groups) without one is an error: TRL's dataset would wait for a row forever.
+# Groups in a row without a row to train after which the stage warns (again at each doubling); three passes over the
+# training prompts (at least `UNTRAINED_GROUPS_LIMIT` groups) without one is an error: TRL's dataset only waits.
 UNTRAINED_GROUPS_WARNING = 8
+UNTRAINED_GROUPS_LIMIT = 64
 
 # Generation requests an `EstimatorHost` keeps in flight at once (the server queues what it cannot batch).
 MAX_CONCURRENT_REQUESTS = 64
@@ -274,12 +275,12 @@ class AgenticRolloutQueue:
             return False
 
     def _check_progress(self) -> None:
-        """Warn once a streak of groups without a row to train reaches `UNTRAINED_GROUPS_WARNING`; raise after a whole
-        pass over the training prompts: no step can ever come (the synchronous trainer steps with a zero loss)."""
+        """Warn when a streak of groups without a row to train reaches `UNTRAINED_GROUPS_WARNING` (and at each doubling);
+        raise after three passes over the training prompts (the synchronous trainer would step with a zero loss)."""
         streak = self._untrained_streak
         prompts = getattr(self._trainer, "train_dataset", None)
-        try:
-            limit = max(UNTRAINED_GROUPS_WARNING, len(prompts))
+        try:  # far from chance: an early policy truncated under `mask_truncated_completions` fails groups in a row
+            limit = max(UNTRAINED_GROUPS_LIMIT, 3 * len(prompts))
         except TypeError:  # an iterable dataset without a length
             limit = None
         causes = (
@@ -289,10 +290,10 @@ class AgenticRolloutQueue:
         )
         if limit is not None and streak >= limit:
             raise RuntimeError(
-                f"The rollout worker pushed {streak} groups in a row without a row to train, a whole pass over the "
-                f"{len(prompts)} training prompts: {causes}. Training would wait for a row forever."
+                f"The rollout worker pushed {streak} groups in a row without a row to train (at least three passes "
+                f"over the {len(prompts)} training prompts): {causes}. No step has run since, and none is coming."
             )
-        if streak == UNTRAINED_GROUPS_WARNING:
+        if streak >= UNTRAINED_GROUPS_WARNING and streak & (streak - 1) == 0:  # 8, 16, 32, ...
             logger.warning(
                 f"The rollout worker pushed {streak} groups in a row without a row to train, so no step can run: "
                 f"{causes}. Training stops with an error after {limit or 'an unbounded number of'} such groups."

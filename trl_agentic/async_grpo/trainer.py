@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import os
 import uuid
 
@@ -86,10 +87,11 @@ def _use_agentic_loop(worker, what: str) -> None:
 
 
 def _environment_probes(environment_factory) -> list[tuple]:
-    """`(factory, probe)` per environment factory, the probe being what the environment's protocol (user turns, tool
-    names) is read from: the class itself, the class of a `functools.partial` (TRL's worker asks for picklable
-    factories and names it), else an instance the factory makes (the worker builds the rollouts' environments in its
-    own process: the synchronous trainer reads the instances TRL built)."""
+    """`(factory, class)` per environment factory whose class is known without calling it, the class being what the
+    environment's protocol (user turns, tool names) is read from: the factory itself, the class of a
+    `functools.partial` (TRL's worker asks for picklable factories and names it), or a function's return annotation.
+    Nothing is built here: the worker builds the rollouts' environments in its own process, and a factory may start a
+    container or open a connection."""
     if environment_factory is None:
         return []
     factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
@@ -98,7 +100,13 @@ def _environment_probes(environment_factory) -> list[tuple]:
         target = factory
         while isinstance(target, functools.partial):
             target = target.func
-        probes.append((factory, target if isinstance(target, type) else factory()))
+        if not isinstance(target, type) and callable(target):
+            try:  # a string under `from __future__ import annotations`: resolved in the function's module
+                target = inspect.signature(target, eval_str=True).return_annotation
+            except Exception:  # noqa: BLE001 - an annotation that does not resolve: nothing to read
+                continue
+        if isinstance(target, type) and target is not inspect.Signature.empty:
+            probes.append((factory, target))
     return probes
 
 
@@ -201,10 +209,10 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
         probes = _environment_probes(environment_factory)
         if args.enable_context_snapshots:
             _check_tool_names(tools, None, args)  # before ours is added
-            for _, probe in probes:
-                _check_tool_names([], probe if isinstance(probe, type) else type(probe), args)
+            for _, cls in probes:
+                _check_tool_names([], cls, args)
             tools = [*(tools or []), delete_context]
-        user_turns = any(has_user_turns(probe) for _, probe in probes)
+        user_turns = any(has_user_turns(cls) for _, cls in probes)
         # An estimator passed here counts as one in the config does: it runs in the estimator stage (and in TRL's
         # plain worker setup it would be ignored).
         self._features_on = (
@@ -260,9 +268,9 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
         self._stage_on = self._features_on or (args.mask_truncated_completions and is_trl_worker)
         if not self._features_on:
             return
-        for factory, probe in probes:
-            if args.enable_tool_rollback or has_user_turns(probe):
-                check_checkpointable(factory() if isinstance(probe, type) else probe)
+        for factory, cls in probes:
+            if args.enable_tool_rollback or has_user_turns(cls):
+                check_checkpointable(factory())
         if self.accelerator.is_main_process and is_trl_worker:
             self.vllm_client.wait_for_server_ready()
             _use_agentic_loop(worker, "trl-agentic's features")
