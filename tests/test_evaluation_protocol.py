@@ -64,18 +64,17 @@ def test_eval_renders_prompts_with_the_runs_chat_template_kwargs(tok, model):
     assert seen[0] == train_ids
 
 
-def test_cli_heldout_eval_passes_chat_template_kwargs(monkeypatch):
+def _cli_evaluation_kwargs(monkeypatch, task_args, **training) -> dict:
+    """The keyword arguments `trl-agentic train`'s held-out evaluation passes to `evaluate_policy` (stopped there)."""
     import trl_agentic.evaluation as evaluation
     from trl_agentic import cli
-    from trl_agentic.tasks import TaskArguments, build_task
+    from trl_agentic.tasks import build_task
 
-    task_args = TaskArguments(num_train_tasks=2, num_eval_tasks=2, heldout_eval=True)
-    task = build_task(task_args)
     seen = {}
     monkeypatch.setattr(
         evaluation, "evaluate_policy", lambda *a, **k: (_ for _ in ()).throw(RuntimeError(seen.update(k)))
     )
-    args = SimpleNamespace(
+    defaults = dict(
         max_completion_length=96,
         max_tool_calling_iterations=3,
         max_turn_tokens=None,
@@ -85,11 +84,19 @@ def test_cli_heldout_eval_passes_chat_template_kwargs(monkeypatch):
         disable_tqdm=True,
         enable_context_snapshots=False,
         context_stub_text="[deleted]",
-        chat_template_kwargs={"enable_thinking": False},
-        malformed_tool_call_feedback=False,
+        chat_template_kwargs=None,
     )
+    args = SimpleNamespace(**{**defaults, **training})
     with pytest.raises(RuntimeError):
-        cli._evaluate_into("before", None, None, task, task_args, args, {}, {})
+        cli._evaluate_into("before", None, None, build_task(task_args), task_args, args, {}, {})
+    return seen
+
+
+def test_cli_heldout_eval_passes_chat_template_kwargs(monkeypatch):
+    from trl_agentic.tasks import TaskArguments
+
+    task_args = TaskArguments(num_train_tasks=2, num_eval_tasks=2, heldout_eval=True)
+    seen = _cli_evaluation_kwargs(monkeypatch, task_args, chat_template_kwargs={"enable_thinking": False})
     assert seen.get("chat_template_kwargs") == {"enable_thinking": False}
 
 
@@ -141,30 +148,10 @@ def test_eval_generation_ignores_the_checkpoints_repetition_penalty(tok, model):
 
 
 def test_cli_bfcl_heldout_eval_parses_arguments_as_bfcl(monkeypatch):
-    import trl_agentic.evaluation as evaluation
-    from trl_agentic import cli
-    from trl_agentic.tasks import TaskArguments, build_task
+    from trl_agentic.tasks import TaskArguments
 
     task_args = TaskArguments(task="bfcl", bfcl_classes=["GorillaFileSystem"], heldout_eval=True, num_eval_tasks=2)
-    task = build_task(task_args)
-    seen = {}
-    monkeypatch.setattr(
-        evaluation, "evaluate_policy", lambda *a, **k: (_ for _ in ()).throw(RuntimeError(seen.update(k)))
-    )
-    args = SimpleNamespace(
-        max_completion_length=1536,
-        max_tool_calling_iterations=24,
-        max_turn_tokens=None,
-        max_tool_output_chars=None,
-        top_p=1.0,
-        seed=0,
-        disable_tqdm=True,
-        enable_context_snapshots=False,
-        context_stub_text="[deleted]",
-        chat_template_kwargs=None,
-    )
-    with pytest.raises(RuntimeError):
-        cli._evaluate_into("before", None, None, task, task_args, args, {}, {})
+    seen = _cli_evaluation_kwargs(monkeypatch, task_args, max_completion_length=1536, max_tool_calling_iterations=24)
     assert seen.get("typed_arguments") is False
 
 
