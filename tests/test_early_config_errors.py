@@ -175,3 +175,55 @@ def test_rollback_names_may_be_an_environments_own_error_types_but_infrastructur
         AgenticGRPOConfig(**BASE, infra_error_types=["http-404"])
     with pytest.warns(UserWarning, match="lists `Exception`: it matches a bare `Exception` only"):
         AgenticGRPOConfig(**BASE, infra_error_types=["InfrastructureError", "Exception"])
+
+
+# 6. TRL's AsyncGRPOTrainer takes no eval_dataset: transformers' Trainer refused an eval_strategy after the model
+# (and, from the CLI, the vLLM server) had loaded.
+@pytest.mark.parametrize("values", [{"eval_strategy": "steps", "eval_steps": 1}, {"eval_on_start": True}])
+def test_async_evaluation_during_training_fails_before_the_model(tmp_path, monkeypatch, values):
+    _forbid_model_loading(monkeypatch)
+    field = next(iter(values))
+    config = _config(tmp_path, trainer="async_grpo", use_peft=True, **values)
+    with pytest.raises(ValueError, match=f"`{field}=.*not supported by AsyncAgenticGRPOTrainer"):
+        main(["train", "--config", config])
+
+
+# 7. Booleans and floats passed integer and fraction checks (`True` is 1, `0 < True <= 1`), a string raised a
+# TypeError naming no field.
+@pytest.mark.parametrize(
+    "values,field",
+    [
+        ({"enable_context_snapshots": True, "max_snapshots_per_episode": True}, "max_snapshots_per_episode"),
+        ({"max_snapshots_per_episode": 1.5}, "max_snapshots_per_episode"),
+        ({"tracin_min_selected": True}, "tracin_min_selected"),
+        ({"tracin_min_selected": 1.5}, "tracin_min_selected"),
+        ({"tracin_val_num_generations": 2.0}, "tracin_val_num_generations"),
+        ({"tracin_val_num_generations": True}, "tracin_val_num_generations"),
+        ({"tracin_top_fraction": True}, "tracin_top_fraction"),
+        ({"tracin_top_fraction": "0.5"}, "tracin_top_fraction"),
+        ({"row_selection": "random", "row_selection_fraction": True}, "row_selection_fraction"),
+        ({"enable_tool_rollback": True, "negative_reward_by_error": {"NameError": True}}, "negative_reward_by_error"),
+    ],
+)
+def test_booleans_and_floats_in_integer_or_fraction_fields_are_refused(values, field):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        AgenticGRPOConfig(**BASE, **values)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("batch_size", 2.5),
+        ("batch_size", True),
+        ("limit", 1.5),
+        ("seed", "0"),
+        ("split_seed", 0.5),
+        ("heldout_fraction", "0.25"),
+        ("temperature", True),
+    ],
+)
+def test_bfcl_eval_arguments_refuse_wrong_types_naming_the_field(field, value):
+    from trl_agentic.envs.bfcl.evaluate import BFCLEvalArguments
+
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        BFCLEvalArguments(**{field: value})

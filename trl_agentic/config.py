@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .field_checks import check_finite
+from .field_checks import check_finite, check_integer
 
 # The seed's default list (seed 000), by error type name: model errors that trigger a rollback. The seed's
 # "worker_timeout" is the sandbox's time limit on model-written code, `SandboxTimeout` here (a model error).
@@ -569,6 +569,7 @@ class AgenticGRPOConfig(GRPOConfig):
                 f"`row_selection={self.row_selection!r}` selects among the regular rollouts and sets their advantages: "
                 f"it does not combine with {names}."
             )
+        check_finite("row_selection_fraction", self.row_selection_fraction)
         if not 0 < self.row_selection_fraction <= 1:
             raise ValueError(f"`row_selection_fraction` must be in (0, 1], got {self.row_selection_fraction!r}.")
         if self.row_selection == "max_variance":
@@ -585,9 +586,7 @@ class AgenticGRPOConfig(GRPOConfig):
             if value not in choices:
                 raise ValueError(f"`{name}` must be one of {list(choices)}, got {value!r}.")
         for name in ("max_tool_retries", "max_infra_retries", "max_negative_samples_per_group"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"`{name}` must be a non-negative integer, got {value!r}.")
+            check_integer(name, getattr(self, name), 0)
         if self.max_tool_output_chars is not None and (
             not isinstance(self.max_tool_output_chars, int)
             or isinstance(self.max_tool_output_chars, bool)
@@ -606,10 +605,7 @@ class AgenticGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"`transformers_prefix_caching` must be a boolean, got {self.transformers_prefix_caching!r}."
             )
-        if not isinstance(self.max_snapshots_per_episode, int) or self.max_snapshots_per_episode < 0:
-            raise ValueError(
-                f"`max_snapshots_per_episode` must be a non-negative integer, got {self.max_snapshots_per_episode!r}."
-            )
+        check_integer("max_snapshots_per_episode", self.max_snapshots_per_episode, 0)
         # Finite and bounded: threads and event loops refuse a wait past their platform's limit (inf, 1e10), and
         # NaN compares false to everything, so either would fail every call at run time instead of here.
         timeout = self.tool_timeout
@@ -662,7 +658,7 @@ class AgenticGRPOConfig(GRPOConfig):
                 raise ValueError(f"`negative_reward_by_error` is not valid JSON: {e}") from e
         if self.negative_reward_by_error is not None:
             if not isinstance(self.negative_reward_by_error, dict) or not all(
-                isinstance(k, str) and isinstance(v, int | float) and math.isfinite(v)
+                isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
                 for k, v in self.negative_reward_by_error.items()
             ):
                 raise ValueError(
@@ -718,14 +714,13 @@ class AgenticGRPOConfig(GRPOConfig):
             "tracin_val_refresh_steps",
             "tracin_val_rollout_steps",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-        if not isinstance(self.tracin_val_num_generations, int) or self.tracin_val_num_generations < 2:
-            raise ValueError(
-                f"`tracin_val_num_generations` must be an integer >= 2 (with 1 every validation advantage is 0), "
-                f"got {self.tracin_val_num_generations!r}."
-            )
+            check_integer(name, getattr(self, name), 1)
+        check_integer(
+            "tracin_val_num_generations",
+            self.tracin_val_num_generations,
+            2,
+            "an integer >= 2 (with 1 every validation advantage is 0)",
+        )
         if self.tracin_enabled and self.fp16:
             raise ValueError(
                 "`tracin_enabled=True` does not support `fp16=True`: the TracIn scoring backward runs outside the "
@@ -736,12 +731,10 @@ class AgenticGRPOConfig(GRPOConfig):
                 f"`tracin_enabled=True` does not support FSDP (`fsdp={self.fsdp!r}`): the influence hooks do not "
                 "handle FSDP-sharded LoRA weights. Use DeepSpeed ZeRO-2/3 or DDP."
             )
+        check_finite("tracin_top_fraction", self.tracin_top_fraction)
         if not 0 < self.tracin_top_fraction <= 1:
             raise ValueError(f"`tracin_top_fraction` must be in (0, 1], got {self.tracin_top_fraction!r}.")
-        if not isinstance(self.tracin_min_selected, int) or self.tracin_min_selected < 0:
-            raise ValueError(
-                f"`tracin_min_selected` must be a non-negative integer, got {self.tracin_min_selected!r}."
-            )
+        check_integer("tracin_min_selected", self.tracin_min_selected, 0)
         self._validate_row_selection()
         copo_all = self.rlvcr_mode == "copo" and self.rlvcr_expand_steps == "all" and not self.rlvcr_expand
         if self.advantage_estimator == "rlvcr" and copo_all:

@@ -90,6 +90,14 @@ def _validate_async(self) -> None:
             "environment to its pool after the rollout, so an environment whose timed-out call still runs in a thread "
             "would be reused. Leave `tool_timeout=0`."
         )
+    strategy = str(getattr(self.eval_strategy, "value", self.eval_strategy))
+    for name, on in (("eval_strategy", strategy != "no"), ("eval_on_start", self.eval_on_start)):
+        if on:  # TRL's AsyncGRPOTrainer takes no `eval_dataset`: `Trainer.__init__` refused it after the model loaded
+            raise ValueError(
+                f"`{name}={getattr(self, name)!r}` is not supported by AsyncAgenticGRPOTrainer: TRL's asynchronous "
+                "trainer has no evaluation loop. Leave `eval_strategy='no'` and `eval_on_start=False`; "
+                "`trl-agentic train`'s held-out evaluation (`heldout_eval`) runs before and after training instead."
+            )
     if self.row_selection != "none":
         raise ValueError(
             "`row_selection` is not supported by AsyncAgenticGRPOTrainer: it selects rows of a synchronous generation "

@@ -20,6 +20,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ...field_checks import check_finite, check_integer
 from .checker import no_call_turn_credit
 from .data import CATEGORIES, category_of, get_task
 from .dataset import environment_factories, make_rows, sample_rows, select_tasks, split_scenarios
@@ -101,14 +102,17 @@ class BFCLEvalArguments:
             raise ValueError(f"`categories` must be among {list(CATEGORIES)}, got {self.categories}.")
         if self.split not in ("heldout", "train", "all"):
             raise ValueError(f"`split` must be heldout, train or all, got {self.split!r}.")
+        # YAML values reach the fields unconverted: a float or a boolean in an integer field is refused here.
+        check_finite("heldout_fraction", self.heldout_fraction)
         if not 0.0 <= self.heldout_fraction <= 1.0:
             raise ValueError(f"`heldout_fraction` must be in [0, 1], got {self.heldout_fraction}.")
         for name in ("max_completion_length", "max_turn_tokens", "max_tool_calling_iterations", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"`{name}` must be at least 1, got {getattr(self, name)}.")
-        if self.limit < 0:
-            raise ValueError(f"`limit` must be non-negative, got {self.limit}.")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
+            check_integer(name, getattr(self, name), 1)
+        check_integer("limit", self.limit, 0)
+        for name in ("seed", "split_seed"):
+            check_integer(name, getattr(self, name))
+        check_finite("temperature", self.temperature)
+        if self.temperature < 0:
             raise ValueError(f"`temperature` must be a finite number >= 0, got {self.temperature}.")
         if self.classes is not None:
             from .data import API_CLASSES
