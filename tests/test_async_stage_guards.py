@@ -3,6 +3,7 @@
 - `AgenticRolloutQueue.get` gives TRL's dataset `queue.Empty` while only groups without a row to train arrive (it
   looped forever: no step, no log, no health check), warns at a streak of them and stops after a whole pass;
 - the estimator does not run on a group TRL's dataset drops as stale, every row;
+- `scale_rewards="none"` with every feature off warns that TRL scales the advantages anyway;
 - the negative-reward warning of the synchronous trainer is given here too;
 - the environment a worker's rollout loop checkpoints is the environment, not the owner of a standalone tool;
 - an environment given as a `functools.partial` (TRL's worker asks for picklable factories) is probed like a class,
@@ -344,3 +345,37 @@ def test_a_partial_user_turn_environment_runs_the_agentic_loop(tiny_model_dir, t
     with pytest.raises(ValueError, match="named `delete_context`"):
         args = AsyncAgenticGRPOConfig(output_dir=str(tmp_path), use_cpu=True, enable_context_snapshots=True)
         AsyncAgenticGRPOTrainer(model="unused", reward_funcs=_reward, args=args, tools=[DeletingEnv().delete_context])
+
+
+class _ModelLoading(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "values,warns",
+    [
+        ({"scale_rewards": "none"}, True),
+        ({"scale_rewards": "group"}, False),
+        ({"scale_rewards": "none", "enable_tool_rollback": True}, False),  # our advantages: 'none' is used
+    ],
+)
+def test_scale_rewards_with_every_feature_off_warns_that_trl_scales(tmp_path, monkeypatch, values, warns):
+    """With every feature off TRL's worker computes the advantages (divided by the std): `scale_rewards='none'` was
+    silently ignored."""
+    import warnings
+
+    import trl_agentic.models
+    from trl_agentic.async_grpo import AsyncAgenticGRPOConfig, AsyncAgenticGRPOTrainer
+
+    def stop(*args, **kwargs):
+        raise _ModelLoading
+
+    monkeypatch.setattr(trl_agentic.models, "resolve_model_path", stop)
+    args = AsyncAgenticGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **values)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(_ModelLoading):
+        warnings.simplefilter("always")
+        AsyncAgenticGRPOTrainer(
+            model="unused", reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args
+        )
+    said = [w for w in caught if "`scale_rewards='none'` has no effect" in str(w.message)]
+    assert len(said) == int(warns)

@@ -29,6 +29,7 @@ import functools
 import inspect
 import os
 import uuid
+import warnings
 
 import torch
 from transformers.utils import logging
@@ -218,6 +219,14 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
         self._features_on = (
             args.agentic_features_enabled or args.uses_agentic_loop or user_turns or advantage_estimator is not None
         )
+        if not self._features_on and args.scale_rewards != "group":
+            # With every feature off TRL's worker scores the groups (population std plus 1e-8), whatever is set here.
+            warnings.warn(
+                f"`scale_rewards={args.scale_rewards!r}` has no effect with every trl-agentic feature off: TRL's "
+                "AsyncGRPOTrainer computes the advantages and always divides by the group's std.",
+                UserWarning,
+                stacklevel=2,
+            )
         from ..models import resolve_model_path
 
         model = resolve_model_path(model)
