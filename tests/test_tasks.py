@@ -107,3 +107,23 @@ def test_one_extra_reward_function_from_yaml_is_a_list_of_one(tmp_path):
     task_args, *_ = make_parser().parse_args_and_config(args=["--config", str(config)])
     assert task_args.extra_reward_funcs == ["math:fabs"]
     assert build_task(task_args).reward_funcs[1:] == [math.fabs]
+
+
+@pytest.mark.parametrize("name", ["calculator", "python", "textworld", "logsearch", "bfcl"])
+def test_own_trace_tasks_are_the_tasks_with_their_own_traces(name):
+    """`OWN_TRACE_TASKS` (where `warmstart_error_fraction` warns that it does nothing) and the warm start's stage title
+    both follow whether the task brings its own traces."""
+    from trl_agentic.cli import _warm_start_title
+    from trl_agentic.tasks import OWN_TRACE_TASKS, TASKS
+
+    assert set(OWN_TRACE_TASKS) <= set(TASKS)
+    args = TaskArguments(task=name, num_train_tasks=4, num_eval_tasks=1, warmstart_steps=2, warmstart_batch_size=3)
+    task = build_task(args)
+    assert (task.make_traces is not None) == (name in OWN_TRACE_TASKS)
+    title = _warm_start_title(task, args, ", then")
+    assert title.startswith("Stage 1/2: warm start — SFT on 6 ") and title.endswith(
+        "(2 steps"
+        + ("" if name in OWN_TRACE_TASKS else f", {args.warmstart_error_fraction:.0%} with a rejected call first")
+        + "), then"
+    )
+    assert ("synthetic tool-use" in title) == (name not in OWN_TRACE_TASKS)

@@ -173,16 +173,7 @@ def train(task_args, training_args, model_args):
                 "base model", model, processing_class, task, task_args, training_args, eval_results, eval_records
             )
     if task_args.warmstart_steps:
-        errors = (  # only the arithmetic trace generator writes rejected calls; a task's own traces do not
-            f", {task_args.warmstart_error_fraction:.0%} with a rejected call first"
-            if task.make_traces is None
-            else ""
-        )
-        _stage(
-            f"Stage 1/2: warm start — SFT on {task_args.warmstart_steps * task_args.warmstart_batch_size} "
-            f"{'synthetic tool-use' if task.make_traces is None else 'solved'} traces ({task_args.warmstart_steps} "
-            f"steps{errors})"
-        )
+        _stage(_warm_start_title(task, task_args))
         with clock("warmstart"):
             result = _warm_start(model, processing_class, task, task_args, training_args, peft_config)
         model, peft_config = result.model, None  # GRPO continues training the warm-start adapter
@@ -300,16 +291,14 @@ def train_async(task_args, training_args, model_args):
 
     from .async_grpo import AsyncAgenticGRPOTrainer
     from .async_grpo.server import VLLMServer
-    from .batch import snapshot_reward
-    from .estimators import resolve_estimator
+    from .async_grpo.trainer import check_before_model
     from .models import resolve_model_path
     from .tasks import build_task
 
     clock = _Clock()
     _check_context_deletion(task_args, training_args)
     # Before the warm start and the server: the trainer checks them again (it may be built without the CLI).
-    snapshot_reward(training_args.snapshot_reward_func)
-    resolve_estimator(training_args.advantage_estimator)
+    check_before_model(training_args)
     task = build_task(task_args)
     _check_heldout_problems(
         task, task_args, heldout_eval=task_args.heldout_eval, tracin_enabled=training_args.tracin_enabled
@@ -363,6 +352,17 @@ def train_async(task_args, training_args, model_args):
     return trainer
 
 
+def _warm_start_title(task, task_args, then: str = "") -> str:
+    """The warm start's stage title: the traces a task's own episodes give are solved ones, without rejected calls
+    (only the arithmetic trace generator writes them, `warmstart_error_fraction`)."""
+    own = task.make_traces is not None
+    errors = "" if own else f", {task_args.warmstart_error_fraction:.0%} with a rejected call first"
+    return (
+        f"Stage 1/2: warm start — SFT on {task_args.warmstart_steps * task_args.warmstart_batch_size} "
+        f"{'solved' if own else 'synthetic tool-use'} traces ({task_args.warmstart_steps} steps{errors}){then}"
+    )
+
+
 def _async_warm_start(task, task_args, training_args, model_path: str, peft_config) -> str:
     """Stage 1 of `trainer: async_grpo` with `warmstart_steps`: the synchronous pipeline's SFT warm start, its adapter
     merged into a model folder (`output_dir/warmstart-merged`) that the vLLM server serves and the asynchronous
@@ -382,10 +382,7 @@ def _async_warm_start(task, task_args, training_args, model_path: str, peft_conf
         _stage(f"Stage 1/2: warm start — reusing the merged model in {folder} (resumed run)")
         return folder
     model, tokenizer = _load(model_path, {"dtype": training_args.dtype})
-    _stage(
-        f"Stage 1/2: warm start — SFT on {task_args.warmstart_steps * task_args.warmstart_batch_size} synthetic "
-        f"tool-use traces ({task_args.warmstart_steps} steps), merged into a model folder for the vLLM server"
-    )
+    _stage(_warm_start_title(task, task_args, ", merged into a model folder for the vLLM server"))
     result = _warm_start(model, tokenizer, task, task_args, training_args, peft_config)
     losses = [e["loss"] for e in result.log_history if "loss" in e]
     state = PartialState()

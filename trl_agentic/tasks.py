@@ -14,6 +14,9 @@ from datasets import Dataset
 from .field_checks import check_finite
 
 TASKS = ("calculator", "python", "textworld", "logsearch", "bfcl")
+# The tasks whose warm start uses their own solved episodes (`Task.make_traces`), not the arithmetic trace generator:
+# they write no rejected calls (`warmstart_error_fraction` does nothing there).
+OWN_TRACE_TASKS = ("textworld", "logsearch", "bfcl")
 
 PYTHON_SYSTEM_PROMPT = (
     "Solve the math problem. Use the `python` tool to compute (print the result), then give the final answer on its "
@@ -260,7 +263,7 @@ class TaskArguments:
             raise ValueError(f"`warmstart_learning_rate` must be positive, got {self.warmstart_learning_rate}.")
         if not 0.0 <= self.warmstart_error_fraction <= 1.0:
             raise ValueError(f"`warmstart_error_fraction` must be in [0, 1], got {self.warmstart_error_fraction}.")
-        if self.warmstart_error_fraction and self.task in ("textworld", "logsearch", "bfcl"):
+        if self.warmstart_error_fraction and self.task in OWN_TRACE_TASKS:
             warnings.warn(
                 f"`warmstart_error_fraction` has no effect with `task: {self.task}`: its warm-start traces are the "
                 "task's own solved episodes, without rejected calls (only the arithmetic tasks' generator writes them).",

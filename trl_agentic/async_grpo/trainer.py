@@ -75,6 +75,17 @@ _ADVANTAGE_FIELDS = (
 _WORKER_FIELDS = (*AGENTIC_LOOP_FIELDS, "mask_truncated_completions")
 
 
+def check_before_model(args: AsyncAgenticGRPOConfig, advantage_estimator=None):
+    """The checks that import user code: run by the trainer before TRL loads the model, and by `trl-agentic train`
+    before its warm start and vLLM server. Returns the estimator the stage runs (a callable passed to the trainer
+    takes precedence over the config's name), None for TRL's own advantages."""
+    # Imported in the worker's child, where an error reaches only the child's stderr: checked here first.
+    snapshot_reward(args.snapshot_reward_func)
+    if args.advantage_estimator != "grpo" or advantage_estimator is not None:
+        return resolve_estimator(advantage_estimator or args.advantage_estimator)
+    return None
+
+
 def _use_agentic_loop(worker, what: str) -> None:
     """Make TRL's rollout worker spawn `AgenticAsyncRolloutLoop` (its `start()` reads `_loop_cls`): only in place of
     TRL's own loop, not of a subclass with other arguments (the OpenEnv harness's)."""
@@ -194,11 +205,7 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
         if not isinstance(model, str):
             raise TypeError("AsyncAgenticGRPOTrainer takes the model as a name or folder (the vLLM server serves it).")
         _refuse_environment_rewards(reward_funcs)
-        # Imported in the worker's child, where an error reaches only the child's stderr: checked here first.
-        snapshot_reward(args.snapshot_reward_func)
-        estimator = None  # resolved before TRL loads the model: an import path that does not import fails here
-        if args.advantage_estimator != "grpo" or advantage_estimator is not None:
-            estimator = resolve_estimator(advantage_estimator or args.advantage_estimator)
+        estimator = check_before_model(args, advantage_estimator)
         if args.tracin_enabled and peft_config is None:
             raise ValueError("`tracin_enabled=True` needs a PEFT LoRA policy: pass `peft_config` (a `LoraConfig`).")
         if args.enable_context_snapshots:
