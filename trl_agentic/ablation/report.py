@@ -83,7 +83,7 @@ def _interval(iv: stats.Interval, sign: bool = False) -> str:
 def comparison_stats(cells: dict, c: design.Comparison, metric: str = "sampled") -> dict:
     """The paired comparison over the seeds both arms have: per-seed differences of the arms' mean success, the t
     interval, the MDE at the observed sd, the seeds that would reach the minimum effect, and the verdict."""
-    seeds = sorted(s for (t, s, a) in cells if t == c.task and a == c.a and (t, s, c.b) in cells)
+    seeds = _paired_seeds(cells, c)
     a = [_mean(cells[c.task, s, c.a][metric]) for s in seeds]
     b = [_mean(cells[c.task, s, c.b][metric]) for s in seeds]
     if not seeds:  # the MDE the design planned for (sd `PLANNING_SD` over the pre-registered seeds)
@@ -112,13 +112,18 @@ def comparison_stats(cells: dict, c: design.Comparison, metric: str = "sampled")
     }
 
 
+def _paired_seeds(cells: dict, c: design.Comparison) -> list[int]:
+    """The seeds both arms of the comparison have: the unit of every paired figure of its row."""
+    return sorted(s for (t, s, a) in cells if t == c.task and a == c.a and (t, s, c.b) in cells)
+
+
 def _peak(cells: dict, c: design.Comparison) -> str:
-    """Mean peak context (tokens) of each arm over its seeds' sampled evaluations."""
+    """Mean peak context (tokens) of each arm's sampled evaluations, over the seeds the comparison pairs (an arm's
+    other seeds would make the two means differ by which seeds they cover)."""
     means = []
+    seeds = _paired_seeds(cells, c)
     for name in (c.a, c.b):
-        values = [
-            cell.get("sampled_peak_context_tokens") for (t, _, a), cell in cells.items() if t == c.task and a == name
-        ]
+        values = [cells[c.task, s, name].get("sampled_peak_context_tokens") for s in seeds]
         values = [v for v in values if v is not None]
         means.append(f"{_mean(values):.0f}" if values else "–")
     return " / ".join(means)
@@ -256,7 +261,7 @@ def render_results(
         "their kind, `Arm.warm_start`, and are evaluated on the same problems); intervals are Student t over seeds; MDE is the minimum detectable "
         f"effect at the observed sd (alpha {design.ALPHA}, power {design.POWER}); *seeds for {design.MIN_EFFECT}* is "
         "how many seeds that sd needs to detect the minimum effect worth detecting; *peak context* is each arm's mean "
-        "longest context in a sampled evaluation episode (the snapshot claim: the same success in a smaller context). "
+        "(over the compared seeds) longest context in a sampled evaluation episode (the snapshot claim: the same success in a smaller context). "
         "Only the comparisons marked (primary) were named in advance; the others are not corrected for "
         "multiplicity, so one of them whose interval excludes zero is weaker evidence than its verdict reads.",
         "",
