@@ -1,6 +1,8 @@
 """BFCL multi-turn environment: official schemas, tool groups, user turns, ground-truth replay, rollback."""
 
+import ast
 import copy
+import json
 
 import pytest
 from transformers.utils import get_json_schema
@@ -79,7 +81,7 @@ def test_tool_call_reaches_the_api_with_the_models_arguments():
     task = get_task("multi_turn_base_0")
     env = environment_class(tool_group(task))()
     env.reset(bfcl_id=task.id)
-    assert env.cd(folder="document") == {"current_working_directory": "document"}
+    assert env.cd(folder="document") == json.dumps({"current_working_directory": "document"})  # as BFCL writes it
     # The API reports a failure as a returned {"error": ...}: raised as a typed error, rendered by TRL as the same
     # text, counted as a failed call by both loops (a returned value never is).
     api = env._apis[env._owners["mv"]]
@@ -196,7 +198,7 @@ def test_a_long_context_episode_and_its_verdicts_leave_later_episodes_as_they_we
     api = env._apis["TravelAPI"]
     booking = dict(card_id=card, travel_date="2024-12-15", travel_from="SFO", travel_to="LAX", travel_class="economy")
     before = checkpoint_env(env)
-    assert env.book_flight(access_token=api.access_token, **booking)["booking_status"]
+    assert json.loads(env.book_flight(access_token=api.access_token, **booking))["booking_status"]
     assert env._apis["TravelAPI"].credit_card_list[card]["balance"] < official  # charged in this episode
     restore_env(env, before)
     conversation = [
@@ -285,7 +287,7 @@ def test_the_api_never_aliases_the_calls_arguments():
     env = environment_class(tool_group(task))()
     env.reset(bfcl_id=task.id)
     arguments = {"content": "Up!", "tags": ["#TechBoom"], "mentions": ["@industryexperts"]}
-    tweet = env.post_tweet(**arguments)
+    tweet = json.loads(env.post_tweet(**arguments))
     env.mention(tweet_id=tweet["id"], mentioned_usernames=["@technewsworld"])
     assert arguments["mentions"] == ["@industryexperts"]
     assert env._apis["TwitterAPI"].tweets[tweet["id"]]["mentions"] == ["@industryexperts", "@technewsworld"]
@@ -352,3 +354,46 @@ def test_a_fresh_instance_restored_from_a_checkpoint_continues_the_episode():
     assert old._turn_calls[-1] == []  # the retired instance is untouched
     with pytest.raises(AttributeError):
         _ = new.cp  # a hidden function no user turn added is not an attribute
+
+
+def _first_task_calling(name: str, categories=("base", "long_context")) -> str:
+    return next(
+        t.id
+        for c in categories
+        for t in load_tasks(c)
+        if any(call.startswith(name + "(") for calls in t.ground_truth for call in calls)
+    )
+
+
+@pytest.mark.parametrize(
+    "function",
+    ["list_all_airports", "get_watchlist", "ls", "cd", "sort", "post_tweet", "get_ticket", "get_stock_info"],
+)
+def test_tool_results_are_the_text_bfcls_executor_shows(function):
+    """Every ground-truth call's tool message is what BFCL's executor feeds back for it. A list came back as it was:
+    TRL passes a list on as content blocks, and the chat template rendered an empty `<tool_response>`."""
+    from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
+
+    from trl_agentic.envs.bfcl.data import long_context_module_state_kept
+
+    task = get_task(_first_task_calling(function))
+    episode = play_ground_truth(task)
+    ours = [m["content"] for m in episode.messages if m["role"] == "tool"]
+    calls = [call for turn in task.ground_truth for call in turn]
+    try:
+        with long_context_module_state_kept():
+            official, _ = multi_turn_utils.execute_multi_turn_func_call(
+                calls, task.initial_config, task.involved_classes, "test_results", task.id,
+                long_context=task.long_context, is_evaL_run=True,
+            )  # fmt: skip
+    finally:
+        for key in [k for k in vars(multi_turn_utils) if k.startswith("test_results_")]:
+            del vars(multi_turn_utils)[key]
+    assert len(ours) == len(official) == len(calls)
+    shown = [c for c, call in zip(ours, calls) if call.startswith(function + "(")]
+    assert shown and all(isinstance(c, str) and c.strip() for c in shown)
+    for content, expected, call in zip(ours, official, calls):
+        if content.startswith("{'error'"):  # a failure: TRL's rendering of the same error (docs/bfcl.md)
+            assert ast.literal_eval(content) == json.loads(expected), call
+        else:
+            assert content == expected, call

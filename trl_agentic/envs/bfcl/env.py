@@ -10,9 +10,11 @@ An episode (`reset(bfcl_id=...)`):
 
 - the task's API classes are instantiated from its `initial_config`, as the official checker does;
 - each tool call runs the API method with the model's arguments, unchanged, and is recorded (as the call string the
-  checker reads) under the current user turn; the method's return value is the tool result (TRL shows its `str`),
-  except a `{"error": "..."}` dict, the APIs' way of reporting a failure: it is raised as a `ToolCallError` of type
-  `"ToolError"`, which TRL renders as the same text and both loops count as a failed call (a returned value never is);
+  checker reads) under the current user turn; the method's return value is the tool result, as text the way BFCL's
+  executor writes it (`execution_text`: a dict as JSON; a list as its `str`, where TRL would pass it on as content
+  blocks, an empty response), except a `{"error": "..."}` dict, the APIs' way of reporting a failure: it is raised as
+  a `ToolCallError` of type `"ToolError"`, which TRL renders as `str({"error": ...})` and both loops count as a
+  failed call (a returned value never is; BFCL's executor writes the same dict as JSON);
 - when the assistant ends a turn without tool calls, `_next_user_turn` moves to the next user message, or ends the
   conversation after the last one. In `miss_func` tasks a function held out so far becomes available at its turn:
   BFCL's message for that turn ("I have updated some more functions...") is sent with the function's schema in front
@@ -39,6 +41,21 @@ from .calls import format_call, run_call
 from .checker import official_verdict, turn_credit
 from .data import BFCLTask, build_api_instances, function_docs, get_task
 from .schema import make_tool_function
+
+
+def execution_text(result: Any) -> str:
+    """A returned value as BFCL's executor shows it to the model (`multi_turn_utils.execute_multi_turn_func_call`): a
+    string as it is, a dict as JSON (its `str` when not serialisable), anything else as its `str`. Returned as is, a
+    list would reach the chat template as content blocks, which render as an empty tool response."""
+    if isinstance(result, str):
+        return result
+    if isinstance(result, dict):
+        try:
+            return json.dumps(result)
+        except (TypeError, ValueError):  # an object inside, a circular reference
+            return str(result)
+    return str(result)
+
 
 # BFCL's own user message at a `miss_func` turn (bfcl_eval.constants.default_prompts, FC variant).
 ADDITIONAL_FUNCTION_PROMPT = "I have updated some more functions you can choose from. What about now?"
@@ -140,7 +157,7 @@ class BFCLEnv:
         if isinstance(result, dict) and set(result) == {"error"} and isinstance(result["error"], str):
             # The API's failure report: raised, so that the loops count it (TRL renders `str({"error": message})`).
             raise ToolCallError(result["error"], error_type=API_ERROR)
-        return result
+        return execution_text(result)
 
     # -- several user turns ----------------------------------------------------------------------------------------
     def _next_user_turn(self, assistant_message: dict) -> str | UserTurn | None:
