@@ -147,3 +147,32 @@ def test_validate_rejects_a_peft_model_without_lora(kit):
 def test_validate_rejects_dora(kit):
     with pytest.raises(ValueError, match="variant"):
         validate_tracin_model(kit.make_lora_model(target_modules=["q_proj"], use_dora=True))
+
+
+def test_validate_rejects_lora_that_never_calls_its_lora_a_module(kit, monkeypatch):
+    """`target_parameters` (MoE experts) gives PEFT `ParamWrapper`s, whose forward builds the weight from lora_A and
+    lora_B without calling them: they were accepted, left out of every score, and never trained by the fused step."""
+    from trl_agentic.tracin import layers
+    from trl_agentic.tracin.hooks import LoraGhostHooks
+
+    model = kit.make_lora_model(
+        lora_dropout=0.0, target_modules=["q_proj"], target_parameters=["mlp.down_proj.weight"]
+    )
+    with pytest.raises(ValueError, match="ParamWrapper.*target_parameters"):
+        validate_tracin_model(model)
+    # A layer type not listed is caught when it runs: no silent zero gradient.
+    monkeypatch.setattr(layers, "_WEIGHT_LEVEL_LAYERS", ())
+    batch = kit.train_batch()
+    with (
+        LoraGhostHooks(model) as hooks,
+        hooks.record(),
+        pytest.raises(RuntimeError, match="without calling its lora_A"),
+    ):
+        kit.per_sample_policy_losses(kit.completion_logps(model, batch), batch, "grpo")
+    # The plain LoRA of the same model is hooked as before.
+    plain = kit.make_lora_model(lora_dropout=0.0, target_modules=["q_proj", "down_proj"])
+    with LoraGhostHooks(plain) as hooks:
+        with hooks.record():
+            kit.per_sample_policy_losses(kit.completion_logps(plain, batch), batch, "grpo")
+        assert hooks.num_pending == len(hooks.layers) == 4
+        hooks.reset()

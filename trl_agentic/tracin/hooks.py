@@ -177,6 +177,7 @@ class LoraGhostHooks:
             self._handles.append(ref.lora_A.register_forward_hook(self._forward_hook(ref)))
             self._handles.append(ref.lora_A.register_forward_pre_hook(self._recompute_hook(ref)))
             self._handles.append(ref.lora_B.register_full_backward_hook(self._backward_hook(ref)))
+            self._handles.append(ref.layer.register_forward_hook(self._layer_hook(ref)))
 
     # ----------------------------------------------------------------------------------------------- lifecycle
 
@@ -263,6 +264,23 @@ class LoraGhostHooks:
                         dtype = _accumulation_dtype(x.dtype)
                         capture.x_proj = x.to(dtype) @ direction[ref.name].A.to(dtype=dtype, device=x.device).T
             self._pending[ref.name] = capture
+
+        return hook
+
+    def _layer_hook(self, ref: LoraModuleRef):
+        # Every gradient is read from lora_A's input and lora_B's output: a LoRA layer whose forward ran without
+        # calling lora_A (a PEFT layer type `find_lora_layers` does not know) would be silently left out.
+        def hook(module: nn.Module, args: tuple, output) -> None:
+            if not self.recording or self._in_backward or _inside_backward() or not torch.is_grad_enabled():
+                return
+            if ref.layer.disable_adapters or self.adapter_name not in ref.layer.active_adapters:
+                return
+            if ref.name not in self._pending and ref.name not in self._kept:
+                raise RuntimeError(
+                    f"LoRA layer '{ref.name}' ({type(ref.layer).__name__}) ran without calling its lora_A module: its "
+                    "gradient cannot be read from the hooks, so TracIn cannot score or train it. TracIn supports "
+                    "LoRA layers computing `lora_B(lora_A(dropout(x)))` (PEFT's Linear)."
+                )
 
         return hook
 

@@ -58,6 +58,10 @@ def active_lora_adapter(model: nn.Module) -> str:
     return active.pop()
 
 
+# PEFT LoRA layers whose forward merges B @ A into a weight instead of calling `lora_B(lora_A(x))` (peft 0.21).
+_WEIGHT_LEVEL_LAYERS = ("ParamWrapper", "MultiheadAttention")
+
+
 def find_lora_layers(model: nn.Module, adapter_name: str | None = None) -> list[LoraModuleRef]:
     """List the LoRA linear layers of one adapter, in module order, and reject layouts the hooks cannot score.
 
@@ -73,8 +77,9 @@ def find_lora_layers(model: nn.Module, adapter_name: str | None = None) -> list[
         One `LoraModuleRef` per LoRA layer that carries `adapter_name` (possibly empty).
 
     Raises:
-        ValueError: On an embedding / convolution LoRA layer, a LoRA variant (DoRA, ...), `lora_bias=True`, or a
-            merged adapter.
+        ValueError: On an embedding / convolution LoRA layer, a layer that never calls its lora_A module
+            (`target_parameters`, multi-head attention), a LoRA variant (DoRA, ...), `lora_bias=True`, or a merged
+            adapter.
     """
     lora_layer_cls = _lora_layer_class()
     adapter = active_lora_adapter(model) if adapter_name is None else adapter_name
@@ -86,6 +91,13 @@ def find_lora_layers(model: nn.Module, adapter_name: str | None = None) -> list[
             raise ValueError(f"LoRA layer '{name}' is an embedding LoRA, which TracIn influence does not support.")
         if adapter not in module.lora_A:
             continue
+        if type(module).__name__ in _WEIGHT_LEVEL_LAYERS:
+            raise ValueError(
+                f"LoRA layer '{name}' is a PEFT {type(module).__name__} (e.g. `LoraConfig(target_parameters=...)` on "
+                "MoE experts), whose forward builds its weight from lora_A/lora_B without calling them: the hooks "
+                "never see it, so its rows' influence would be left out and the fused step would not train it. "
+                "TracIn supports LoRA on linear modules (`target_modules`)."
+            )
         lora_A, lora_B = module.lora_A[adapter], module.lora_B[adapter]
         if type(lora_A) is not nn.Linear or type(lora_B) is not nn.Linear:
             raise ValueError(
