@@ -24,8 +24,10 @@ def _population_variance(values):
 @given(
     st.lists(st.sampled_from([0.0, 0.1, 0.5, 1.0, -0.5, 1.1]), min_size=1, max_size=8),
     st.integers(1, 8),
+    st.sampled_from([1.0, 1e-6, 1e3]),  # at 1e-6 an absolute tie tolerance of 1e-12 called every split tied
 )
-def test_max_variance_subset_is_as_good_as_every_subset(rewards, m):
+def test_max_variance_subset_is_as_good_as_every_subset(rewards, m, scale):
+    rewards = [r * scale for r in rewards]
     chosen = max_variance_subset(rewards, m)
     if len(rewards) <= m:
         assert chosen == list(range(len(rewards)))
@@ -34,7 +36,7 @@ def test_max_variance_subset_is_as_good_as_every_subset(rewards, m):
     best = max(
         _population_variance([rewards[k] for k in subset]) for subset in itertools.combinations(range(len(rewards)), m)
     )
-    assert _population_variance([rewards[k] for k in chosen]) == pytest.approx(best, abs=1e-12)
+    assert _population_variance([rewards[k] for k in chosen]) == pytest.approx(best, rel=1e-9, abs=1e-12 * scale**2)
 
 
 def test_max_variance_subset_by_hand():
@@ -45,6 +47,8 @@ def test_max_variance_subset_by_hand():
     assert max_variance_subset([1.0] * 5, 2) == [3, 4]
     # NaN rewards are never chosen.
     assert max_variance_subset([math.nan, 0.0, 1.0, math.nan], 2) == [1, 2]
+    # Small rewards are compared, not called tied (the top two, variance 1.6e-13, won over 2.5e-13).
+    assert max_variance_subset([0.0, 0.1e-6, 0.2e-6, 1e-6], 2) == [0, 3]
     with pytest.raises(ValueError):
         max_variance_subset([0.0], 0)
 

@@ -73,10 +73,12 @@ def max_variance_subset(rewards: Sequence[float], m: int) -> list[int]:
     if len(order) <= m:
         return sorted(order)
     best, best_variance = None, -1.0
+    # Ties within rounding, relative to the rewards' scale (an absolute 1e-12 called rewards of 1e-6 all tied).
+    tolerance = 1e-12 * max(abs(rewards[k]) for k in order) ** 2
     for low in range(m + 1):  # the `low` lowest and the `m - low` highest
         chosen = order[:low] + order[len(order) - (m - low) :]
         variance = _variance([rewards[k] for k in chosen])
-        if variance > best_variance + 1e-12 or best is None:
+        if variance > best_variance + tolerance or best is None:
             best, best_variance = chosen, variance
     return sorted(best)
 
