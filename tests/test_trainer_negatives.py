@@ -268,6 +268,16 @@ def test_logged_completions_show_what_is_trained(tiny_model_dir, tiny_tokenizer,
     assert len(logs["prompt"]) == len(logs["completion"]) == len(logs["rewards"]["total_reward"]) == 5
     # With the negative in the baseline ("all_rows"), TRL's pre-augmentation advantages were different.
     assert any(a != b for a, b in zip(trained[:4], [0.0] * 4))
+    # A later batch without extra rows shows its own rows only: the columns grown for the negative kept it in front of
+    # them, and `row_kind` kept the first batch's labels.
+    trainer.args.save_negative_samples = False
+    trainer._generate_and_score_completions(rows)
+    assert list(logs["extra"]["row_kind"]) == ["regular"] * 4
+    assert len(logs["prompt"]) == len(logs["completion"]) == len(logs["advantages"]) == 4
+    assert len(logs["rewards"]["total_reward"]) == 4
+    assert not any(
+        m.get("role") == "tool" and "integer" in str(m.get("content")) for c in logs["completion"] for m in c
+    )
 
 
 def test_every_process_saves_and_restores_its_own_rng(tiny_model_dir, tiny_tokenizer, tmp_path):

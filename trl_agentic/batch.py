@@ -744,23 +744,24 @@ class BatchAugmenter:
         for k, start in enumerate(starts):
             if start:
                 logs["completion"][first + k] = logs["completion"][first + k][start:]
-        if not extras:
-            return
-        size = n + len(extras)  # this generation batch, extra rows included
-        columns = [logs["prompt"], logs["completion"], logs["advantages"], *logs["rewards"].values()]
-        grown = [deque(column, maxlen=max(size, column.maxlen or 0)) for column in columns]
-        logs["prompt"], logs["completion"], logs["advantages"] = grown[:3]
-        logs["rewards"].update(zip(list(logs["rewards"]), grown[3:]))
-        for prompt, completion, value, _ in extras:
-            logs["prompt"].append(prompt)
-            logs["completion"].append(completion)
-            logs["advantages"].append(value)
-            for column in logs["rewards"].values():
-                column.append(math.nan)  # an extra row has one reward, not one per reward function
+        # Every column is rebuilt at every batch: this batch's n rows (TRL just appended them), then the extra rows.
+        # A column grown for an earlier batch's extra rows would otherwise keep them in front of a later batch's rows
+        # (TRL appends n rows to a deque sized for more), under the later step and shifted `row_kind` labels.
+        size = max(n + len(extras), t.args.generation_batch_size)  # never smaller than TRL's next batch
+
+        def rebuilt(column, tail):
+            return deque([*list(column)[max(len(column) - n, 0) :], *tail], maxlen=size)
+
+        logs["prompt"] = rebuilt(logs["prompt"], [prompt for prompt, *_ in extras])
+        logs["completion"] = rebuilt(logs["completion"], [completion for _, completion, *_ in extras])
+        logs["advantages"] = rebuilt(logs["advantages"], [value for *_, value, _ in extras])
+        for name in list(logs["rewards"]):  # an extra row has one reward, not one per reward function
+            logs["rewards"][name] = rebuilt(logs["rewards"][name], [math.nan] * len(extras))
         for name in list(logs["extra"]):
-            logs["extra"][name] = deque([*logs["extra"][name], *([None] * len(extras))], maxlen=size)
-        kinds = ["regular"] * (len(logs["prompt"]) - len(extras)) + [kind for *_, kind in extras]
-        logs["extra"]["row_kind"] = deque(kinds, maxlen=len(kinds))
+            if name != "row_kind":
+                logs["extra"][name] = rebuilt(logs["extra"][name], [None] * len(extras))
+        if extras or "row_kind" in logs["extra"]:
+            logs["extra"]["row_kind"] = deque(["regular"] * n + [kind for *_, kind in extras], maxlen=size)
 
     def _log_metrics(self, mode: str, batch: dict, loop_result, group_t: torch.Tensor, kind_t: torch.Tensor) -> None:
         t = self.trainer
