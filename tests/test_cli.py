@@ -224,3 +224,27 @@ def test_every_process_of_an_async_run_enters_the_held_out_evaluation(tmp_path, 
     assert main(argv) == 0
     assert entered == ["after training"]
     assert not (out / "eval_results.json").exists()
+
+
+@pytest.mark.parametrize(
+    "values,expected",
+    [
+        ({}, "4"),
+        ({"steps_per_generation": 1, "gradient_accumulation_steps": 4}, "16"),  # read 4 (one micro-batch's)
+        ({"steps_per_generation": 4, "gradient_accumulation_steps": 2}, "8"),  # read 16 (two steps' generation)
+        ({"num_iterations": 2, "gradient_accumulation_steps": 2}, "4"),  # each rollout is trained on twice
+    ],
+)
+def test_rollouts_per_step_are_a_steps_fresh_rollouts(values, expected):
+    """A step trains `gradient_accumulation_steps` micro-batches; TRL generates `generation_batch_size` rollouts every
+    `steps_per_generation` micro-batches, each trained on `num_iterations` times."""
+    from trl_agentic import AgenticGRPOConfig
+    from trl_agentic.cli import _rollouts_per_step
+
+    args = AgenticGRPOConfig(
+        output_dir="unused", use_cpu=True, per_device_train_batch_size=4, num_generations=4, **values
+    )
+    assert _rollouts_per_step(args) == expected
+    # TRL's own numbers: a generation batch feeds steps_per_generation / GA steps, num_iterations times over.
+    steps_per_batch = args.steps_per_generation * args.num_iterations / args.gradient_accumulation_steps
+    assert float(expected) == args.generation_batch_size / steps_per_batch

@@ -279,9 +279,12 @@ def _check_context_deletion(task_args, training_args) -> None:
         )
 
 
-def _rollouts_per_step(args) -> int:
-    """Rollouts generated per optimizer step (TRL's generation batch; with `num_iterations=1`)."""
-    return args.per_device_train_batch_size * getattr(args, "steps_per_generation", 1) * args.world_size
+def _rollouts_per_step(args) -> str:
+    """Fresh rollouts per optimizer step: a step trains `gradient_accumulation_steps` micro-batches on every process,
+    and each generation batch is trained on `num_iterations` times (TRL's generation batch spans
+    `steps_per_generation` micro-batches, which need not be one step's)."""
+    rows = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    return f"{rows / getattr(args, 'num_iterations', 1):g}"
 
 
 def train_async(task_args, training_args, model_args):
