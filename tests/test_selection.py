@@ -154,6 +154,26 @@ def test_random_selection_trains_on_the_kept_rows_alone(tiny_model_dir, tmp_path
     assert trainer._metrics["train"]["selection/num_kept"] == [4.0]
 
 
+def test_random_selection_draws_anew_for_each_generation_batch_of_a_step(tiny_model_dir, tmp_path):
+    """With `steps_per_generation` < `gradient_accumulation_steps` a step generates several batches: each drew the
+    same rows (the seed was the run's and the step's only). The first batch of a step keeps its draw."""
+    full, dataset = _trainer(tiny_model_dir, tmp_path / "full")
+    torch.manual_seed(0)
+    batch = full._generate_and_score_completions(list(dataset))
+    trainer, _ = _trainer(tiny_model_dir, tmp_path / "random", row_selection="random", row_selection_fraction=0.4)
+    trainer._last_rewards_per_func = full._last_rewards_per_func
+    trainer.current_gradient_accumulation_steps = 3
+    draws = []
+    for micro_step in range(3):  # one step (global_step 0), three generation batches
+        trainer._step = micro_step
+        selected = trainer._select_rows(dict(batch))
+        draws.append(tuple(((selected["tool_mask"] * selected["completion_mask"]).sum(1) > 0).tolist()))
+    assert all(sum(d) == 4 for d in draws) and len(set(draws)) == 3
+    rewards = trainer._augmenter.last_regular_rewards
+    values = (rewards if rewards is not None else full._last_rewards_per_func.sum(1)).tolist()
+    assert list(draws[0]) == random_rows(values, 0.4, 3 * 1_000_003)  # the seed every recorded run used
+
+
 def test_successful_selection_is_sft_on_the_successful_rollouts(tiny_model_dir, tmp_path):
     """RFT: the gradient of TRL's dapo loss on the selected batch equals the gradient of the mean negative
     log-likelihood of the successful completions' tokens, computed here with a plain forward pass."""

@@ -58,7 +58,10 @@ class RowSelectionMixin:
         start = self.accelerator.process_index * n_local
         values = rewards.tolist()
         if mode == "random":
-            seed = int(self.args.seed) * 1_000_003 + int(self.state.global_step)  # the same rows on every process
+            # The same rows on every process. With `steps_per_generation` < `gradient_accumulation_steps` one step
+            # draws several generation batches: each its own draw (the micro-step within the step; 0 otherwise).
+            within = int(self._step) % max(int(getattr(self, "current_gradient_accumulation_steps", 1)), 1)
+            seed = int(self.args.seed) * 1_000_003 + int(self.state.global_step) + within * 7_919_993
             kept = random_rows(values, self.args.row_selection_fraction, seed)
         elif mode == "successful":
             kept = successful_rows(values, self.args.row_selection_threshold)
