@@ -235,6 +235,42 @@ def test_max_variance_selection_keeps_the_highest_variance_rows_with_their_own_a
 @pytest.mark.parametrize(
     "selection",
     [
+        {"row_selection": "max_variance", "row_selection_keep": 3},
+        {"row_selection": "successful", "row_selection_threshold": 3.0},
+        {"row_selection": "random", "row_selection_fraction": 0.4},
+    ],
+)
+def test_the_trajectory_report_shows_what_row_selection_trained(tiny_model_dir, tmp_path, selection):
+    """The recorder read the batch before `row_selection` ran: every row showed as trained, with the advantage GRPO
+    gave it (the selected batch trains `max_variance`'s recomputed advantages and `successful`'s 1/0)."""
+    from trl_agentic.reporting import TrajectoryRecorder
+
+    trainer, dataset = _trainer(tiny_model_dir, tmp_path, **selection)
+    recorder = TrajectoryRecorder(trainer.processing_class).attach(trainer)
+    torch.manual_seed(2)
+    batch = trainer._generate_and_score_completions(list(dataset))
+    assert recorder.errors == [] and len(recorder.trajectories) == 8
+    trained = [t for t in recorder.trajectories if not t["not_trained"]]
+    dropped = [t for t in recorder.trajectories if t["not_trained"]]
+    assert all(t["not_selected"] == selection["row_selection"] for t in dropped)
+    assert not any("not_selected" in t for t in trained)
+    loss_rows = (batch["completion_mask"] * batch.get("tool_mask", 1)).sum(1) > 0
+    assert len(trained) == int(loss_rows.sum()) == int(batch["num_rows_in_batch"]) and dropped
+    # The trained rows' advantages as the loss gets them, matched by completion text.
+    tok = trainer.processing_class
+    texts = tok.batch_decode(
+        [ids[m.bool()] for ids, m in zip(batch["completion_ids"], batch["completion_mask"])], skip_special_tokens=True
+    )
+    loss_advantages = {texts[k]: batch["advantages"][k].item() for k in loss_rows.nonzero().flatten().tolist()}
+    for t in trained:
+        text = "".join(seg["text"] for seg in t["segments"])
+        text = tok.decode(tok(text, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+        assert t["advantage"] == pytest.approx(loss_advantages[text], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "selection",
+    [
         {"row_selection": "random", "row_selection_fraction": 0.5},
         {"row_selection": "max_variance", "row_selection_keep": 2},
     ],

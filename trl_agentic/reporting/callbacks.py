@@ -221,7 +221,8 @@ def describe_segments(segments: list[dict], failed: list[bool] | None = None) ->
 
 
 class _RecordingAugmenter:
-    """Wraps the trainer's `BatchAugmenter`: calls it, then hands the finished batch to the recorder."""
+    """Wraps the trainer's `BatchAugmenter`: calls it, then hands the finished batch to the recorder, which records it
+    once `row_selection` has run (`TrajectoryRecorder.attach`)."""
 
     def __init__(self, inner, recorder: TrajectoryRecorder, trainer):
         self._inner = inner
@@ -231,12 +232,10 @@ class _RecordingAugmenter:
     def __call__(self, output, inputs, rewards_per_func, loop_result):
         batch = self._inner(output, inputs, rewards_per_func, loop_result)
         tool_masks, self._recorder._tool_masks = self._recorder._tool_masks, None  # this batch's, if any
-        try:
-            # Training batches only: not evaluation, nor TracIn's validation rollouts (made during the training step).
-            if self._trainer.model.training and not getattr(self._trainer, "_tracin_validating", False):
-                self._recorder.record(self._trainer, batch, inputs, rewards_per_func, loop_result, tool_masks)
-        except Exception as e:  # noqa: BLE001 - the report must never break training
-            self._recorder.errors.append(f"{type(e).__name__}: {e}")
+        self._recorder._pending = None
+        # Training batches only: not evaluation, nor TracIn's validation rollouts (made during the training step).
+        if self._trainer.model.training and not getattr(self._trainer, "_tracin_validating", False):
+            self._recorder._pending = (batch, inputs, rewards_per_func, loop_result, tool_masks)
         return batch
 
     def __getattr__(self, name):
@@ -260,8 +259,10 @@ class TrajectoryRecorder(TrainerCallback):
 
     A rollout TRL masked (`mask_truncated_completions`: truncated, not trained) is recorded up to its padding, with
     `masked` set. Another row that is not trained (`counted_row` False: a rollout lost to infrastructure, or an earlier
-    snapshot segment of an episode whose last segment is not trained) has `not_trained` set, and its turns are shown
-    from the loop's masks (the batch's tool mask is zeroed for it).
+    snapshot segment of an episode whose last segment is not trained; or a rollout `row_selection` left out, with
+    `not_selected` naming the rule) has `not_trained` set, and its turns are shown from the loop's masks (the batch's
+    tool mask is zeroed for it). Rows are recorded after `row_selection`, with the advantages it gave them. TracIn's
+    selection is made later, inside the training step, and is not shown per row (its `tracin/*` metrics count it).
 
     Args:
         tokenizer: The policy's tokenizer.
@@ -278,6 +279,7 @@ class TrajectoryRecorder(TrainerCallback):
         self._batch = 0
         self._kept = 0
         self._tool_masks = None  # the tool loop's masks of the batch being made (see `attach`)
+        self._pending = None  # the augmented batch, recorded once row selection has run (see `attach`)
 
     def attach(self, trainer) -> TrajectoryRecorder:
         """Start recording the trainer's batches (wraps `trainer._augmenter`, adds this callback)."""
@@ -294,12 +296,31 @@ class TrajectoryRecorder(TrainerCallback):
                 return out
 
             trainer._tool_call_loop = recording_tool_call_loop
+            select_rows = trainer._select_rows
+
+            def recording_select_rows(batch):
+                # `row_selection` runs last, on the augmented batch: its rows are recorded as selected (trained, with
+                # the advantages the selection gave them) or not.
+                out = select_rows(batch)
+                pending, self._pending = self._pending, None
+                if pending is not None:
+                    try:
+                        self.record(trainer, *pending, selection=getattr(trainer, "_last_row_selection", None))
+                    except Exception as e:  # noqa: BLE001 - the report must never break training
+                        self.errors.append(f"{type(e).__name__}: {e}")
+                return out
+
+            trainer._select_rows = recording_select_rows
         trainer.add_callback(self)
         return self
 
     # ------------------------------------------------------------------------------------------------------------
-    def record(self, trainer, batch: dict, inputs: list[dict], rewards_per_func, loop_result, tool_masks=None) -> None:
-        """Record a finished training batch (`tool_masks`: the tool loop's per-rollout masks, unpadded, when known)."""
+    def record(
+        self, trainer, batch: dict, inputs: list[dict], rewards_per_func, loop_result, tool_masks=None, selection=None
+    ) -> None:
+        """Record a finished training batch (`tool_masks`: the tool loop's per-rollout masks, unpadded, when known;
+        `selection`: what `row_selection` decided for the batch's rows, `{"mode", "kept", "advantages"}` per local
+        row, when it ran)."""
         if not trainer.accelerator.is_main_process:
             return
         step = trainer.state.global_step + 1  # the batch is generated for the step about to run
@@ -317,7 +338,7 @@ class TrajectoryRecorder(TrainerCallback):
         completion_mask = batch["completion_mask"].tolist()
         tool_mask = batch["tool_mask"].tolist() if "tool_mask" in batch else None
         counted = batch["counted_row"].tolist() if "counted_row" in batch else [True] * len(kinds)
-        advantages = batch["advantages"]
+        advantages = batch["advantages"] if selection is None else selection["advantages"]
         num_local = len(inputs)
         offset = trainer.accelerator.process_index * num_local
         weights = trainer.reward_weights.tolist() if hasattr(trainer, "reward_weights") else None
@@ -340,8 +361,10 @@ class TrajectoryRecorder(TrainerCallback):
                     length -= 1
             ids = completion_ids[r][:length]
             mask = tool_mask[r][:length] if tool_mask is not None else [1] * length
-            # Not trained for another reason than TRL's mask: its tool mask is zeroed (`batch._untrained_rows`).
-            not_trained = not masked and r < len(counted) and not counted[r]
+            # Not trained for another reason than TRL's mask: its tool mask is zeroed (`batch._untrained_rows`), or
+            # `row_selection` left it out.
+            dropped = selection is not None and r < num_local and not bool(selection["kept"][r])
+            not_trained = not masked and ((r < len(counted) and not counted[r]) or dropped)
             # Zeroed: the loop's mask (below for an extra row), else model and environment cannot be told apart.
             zeroed = (masked or not_trained) and not any(mask)
             if zeroed and tool_masks is not None and r < min(num_local, len(tool_masks)):
@@ -357,6 +380,8 @@ class TrajectoryRecorder(TrainerCallback):
                 "masked": masked,
                 "not_trained": not_trained,
             }
+            if dropped:
+                row["not_selected"] = selection["mode"]
             if kind == RowKind.REGULAR and r < num_local:
                 source = inputs[r]
                 row["parent"] = None

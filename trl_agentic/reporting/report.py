@@ -172,12 +172,13 @@ def _badges(t: dict, children: dict[str, list[str]]) -> str:
             'mask zeroed">truncated, masked (not trained)</span>'
         )
     if t.get("not_trained"):
-        why = (
-            "a rollout lost to infrastructure (no reward)"
-            if t.get("kind") == "regular"
-            else "a segment of an episode whose last segment is not trained"
-        )
-        out.append(f'<span class="badge badge-masked" title="{why}: no loss">not trained</span>')
+        if t.get("not_selected"):
+            why = f"left out by row_selection={t['not_selected']}"
+        elif t.get("kind") == "regular":
+            why = "a rollout lost to infrastructure (no reward)"
+        else:
+            why = "a segment of an episode whose last segment is not trained"
+        out.append(f'<span class="badge badge-masked" title="{_e(why)}: no loss">not trained</span>')
     if t.get("kind") == "snapshot" or t.get("segment_index"):
         out.append(f'<span class="badge badge-snapshot">snapshot segment {_e(t.get("segment_index", 0))}</span>')
     for level in t.get("levels") or []:

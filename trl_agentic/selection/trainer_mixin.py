@@ -45,6 +45,8 @@ class RowSelectionMixin:
 
     def _select_rows(self, batch: dict) -> dict:
         mode = self.args.row_selection
+        # What the selection decided for this process's rows (before any is removed), for the trajectory report.
+        self._last_row_selection = None
         if mode == "none" or not self.model.training:
             return batch
         device = batch["completion_mask"].device
@@ -77,11 +79,13 @@ class RowSelectionMixin:
             groups = torch.arange(len(values), device=dropped.device) // self.num_generations
             advantages = group_advantages(dropped, groups, scale=self.scale_rewards)
             batch = dict(batch, advantages=advantages[start : start + n_local].to(device=device, dtype=torch.float32))
+            self._last_row_selection = {"mode": mode, "kept": mine.cpu(), "advantages": batch["advantages"].cpu()}
             rows = _fill_to_multiple(mine, self.args.steps_per_generation)
             taken = _pad_unkept(_take_rows(batch, rows, n_local), mine[rows])
             return self._recount(taken, counted_rows(taken))
         if mode == "successful":
             batch = dict(batch, advantages=mine.to(torch.float32))
+        self._last_row_selection = {"mode": mode, "kept": mine.cpu(), "advantages": batch["advantages"].cpu()}
         masked = dict(batch)
         tool_mask = batch.get("tool_mask", torch.ones_like(batch["completion_mask"]))
         masked["tool_mask"] = tool_mask * mine.unsqueeze(1).to(tool_mask.dtype)
