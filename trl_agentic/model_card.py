@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 CITATIONS = {
     "grpo": (
         "GRPO (DeepSeekMath)",
@@ -123,3 +125,21 @@ def card_section(args, estimator=None, agentic_loop: bool | None = None) -> str:
 def feature_tags(args, estimator=None, agentic_loop: bool | None = None) -> list[str]:
     """The Hub tags: `trl-agentic` and one per feature (arguments as for [`features_used`])."""
     return ["trl-agentic", *[f"trl-agentic-{name}" for name in features_used(args, estimator, agentic_loop)]]
+
+
+class ModelCardMixin:
+    """`create_model_card` for both trainers: TRL's card plus a section naming the trl-agentic features that ran,
+    their settings and citations, with a `trl-agentic-*` tag per feature. Reads `advantage_estimator` (None: the
+    config's) and `_uses_agentic_loop` (what ran, not the config's switches alone: user turns need the loop too)."""
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        ran = {"estimator": self.advantage_estimator, "agentic_loop": self._uses_agentic_loop}
+        super().create_model_card(
+            model_name=model_name, dataset_name=dataset_name, tags=tags + feature_tags(self.args, **ran)
+        )
+        if self.is_world_process_zero():
+            path = os.path.join(self.args.output_dir, "README.md")
+            if os.path.exists(path):
+                with open(path, "a") as f:
+                    f.write(card_section(self.args, **ran))

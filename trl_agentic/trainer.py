@@ -19,7 +19,7 @@ from .estimators import grpo_estimator, resolve_estimator
 from .generation import GenerationMixin
 from .gloo_exit import register_gloo_exit_pause
 from .loss_weights import RowWeightedLossMixin
-from .model_card import card_section, feature_tags
+from .model_card import ModelCardMixin
 from .rollout.context import delete_context
 from .rollout.loop import AgenticRolloutLoop, LoopConfig
 from .rollout.trl_backend import TrainerBackend
@@ -97,7 +97,9 @@ def check_before_model(args: AgenticGRPOConfig, advantage_estimator=None):
     return estimator
 
 
-class AgenticGRPOTrainer(RowSelectionMixin, GenerationMixin, TracInMixin, RowWeightedLossMixin, GRPOTrainer):
+class AgenticGRPOTrainer(
+    ModelCardMixin, RowSelectionMixin, GenerationMixin, TracInMixin, RowWeightedLossMixin, GRPOTrainer
+):
     """
     GRPO trainer for agentic tool use, built on [`~trl.GRPOTrainer`].
 
@@ -280,20 +282,6 @@ class AgenticGRPOTrainer(RowSelectionMixin, GenerationMixin, TracInMixin, RowWei
         return self._select_rows(output)  # `row_selection` (trl_agentic.selection): last, on the finished batch
 
     # ------------------------------------------------------------------------------------------------------------
-    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's model card plus a section naming the trl-agentic features, their settings and citations."""
-        tags = [tags] if isinstance(tags, str) else list(tags or [])
-        # What ran, not the config's switches alone: a callable estimator, user turns that need our loop.
-        ran = {"estimator": self.advantage_estimator, "agentic_loop": self._uses_agentic_loop}
-        super().create_model_card(
-            model_name=model_name, dataset_name=dataset_name, tags=tags + feature_tags(self.args, **ran)
-        )
-        if self.is_world_process_zero():
-            path = os.path.join(self.args.output_dir, "README.md")
-            if os.path.exists(path):
-                with open(path, "a") as f:
-                    f.write(card_section(self.args, **ran))
-
     def _state_file(self) -> str:
         """This process's file of trl-agentic's own RNG state (one per process, like transformers' `rng_state_{k}`)."""
         rank = self.accelerator.process_index

@@ -38,6 +38,7 @@ from ..batch import snapshot_reward
 from ..config import AGENTIC_LOOP_FIELDS
 from ..envs.protocol import check_checkpointable, has_user_turns
 from ..estimators import resolve_estimator
+from ..model_card import ModelCardMixin
 from ..rollout.context import delete_context
 from ..rollout.loop import LoopConfig
 from ..trainer import _check_tool_names
@@ -149,7 +150,7 @@ def _refuse_environment_rewards(reward_funcs) -> None:
             )
 
 
-class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
+class AsyncAgenticGRPOTrainer(ModelCardMixin, AsyncGRPOTrainer):
     """
     Asynchronous GRPO trainer for agentic tool use, built on TRL's `AsyncGRPOTrainer` (see the module docstring and
     `docs/async.md`).
@@ -167,6 +168,9 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
             An estimator callable, taking precedence over `args.advantage_estimator`.
         tracin_eval_dataset (`Dataset`, *optional*):
             Validation prompts of the TracIn filter (`args.tracin_enabled`).
+
+    `create_model_card` is the synchronous trainer's (`model_card.ModelCardMixin`): TRL's card plus the features that
+    ran, their settings and citations.
     """
 
     _tag_names = ["trl", "async-grpo", "trl-agentic"]
@@ -221,6 +225,7 @@ class AsyncAgenticGRPOTrainer(AsyncGRPOTrainer):
                 _check_tool_names([], cls, args)
             tools = [*(tools or []), delete_context]
         user_turns = any(has_user_turns(cls) for _, cls in probes)
+        self._uses_agentic_loop = bool(args.uses_agentic_loop or user_turns)  # for the model card
         # An estimator passed here counts as one in the config does: it runs in the estimator stage (and in TRL's
         # plain worker setup it would be ignored).
         self._features_on = (
