@@ -227,3 +227,34 @@ def test_bfcl_eval_arguments_refuse_wrong_types_naming_the_field(field, value):
 
     with pytest.raises(ValueError, match=f"`{field}`"):
         BFCLEvalArguments(**{field: value})
+
+
+# 8. A builtin model is a local folder: a pushed adapter named it as its base (`adapter_config.json`), and the card
+# named no base model. The async pipeline's warm start trains on a merged local folder too.
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"push_to_hub": True},
+        {"push_to_hub": True, "trainer": "async_grpo"},
+        {
+            "push_to_hub": True,
+            "trainer": "async_grpo",
+            "model_name_or_path": "org/m",
+            "warmstart_steps": 1,
+            "vllm_server_start": True,
+        },
+    ],
+)
+def test_pushing_a_model_nobody_else_can_load_fails_before_the_model(tmp_path, monkeypatch, values):
+    _forbid_model_loading(monkeypatch)
+    with pytest.raises(ValueError, match="`push_to_hub=True` with"):
+        main(["train", "--config", _config(tmp_path, use_peft=True, **values)])
+
+
+def test_the_trainer_refuses_to_push_a_builtin_model(tmp_path, monkeypatch):
+    from trl_agentic import AgenticGRPOTrainer
+
+    _forbid_model_loading(monkeypatch)
+    args = AgenticGRPOConfig(**{**BASE, "output_dir": str(tmp_path)}, push_to_hub=True)
+    with pytest.raises(ValueError, match="builtin model 'smollm2-135m'"):
+        AgenticGRPOTrainer(model="smollm2-135m", reward_funcs=lambda completions, **kw: [0.0], args=args)

@@ -137,13 +137,14 @@ def train(task_args, training_args, model_args):
     """
     from trl import get_peft_config
 
-    from .models import resolve_model_path
+    from .models import check_pushable, resolve_model_path
     from .tasks import build_task
     from .trainer import AgenticGRPOTrainer, check_before_model
 
     clock = _Clock()
     _check_context_deletion(task_args, training_args)
     check_before_model(training_args)  # before the warm start: a typo in an import path costs nothing
+    check_pushable(model_args.model_name_or_path or DEFAULT_MODEL, training_args.push_to_hub)
     task = build_task(task_args)
     _check_heldout_problems(
         task,
@@ -295,13 +296,20 @@ def train_async(task_args, training_args, model_args):
     from .async_grpo import AsyncAgenticGRPOTrainer
     from .async_grpo.server import VLLMServer
     from .async_grpo.trainer import check_before_model
-    from .models import resolve_model_path
+    from .models import check_pushable, resolve_model_path
     from .tasks import build_task
 
     clock = _Clock()
     _check_context_deletion(task_args, training_args)
     # Before the warm start and the server: the trainer checks them again (it may be built without the CLI).
     check_before_model(training_args)
+    check_pushable(model_args.model_name_or_path or DEFAULT_MODEL, training_args.push_to_hub)
+    if training_args.push_to_hub and task_args.warmstart_steps:
+        raise ValueError(
+            "`push_to_hub=True` with `warmstart_steps` and `trainer: async_grpo`: GRPO trains a new adapter on the "
+            "merged warm-start model, a folder on this machine (`warmstart-merged`), so the pushed adapter's base "
+            "model would be a path nobody else can load. Push from the synchronous trainer, or without a warm start."
+        )
     task = build_task(task_args)
     _check_heldout_problems(
         task, task_args, heldout_eval=task_args.heldout_eval, tracin_enabled=training_args.tracin_enabled

@@ -266,6 +266,18 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def check_pushable(name_or_path, push_to_hub: bool) -> None:
+    """Refuse `push_to_hub` with a builtin model, before it loads: the model trained on is a folder on this machine
+    (dequantized from a GGUF file), so the pushed adapter would name that folder as its base model
+    (`adapter_config.json`) and its model card would name none."""
+    if push_to_hub and isinstance(name_or_path, str) and is_builtin_model(name_or_path):
+        raise ValueError(
+            f"`push_to_hub=True` with the builtin model {name_or_path!r}: it is a local folder dequantized from a GGUF "
+            "file, so the pushed adapter's base model would be a path on this machine that nobody can load. Train a "
+            "Hub model to push (e.g. `model_name_or_path: HuggingFaceTB/SmolLM2-135M-Instruct`), or save locally."
+        )
+
+
 def resolve_model_path(name_or_path: str, *, cache_dir: str | os.PathLike | None = None) -> str:
     """Turn a builtin model name into a local folder, converting the model on first use; pass anything else through.
 

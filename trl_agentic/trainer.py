@@ -204,8 +204,9 @@ class AgenticGRPOTrainer(
             _check_user_turns_have_tools(tools, [environment_factory])
         estimator = check_before_model(args, advantage_estimator)
         if isinstance(model, str):
-            from .models import resolve_model_path
+            from .models import check_pushable, resolve_model_path
 
+            check_pushable(model, args.push_to_hub)
             model = resolve_model_path(model)
         # TRL builds its vLLM engine in here; LoRA support must be on from creation (docs/vllm.md).
         with lora_sync_vllm(args.use_vllm and args.vllm_lora_sync):

@@ -239,8 +239,9 @@ class AsyncAgenticGRPOTrainer(ModelCardMixin, AsyncGRPOTrainer):
                 UserWarning,
                 stacklevel=2,
             )
-        from ..models import resolve_model_path
+        from ..models import check_pushable, resolve_model_path
 
+        check_pushable(model, args.push_to_hub)
         model = resolve_model_path(model)
         # Reward functions and tools reach the spawned worker pickled; kept here for TracIn's validation rollouts.
         self._reward_funcs_list = (
