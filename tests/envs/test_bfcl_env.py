@@ -397,3 +397,37 @@ def test_tool_results_are_the_text_bfcls_executor_shows(function):
             assert ast.literal_eval(content) == json.loads(expected), call
         else:
             assert content == expected, call
+
+
+def test_a_long_context_episode_is_not_built_from_a_state_a_verdict_is_changing():
+    """A verdict replays bookings against `long_context`'s module dicts (restored after it, under a lock); an episode
+    built meanwhile in another thread (the asynchronous worker's rollouts) read the changed balance."""
+    import threading
+
+    from bfcl_eval.eval_checker.multi_turn_eval.func_source_code import long_context
+
+    from trl_agentic.envs.bfcl.data import long_context_module_state_kept
+
+    task = get_task("multi_turn_long_context_153")
+    card = "4567890145678901"
+    official = long_context.CREDIT_CARD_EXTENSION[card]["balance"]
+    changed, release = threading.Event(), threading.Event()
+
+    def verdict():
+        with long_context_module_state_kept():
+            long_context.CREDIT_CARD_EXTENSION[card]["balance"] = -1.0  # what a replayed booking does, for a while
+            changed.set()
+            release.wait(60)
+
+    replay = threading.Thread(target=verdict)
+    replay.start()
+    assert changed.wait(60)
+    built = {}
+    builder = threading.Thread(target=lambda: built.update(apis=build_api_instances(task)))
+    builder.start()
+    builder.join(1.0)  # room for an unguarded build to read the changed state (the guarded one waits for the lock)
+    release.set()
+    replay.join()
+    builder.join()
+    assert built["apis"]["TravelAPI"].credit_card_list[card]["balance"] == official
+    assert long_context.CREDIT_CARD_EXTENSION[card]["balance"] == official

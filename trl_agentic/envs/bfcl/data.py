@@ -196,20 +196,23 @@ def build_api_instances(task: BFCLTask) -> dict[str, object]:
     from bfcl_eval.constants.executable_backend_config import STATELESS_CLASSES
 
     instances = {}
-    for class_name in task.involved_classes:
-        instance = api_class(class_name)()
-        if class_name not in STATELESS_CLASSES:
-            config = copy.deepcopy(task.initial_config.get(class_name, {}))
-            instance._load_scenario(config, long_context=task.long_context)
-            if task.long_context:
-                # `_load_scenario` merges `long_context`'s module-level dicts by reference (TravelAPI's extension
-                # credit cards and bookings): a booking charged the card of every later episode, past a rollback.
-                instance = copy.deepcopy(instance)
-        instances[class_name] = instance
+    # A long-context scenario is read from `long_context`'s module-level dicts, which a verdict in another thread
+    # (the asynchronous worker runs rollouts in threads) changes while it replays the calls: read under its lock.
+    with _module_state_lock if task.long_context else contextlib.nullcontext():
+        for class_name in task.involved_classes:
+            instance = api_class(class_name)()
+            if class_name not in STATELESS_CLASSES:
+                config = copy.deepcopy(task.initial_config.get(class_name, {}))
+                instance._load_scenario(config, long_context=task.long_context)
+                if task.long_context:
+                    # `_load_scenario` merges `long_context`'s module-level dicts by reference (TravelAPI's extension
+                    # credit cards and bookings): a booking charged the card of every later episode, past a rollback.
+                    instance = copy.deepcopy(instance)
+            instances[class_name] = instance
     return instances
 
 
-_module_state_lock = threading.Lock()
+_module_state_lock = threading.RLock()  # re-entrant: an episode may be built inside `long_context_module_state_kept`
 
 
 @contextlib.contextmanager
