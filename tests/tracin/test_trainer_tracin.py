@@ -418,6 +418,22 @@ def test_zero_validation_gradient_trains_on_every_row(tiny_model_dir, tmp_path, 
     assert logs["tracin/val_grad_norm"] == 0.0 and logs["tracin/selected_ratio"] == 1.0
 
 
+def test_a_kl_only_validation_gradient_says_so(tiny_model_dir, tmp_path):
+    """No validation group has a reward spread but beta > 0: V is the KL term's gradient alone (not 0), and the rows
+    were filtered by it without a word."""
+    trainer = make_trainer(tiny_model_dir, tmp_path, reward=constant_on_validation, beta=0.2)
+    with pytest.warns(UserWarning, match=r"validation gradient is the KL term's alone \(beta=0.2\)") as got:
+        trainer.train()
+    assert not any("exactly 0" in str(w.message) for w in got)
+    assert not trainer._tracin.direction_is_zero and trainer.state.log_history[0]["tracin/val_grad_norm"] > 0
+    # A validation spread (the default reward) gives no such warning.
+    other = make_trainer(tiny_model_dir, tmp_path / "spread", beta=0.2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other.train()
+    assert not any("KL term's alone" in str(w.message) for w in caught)
+
+
 def test_zero_validation_gradient_from_no_trained_token_says_so(tiny_model_dir, tmp_path):
     """Every validation row masked (as when all its rollouts are lost to the infrastructure): V is exactly 0 for
     another reason than a missing reward spread, and the warning names that reason, not the spread."""

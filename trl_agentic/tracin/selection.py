@@ -117,3 +117,16 @@ def warn_uninformative_direction(step: int, num_generations: int, rows_lost: boo
         UserWarning,
         stacklevel=3,
     )
+
+
+def warn_kl_only_direction(step: int, num_generations: int, beta: float) -> None:
+    """Say that V carries no reward at a refresh: every validation advantage is 0, and with `beta` > 0 V is the
+    gradient of the KL term alone, so the filter keeps the rows that move the policy back toward the reference."""
+    warnings.warn(
+        f"TracIn: no validation group of {num_generations} completions had a reward spread at step {step}, so the "
+        f"validation gradient is the KL term's alone (beta={beta:g}): rows are selected by how much they move the "
+        "policy back toward the reference model, not by reward, until the next refresh. If this repeats, raise "
+        "`tracin_val_batch_size` or `tracin_val_num_generations`, or use harder validation prompts.",
+        UserWarning,
+        stacklevel=2,
+    )

@@ -49,7 +49,7 @@ from .layers import validate_tracin_model
 from .lora_gradient import LoraGradient, LoraGradients, all_reduce_, is_zero
 from .lora_gradient import norm as gradient_norm
 from .schedule import due
-from .selection import select_rows, warn_uninformative_direction
+from .selection import select_rows, warn_kl_only_direction, warn_uninformative_direction
 
 __all__ = ["TracInMixin", "TracInState"]
 
@@ -578,6 +578,12 @@ class TracInMixin:
             lost = self._tracin_trained_tokens(batch) == 0
             if self.accelerator.is_main_process:
                 warn_uninformative_direction(self.state.global_step, self.args.tracin_val_num_generations, lost)
+        elif self.beta != 0.0:
+            # Every validation advantage 0 (no group with a spread): V is the KL term's gradient alone, and rows are
+            # picked by how far they move the policy back toward the reference, not by any reward.
+            spread = batch["advantages"].detach().abs().sum().to(torch.float64)
+            if float(self.accelerator.reduce(spread, reduction="sum")) == 0.0 and self.accelerator.is_main_process:
+                warn_kl_only_direction(self.state.global_step, self.args.tracin_val_num_generations, self.beta)
         metrics["tracin/val_grad_norm"].append(gradient_norm(direction))
 
     # ----------------------------------------------------------------------------------------------- selection
