@@ -13,8 +13,9 @@ tagged at collate time (`stash`) and filtered here (`apply`), else they would be
 step early, at the previous weights.
 
 1. V, the validation direction (refreshed every `tracin_val_refresh_steps` optimizer steps): `tracin_val_batch_size`
-   validation prompts are rolled out `tracin_val_num_generations` times each with the current policy and made into
-   rows as the worker makes training rows (`validation.ValidationRollouts`: the server's current adapter,
+   validation prompts are rolled out `tracin_val_num_generations` times each with the policy the server serves and
+   made into rows as the worker makes training rows (`validation.ValidationRollouts`: the server's current adapter,
+   up to `weight_sync_steps - 1` optimizer steps behind the trained weights, as the training rollouts are;
    trl-agentic's rollout loop, tools and environments, the trajectories of a refresh at once; negative and snapshot
    rows, the worker's group advantages or the trainer-side estimator's, exactly 0 in a group without reward spread
    under GRPO and CoPO), and V is the gradient w.r.t. the LoRA weights of TRL's asynchronous loss on them at ratio 1
