@@ -726,6 +726,9 @@ def test_recorder_flags_a_rollout_lost_to_infrastructure(tiny_model_dir, tiny_to
     assert [t["not_trained"] for t in recorder.trajectories] == [r == lost for r in range(4)]
     row = recorder.trajectories[lost]
     assert not row["masked"] and row["kind"] == "regular"
+    # Its badge says "no reward", and no reward is shown beside it (the reward function scored it all the same).
+    assert row["reward"] is None and any(v is not None for v in row["rewards"].values())
+    assert all(t["reward"] is not None for t in recorder.trajectories if t is not row)
     # The rollout ends at the lost call: one model turn (with the zeroed tool mask it read as environment text).
     assert [s["role"] for s in row["segments"]] == ["model"] and '"work"' in row["segments"][0]["text"]
     text = write_report(tmp_path / "report.html", recorder.trajectories).read_text()
@@ -769,3 +772,21 @@ def test_recorder_shows_the_turns_of_an_untrained_snapshot_segment(tiny_tokenize
     assert [s["role"] for s in lost["segments"]] == ["model"]
     assert [s["role"] for s in snapshot["segments"]] == ["model", "env"]
     assert snapshot["tool_results"][0]["content"] == "2"
+
+
+def test_evaluation_samples_with_content_blocks_render(tmp_path):
+    """A tool may return content blocks (TRL passes a list on as the message's content): the report crashed on them
+    (`str + list`)."""
+    records = [
+        {
+            "question": "q",
+            "answer": "1",
+            "correct": False,
+            "messages": [
+                {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+                {"role": "tool", "content": [{"type": "text", "text": "block <one>"}, {"type": "image"}]},
+            ],
+        }
+    ]
+    text = write_report(tmp_path / "report.html", [], eval_records={"before": records}).read_text()
+    assert "[tool] block &lt;one&gt;[image]" in text and "tool call → f({})" in text

@@ -391,6 +391,8 @@ class TrajectoryRecorder(TrainerCallback):
                     row["reward"] = sum(w * v for w, v in zip(weights, values) if not math.isnan(v))
                 else:
                     row["reward"] = None
+                if not_trained and not dropped:  # lost to the infrastructure: out of its group's statistics too
+                    row["reward"] = None
                 row["rollbacks"] = rollback_log[r] if r < len(rollback_log) else []
                 failed = tool_failed[r] if r < len(tool_failed) else None
             else:

@@ -303,6 +303,15 @@ def _metrics_table(results: dict[str, dict]) -> str:
     return f'<table class="metrics"><tr><th>held-out evaluation</th>{head}</tr>{body}</table>'
 
 
+def _content_text(content) -> str:
+    """A message's content as text: a tool may return content blocks (TRL passes a list on), shown by their text."""
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "".join(b.get("text", f"[{b.get('type')}]") if isinstance(b, dict) else str(b) for b in content)
+    return str(content)
+
+
 def _eval_samples(eval_records: dict[str, list[dict]], limit: int = 12) -> str:
     stages = list(eval_records)
     if not stages:
@@ -315,7 +324,7 @@ def _eval_samples(eval_records: dict[str, list[dict]], limit: int = 12) -> str:
         for stage in stages:
             record = eval_records[stage][k]
             text = "\n".join(
-                (f"[{m.get('role')}] " + (m.get("content") or ""))
+                (f"[{m.get('role')}] " + _content_text(m.get("content")))
                 + "".join(
                     f"\n  tool call → {c.get('function', {}).get('name')}({json.dumps(c.get('function', {}).get('arguments'))})"
                     for c in m.get("tool_calls") or []
