@@ -906,3 +906,26 @@ def test_a_rollback_hint_without_room_is_left_out(tiny_tokenizer):
         hint_tokens = len(completion_ids[0]) - sum(tool_mask[0])
         assert (hint_tokens > 0) == (dropped == 0)  # the hint is the row's only environment text
         assert b.calls[0][0][len(prompt_ids[0]) :] == ([] if dropped else completion_ids[0][:hint_tokens])
+
+
+@pytest.mark.parametrize("turn", ["first", "later"])
+def test_a_turn_the_engine_stopped_on_a_generation_kwargs_stop_token_is_complete(tiny_tokenizer, turn):
+    """vLLM also stops on `generation_kwargs`' `stop_token_ids` (a base checkpoint whose eos is `<|endoftext|>`, told
+    to stop at `<|im_end|>`): such a turn, well within its limit, was taken for a cut one, so its call ran, its result
+    was dropped and the rollout ended there (TRL's loop goes on). The first turn is TRL's generation, a later one
+    the loop's."""
+    later = [[call("add", n=3)]] if turn == "later" else []
+    b = ScriptBackend(tiny_tokenizer, [*later, ["Total.<|im_end|>"]])
+    b.stop_token_ids = {tiny_tokenizer.convert_tokens_to_ids("<|endoftext|>")}  # the engine's eos and pad only
+    env = LedgerEnv()
+    _, _, (_, completions, *_), result = run_loop(b, [call("add", n=2)], [env], cfg())
+    assert result.stats.truncated_turns == 0
+    rounds = 2 if turn == "later" else 1
+    assert [m["role"] for m in completions[0]] == ["assistant", "tool"] * rounds + ["assistant"]
+    assert env.log == [2, 3][:rounds]
+    # The control: the same turn filling its limit is cut, as before.
+    cut = ScriptBackend(tiny_tokenizer, [])
+    cut.stop_token_ids = b.stop_token_ids
+    cut.max_completion_length = len(cut.enc(call("add", n=2)))
+    _, _, (_, completions, *_), result = run_loop(cut, [call("add", n=2)], [LedgerEnv()], cfg())
+    assert result.stats.truncated_turns == 1 and [m["role"] for m in completions[0]] == ["assistant"]

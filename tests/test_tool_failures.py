@@ -226,8 +226,10 @@ def test_a_cut_turns_deep_call_runs_as_in_trl(tiny_tokenizer):
     cut = '<tool_call>{"name": "add", "arguments": {"n": ' + nested + "}}</tool_call>"  # no end of turn
     env = LedgerEnv()
     b = ScriptBackend(tiny_tokenizer, [])
+    b.max_completion_length = len(b.enc(cut))  # the cut filled the budget
     config = cfg(enable_tool_rollback=True, save_negative_samples=True)
     _, _, trl_tuple, result = run_tools_loop(b, [cut], [{"add": env.add}], config, envs=[env])
+    assert result.stats.truncated_turns == 1
     assert len(env.log) == 1 and nesting_depth(env.log[0]) == 100  # the call ran
     assert result.stats.malformed_calls == 0 and result.extra_rows == []
     assert trl_tuple[1][0][0]["tool_calls"][0]["function"]["name"] == "add"
