@@ -80,6 +80,9 @@ SYNC_TABLE = [
     ("orthogonal init", {"init_lora_weights": "orthogonal"}, None, None),
     ("EVA init", {"init_lora_weights": "eva"}, None, None),
     ("layer_replication", {"layer_replication": [[0, 2], [1, 2]]}, "layer_replication", None),
+    # Variants vLLM's `PEFTHelper` drops silently: activated LoRA acts from its invocation tokens on only.
+    ("activated LoRA", {"alora_invocation_tokens": [5, 6]}, "activated LoRA", None),
+    ("KaSA", {"kasa_config": {}}, "kasa_config", None),
 ]
 
 
@@ -97,6 +100,11 @@ def test_lora_sync_table(tiny_model_dir, setting, overrides, reason, modify):
         assert "sleep mode" in lora_sync_decision(policy, sleep_mode=True, on_cpu=False)
         return
     assert found is not None and reason in found, found
+    if setting == "activated LoRA":  # no merge expresses it: refused on every backend
+        for on_cpu in (False, True):
+            with pytest.raises(ValueError, match="would act on every token too"):
+                lora_sync_decision(policy, sleep_mode=False, on_cpu=on_cpu)
+        return
     # GPU: TRL's full sync (merge and push every weight) serves it exactly, with a warning at start-up.
     assert reason in lora_sync_decision(policy, sleep_mode=False, on_cpu=False)
     # vLLM's CPU backend: that fallback cannot run, so the set-up is refused before any engine starts.

@@ -66,6 +66,10 @@ def vllm_max_lora_rank(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank ({VLLM_MAX_LORA_RANKS[-1]}).")
 
 
+# LoRA variants of PEFT whose forward is not `B @ A` on the base weight (vLLM's `PEFTHelper` drops these fields).
+_VARIANT_FIELDS = ("use_qalora", "use_bdlora", "arrow_config", "kasa_config", "monteclora_config")
+
+
 def lora_sync_unsupported_reason(model) -> str | None:
     """Why vLLM cannot serve `model`'s active adapter as a LoRA adapter, or `None` if it can.
 
@@ -101,6 +105,11 @@ def lora_sync_unsupported_reason(model) -> str | None:
         return "vLLM does not load `trainable_token_indices` (trained embedding rows)"
     if getattr(config, "target_parameters", None):
         return "vLLM cannot be told the layout of `target_parameters` (parameter LoRA) adapters"
+    if getattr(config, "alora_invocation_tokens", None):
+        return "vLLM has no activated LoRA (`alora_invocation_tokens`): it would apply the adapter to every token"
+    variants = [name for name in _VARIANT_FIELDS if getattr(config, name, None)]
+    if variants:
+        return f"vLLM serves plain LoRA only, not the variant `{variants[0]}` configures"
     if getattr(config, "rank_pattern", None) or getattr(config, "alpha_pattern", None):
         return "vLLM ignores `rank_pattern` / `alpha_pattern` and would scale the adapter wrongly"
     init = getattr(config, "init_lora_weights", True)
@@ -171,9 +180,16 @@ def lora_sync_decision(model, *, sleep_mode: bool, on_cpu: bool) -> str | None:
 
     Raises:
         `ValueError`: On vLLM's CPU backend, where TRL's full sync cannot run (`docs/vllm.md`): such a set-up is
-            refused at start-up, naming the setting, instead of failing at the first sync.
+            refused at start-up, naming the setting, instead of failing at the first sync. For an activated LoRA
+            everywhere: neither sync serves it.
     """
     reason = lora_sync_unsupported_reason(model)
+    if reason is not None and "activated LoRA" in reason:
+        # No merge expresses an adapter that acts from its invocation tokens on: TRL's full sync is wrong too.
+        raise ValueError(
+            f"vLLM cannot generate with this policy: {reason}, and a merged adapter (TRL's full sync) would act on "
+            "every token too. Train it without vLLM (`use_vllm=False`)."
+        )
     if reason is None and sleep_mode:
         reason = "sleep mode (level 2) discards the base weights, which only a full sync restores"
     if reason is not None and on_cpu:
