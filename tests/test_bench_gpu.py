@@ -188,3 +188,57 @@ def test_a_tiny_run_is_not_compared_with_the_goal(monkeypatch):
     text = gpu.render({"environment": environment, "settings": gpu.asdict(settings), "results": {"tracin_step": out}})
     assert (len(out["steps"]["plain"]), len(out["steps"]["tracin"])) == (4, 4)
     assert "Ratio: **" not in text and "incomplete cycle (4 of 8 steps)" in text
+
+
+def test_prefix_reuse_warms_each_arm_up_and_records_per_turn_times(monkeypatch):
+    """One untimed call per arm at turn 0's shapes before turn 0 (the plain arm used to pay the first call at each
+    shape), the cache emptied after it (turn 0 of the cached arm reuses nothing), and every turn's times in the JSON."""
+    import types
+
+    from trl import GRPOTrainer
+
+    from trl_agentic.bench import gpu
+
+    clock, calls = [0.0], []
+
+    class Cache:
+        def __init__(self):
+            self.stats = types.SimpleNamespace(reused_tokens=0, context_tokens=1)
+            self.entries = 0
+
+        def clear(self):
+            calls.append("clear")
+            self.entries = 0
+
+        def reset_stats(self):
+            calls.append("reset_stats")
+
+    class Trainer:
+        _prefix_cache = Cache()
+        model = types.SimpleNamespace(eval=lambda: None)
+
+        def _generate_single_turn(self, batch, *rest):
+            calls.append(("reuse", clock[0]))
+            clock[0] += 1.0
+            return [[1, 2] for _ in batch], None
+
+    def plain(self, batch, *rest):
+        calls.append(("plain", clock[0]))
+        clock[0] += 3.0
+        return [[1, 2] for _ in batch], None
+
+    settings = gpu.Settings.tiny()
+    settings.reuse_conversations, settings.reuse_turns, settings.reuse_tool_tokens = 2, 2, 4
+    monkeypatch.setattr(gpu, "make_trainer", lambda *a, **k: Trainer())
+    monkeypatch.setattr(gpu, "prompts", lambda settings, n, chars, seed=0: [{"prompt": "p"}] * n)
+    monkeypatch.setattr(gpu.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", plain)
+    tok = types.SimpleNamespace(apply_chat_template=lambda *a, **k: [5, 6, 7])
+    out = {}
+    gpu.prefix_reuse(settings, out, "unused", tok)
+    arms = [c[0] if isinstance(c, tuple) else c for c in calls]
+    assert arms[:4] == ["plain", "reuse", "clear", "reset_stats"]  # warm-ups, then an empty cache
+    assert arms[4:] == ["plain", "reuse", "reuse", "plain"]  # turns alternate who goes first
+    assert out["warmup_calls_per_arm"] == 1
+    assert [t["seconds"] for t in out["turns"]] == [{"plain": 3.0, "reuse": 1.0}] * 2
+    assert out["generation_s"] == {"plain": 6.0, "reuse": 2.0}  # the warm-ups are not timed

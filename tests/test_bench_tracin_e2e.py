@@ -18,7 +18,16 @@ class _Stub:
 
     def __init__(self, rollout_every, v_every, clock):
         self.rollout_every, self.v_every, self.clock, self.step = rollout_every, v_every, clock, 0
-        self.args = type("Args", (), {"tracin_val_batch_size": 2, "tracin_val_num_generations": 4})()
+        self.args = type(
+            "Args",
+            (),
+            {
+                "tracin_val_batch_size": 2,
+                "tracin_val_num_generations": 4,
+                "tracin_val_rollout_steps": rollout_every,
+                "tracin_val_refresh_steps": v_every,
+            },
+        )()
 
     def _tracin_rollout_validation(self):
         self.clock[0] += 1.0
@@ -87,3 +96,51 @@ def test_quick_run_is_not_labelled_as_the_goal_measurement(stubbed):
     ((label, value, goal, met),) = summary
     assert label == "TracIn step at defaults, validation rollouts included / plain GRPO step"
     assert met == ((8 + 2 + 1) / 8 <= 1.3)  # rollouts once and V twice in the 8 measured steps, plain 1 s a step
+
+
+def test_header_states_the_schedule_the_trainer_ran(stubbed, monkeypatch):
+    """The header's schedule comes from the TracIn trainer's args (it was a fixed string: "2 prompts × 4 generations
+    rolled out every 8 steps, V recomputed every 4 steps" whatever the trainer ran)."""
+    settings = T.EndToEndSettings(steps=8, old_default_steps=0)
+    text = T.render_end_to_end(settings, T.end_to_end(settings, "unused", log=lambda m: None), "cmd")
+    assert (
+        "8 validation rows (2 prompts × 4 generations) rolled out every 8 steps, V recomputed at the current weights "
+        "every 4 steps, fused step" in text
+    )
+    clock = [0.0]
+    monkeypatch.setattr(T.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(
+        T, "_e2e_trainer", lambda kind, *a, **k: _Stub(16, 2, clock) if kind == "tracin" else _Stub(0, 0, clock)
+    )
+    result = T.end_to_end(settings, "unused", log=lambda m: None)
+    assert result["schedule"]["tracin"]["val_rollout_steps"] == 16
+    text = T.render_end_to_end(settings, result, "cmd")
+    assert "rolled out every 16 steps, V recomputed at the current weights every 2 steps" in text
+    assert "every 8 steps" not in text
+
+
+def test_seed_hooks_exist_only_during_the_seed_mode(monkeypatch):
+    """`time_modes` registered the seed's forward and backward hooks once for all modes: plain, fused, two-pass and
+    val paid BackwardHook nodes they do not have in training. Now they exist only around the seed's own step."""
+    live, seen = [0], []
+
+    class Ghost:
+        def __init__(self, trainer):
+            live[0] += 1
+
+        def remove(self):
+            live[0] -= 1
+
+    def run_mode(mode, trainer, batch, val_batch, seed):
+        seen.append((mode, live[0], seed is not None))
+
+    monkeypatch.setattr(T, "SeedGhost", Ghost)
+    monkeypatch.setattr(T, "run_mode", run_mode)
+    monkeypatch.setattr(T, "_setup", lambda *a: (None, None, None))
+    monkeypatch.setattr(T, "val_refresh", lambda *a: None)
+    result = T.time_modes(T.BenchSettings(repeats=1), 2, 8, "unused")
+    assert set(result["wall"]) == set(T.MODES)
+    assert {mode for mode, _, _ in seen} == set(T.MODES)
+    for mode, hooks, given in seen:
+        assert (hooks, given) == ((1, True) if mode == "seed" else (0, False)), mode
+    assert live[0] == 0

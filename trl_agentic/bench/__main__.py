@@ -18,7 +18,8 @@ Runs the benchmarks and writes one markdown report, opening with the goals side 
 - `async-tracin`: the asynchronous TracIn refresh's validation trajectories one at a time vs all at once
   (`async_tracin_refresh.py`, run with the vLLM venv's interpreter).
 - `multiturn`: whole GRPO steps of the log search, the text world and BFCL with prefix caching off / on / on with the
-  per-turn cap (`multiturn.py`; about 1.5 h, resumable through `outputs/bench-multiturn.json`).
+  per-turn cap (`multiturn.py`; about 1.5 h, resumable through `outputs/bench-multiturn.json`: a cell recorded with
+  another commit, cap, thread count or configuration is measured again).
 
 `make bench-gpu` (`gpu.py`) is separate: it needs a GPU to say anything (docs/benchmarks.md).
 """
@@ -224,17 +225,17 @@ def _async_tracin_section(python: str, quick: bool, summary: list) -> str:
 
 
 def _cpu_section(quick: bool, summary: list) -> str:
-    from .cpu_settings import render, run
+    from .cpu_settings import ratio_text, render, run
 
-    data = run(length=128, repeats=1) if quick else run()
-    times = {r["name"]: r["seconds"] for r in data["results"]}
-    base = times.get("float32, glibc malloc")
+    data = run(length=128, repeats=1, rounds=2) if quick else run()
+    rows = {r["name"]: r for r in data["results"]}
     for name in ("float32, tcmalloc", "bf16, tcmalloc"):
-        if base and name in times:
+        if name in rows and "ratio" in rows[name]:
             summary.append(
                 (
-                    f"LoRA forward+backward on CPU, {name} / float32, glibc malloc",
-                    f"{times[name] / base:.2f}",
+                    f"LoRA forward+backward on CPU, {name} / float32, glibc malloc (processes alternating, "
+                    f"{data['rounds']} rounds)",
+                    ratio_text(rows[name], data["rounds"]),
                     "measured",
                     None,
                 )
@@ -243,7 +244,7 @@ def _cpu_section(quick: bool, summary: list) -> str:
 
 
 def _multiturn_section(quick: bool, summary: list, vllm_python: str) -> str:
-    from .multiturn import render, run
+    from .multiturn import render, run, summary_rows
 
     tasks = ["logsearch"] if quick else ["logsearch", "textworld", "bfcl"]
     os.makedirs("outputs", exist_ok=True)
@@ -252,19 +253,7 @@ def _multiturn_section(quick: bool, summary: list, vllm_python: str) -> str:
     # vLLM's CPU build on the short-context tasks (on BFCL its decode, ~10x slower than transformers' here, would
     # take hours: docs/generation.md).
     data = run(tasks[:2], ("vllm",), 256, workdir, path, log=_log, vllm_python=vllm_python)
-    bfcl = data["cells"].get("bfcl", {})
-    for variant in ("reuse", "reuse_cap"):
-        cell = bfcl.get(variant, {})
-        if "step_s" in cell:
-            label = "prefix caching" + (" + max_turn_tokens=256" if variant == "reuse_cap" else "")
-            summary.append(
-                (
-                    f"BFCL GRPO step of 8 conversations, {label}",
-                    f"{cell['step_s'] / 60:.1f} min",
-                    "≤ 10 min",
-                    cell["step_s"] <= 600,
-                )
-            )
+    summary.extend(summary_rows(data))
     return render(data, "python -m trl_agentic.bench --only multiturn")
 
 

@@ -36,7 +36,9 @@ FEATURES = dict(
     max_tool_retries=2,
     save_negative_samples=True,
     max_negative_samples_per_group=2,
-    group_baseline="all_rows",  # as when docs/benchmarks.md was recorded (the default is "episodes" now)
+    # group_baseline at its default ("episodes", what a user gets). It decides whether the negative rows enter the
+    # group's baseline (the advantages, hence the weights later steps generate with), not which rows are generated
+    # or trained; docs/benchmarks.md's recorded rows (2026-11-27) were measured with "all_rows".
 )
 COMMON = dict(
     use_cpu=True,

@@ -19,7 +19,8 @@ everything measured before it):
   step, V refreshed in the window) vs a plain GRPO step, gradient checkpointing on, one synthetic batch;
 - `prefix_reuse`: a multi-turn rollout (8 conversations, tool results appended after every turn) generated with
   `transformers_prefix_caching` on vs TRL's generation from the whole history, the two interleaved turn by turn
-  on the same contexts; time, tokens per second and how many turns produced the same greedy tokens;
+  on the same contexts, after one untimed call per path at turn 0's shapes; time (per turn too), tokens per second
+  and how many turns produced the same greedy tokens;
 - `tracin_step`: the whole TracIn step at its defaults (validation rollouts every 8 steps, V every 4) vs a plain
   GRPO step, stepped alternately.
 
@@ -783,21 +784,32 @@ def prefix_reuse(settings: Settings, out: dict, output_dir: str, tok) -> None:
         tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
         for row in (prompts(settings, n, settings.reuse_prompt, seed=3)[i] for i in range(n))
     ]
+
+    def generate(name, batch):
+        if name == "reuse":
+            return trainer._generate_single_turn(batch, None, {}, 1)[0]
+        return GRPOTrainer._generate_single_turn(trainer, batch, None, {}, 1)[0]
+
+    # One untimed call per arm at turn 0's shapes first (kernels, allocator, autotuning), then an empty cache: no
+    # arm pays the first call at a shape, and turn 0 of the cached arm reuses nothing.
+    for name in ("plain", "reuse"):
+        generate(name, [list(c) for c in contexts])
+        _sync()
+    trainer._prefix_cache.clear()
+    trainer._prefix_cache.reset_stats()
     times = {"reuse": 0.0, "plain": 0.0}
     tokens = {"reuse": 0, "plain": 0}
-    out.update(turns=[], same_turns=0, compared_turns=0)
+    out.update(turns=[], same_turns=0, compared_turns=0, warmup_calls_per_arm=1)
     for turn in range(settings.reuse_turns):
-        results = {}
+        results, turn_s = {}, {}
         for name in ("plain", "reuse") if turn % 2 == 0 else ("reuse", "plain"):
             batch = [list(c) for c in contexts]
             _sync()
             start = time.perf_counter()
-            if name == "reuse":
-                ids, _ = trainer._generate_single_turn(batch, None, {}, 1)
-            else:
-                ids, _ = GRPOTrainer._generate_single_turn(trainer, batch, None, {}, 1)
+            ids = generate(name, batch)
             _sync()
-            times[name] += time.perf_counter() - start
+            turn_s[name] = time.perf_counter() - start
+            times[name] += turn_s[name]
             tokens[name] += sum(len(x) for x in ids)
             results[name] = ids
         same = sum(a == b for a, b in zip(results["reuse"], results["plain"], strict=True))
@@ -810,6 +822,8 @@ def prefix_reuse(settings: Settings, out: dict, output_dir: str, tok) -> None:
                 "context_tokens_mean": sum(map(len, contexts)) / n,
                 "same": same,
                 "reused": stats.reused_tokens,
+                "seconds": dict(turn_s),
+                "generated_tokens": {name: sum(map(len, ids)) for name, ids in results.items()},
             }
         )
         # Both continue from the plain run's turn plus a tool result, so the two see the same contexts.
@@ -942,6 +956,15 @@ def render(report: dict) -> str:
             "model's near-flat logits turn such differences into other tokens more often than a trained model's).",
             "",
         ]
+        if r.get("warmup_calls_per_arm"):  # recorded runs before 2026-12-07 had no warm-up call (their .md as kept)
+            per_turn = ", ".join(
+                f"{t['seconds']['plain']:.2f} / {t['seconds']['reuse']:.2f}" for t in r["turns"] if "seconds" in t
+            )
+            lines += [
+                f"Both paths made {r['warmup_calls_per_arm']} untimed call(s) at turn 0's shapes first (the cache "
+                f"emptied after). Per turn, TRL / prefix caching (s): {per_turn}.",
+                "",
+            ]
     lines += _status(r)
     r = results.get("tracin_step", {})
     lines += ["### TracIn step at its defaults vs a plain GRPO step", ""]

@@ -12,8 +12,11 @@ GRPO step from that same adapter, with the same seed, in its own subprocess:
 
 Reported per variant: the wall time of the whole step (`Trainer.train` for one step: generation, tools, rewards,
 loss, backward, optimizer), the time spent in generation calls and the tokens they generated (tokens per second),
-and what the cache saved. Results go to a JSON file after every cell and are reused when the run is started again
-(`--json`), so a long run can be resumed.
+and what the cache saved. Every child runs on one thread (`OMP_NUM_THREADS=1` and `torch.set_num_threads(1)`), so
+its CPU time is about its wall time on a quiet machine. Results go to a JSON file after every cell and are reused when
+the run is started again (`--json`), so a long run can be resumed: each cell (and the saved warm-start adapter) records
+the commit, the per-turn cap, the thread count and a hash of its configuration, and a cell or adapter whose record does
+not match the current ones is measured again, not reused.
 
 Run `python -m trl_agentic.bench.multiturn [--tasks ...] [--json FILE] [--out FILE]` (or `make bench`, section
 `multiturn`).
@@ -22,11 +25,14 @@ Run `python -m trl_agentic.bench.multiturn [--tasks ...] [--json FILE] [--out FI
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import time
+
+THREADS = 1  # every child: CPU time is then about the wall time on a quiet machine, whatever the load
 
 TASKS = {
     # task: (config, overrides for the bench)
@@ -76,6 +82,7 @@ def _parse(task: str, workdir: str, extra: list[str]):
 
 
 def _child_warmstart(task: str, workdir: str) -> dict:
+    import torch
     from trl import get_peft_config
 
     from ..cli import _load
@@ -83,6 +90,7 @@ def _child_warmstart(task: str, workdir: str) -> dict:
     from ..tasks import build_task
     from ..warmstart import run_task_warmstart
 
+    torch.set_num_threads(THREADS)
     task_args, args, model_args = _parse(task, workdir, [])
     built = build_task(task_args)
     model_path = resolve_model_path(model_args.model_name_or_path)
@@ -106,6 +114,58 @@ def _child_warmstart(task: str, workdir: str) -> dict:
     return {"adapter": adapter, "seconds": time.perf_counter() - started, "losses": [losses[0], losses[-1]]}
 
 
+def _variant_args(task: str, variant: str, cap: int) -> list[str]:
+    """The command-line overrides of one variant (on top of the task's config and `TASKS` overrides)."""
+    extra = ["--transformers_prefix_caching", "false" if variant == "off" else "true"]
+    if variant == "vllm":
+        extra += ["--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "0.1"]
+        extra += ["--vllm_max_model_length", str(VLLM_CONTEXT[task])]
+    if variant == "reuse_cap":
+        extra += ["--max_turn_tokens", str(cap)]
+    return extra
+
+
+def _commit() -> str:
+    """The checked-out commit, plus a hash of the uncommitted changes to tracked files when there are any."""
+
+    def git(*argv):
+        done = subprocess.run(["git", *argv], cwd=_root(), capture_output=True, text=True, check=False)
+        return done.stdout if done.returncode == 0 else None
+
+    head = git("rev-parse", "--short=12", "HEAD")
+    if head is None:
+        return "unknown"
+    diff = git("diff", "HEAD")
+    dirty = f"+dirty.{hashlib.sha256(diff.encode()).hexdigest()[:8]}" if diff else ""
+    return head.strip() + dirty
+
+
+def config_hash(task: str, variant: str | None, cap: int) -> str:
+    """A hash of what a cell measures: the task's config file, the bench's overrides and the variant's (`None`: the
+    warm start's)."""
+    config, overrides = TASKS[task]
+    with open(os.path.join(_root(), config), "rb") as f:
+        text = f.read()
+    extra = [] if variant is None else _variant_args(task, variant, cap)
+    blob = json.dumps([config, overrides, extra]).encode() + text
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def provenance(task: str, variant: str | None, cap: int, commit: str | None = None) -> dict:
+    """What a cell must share with the current run to be reused."""
+    return {
+        "commit": commit if commit is not None else _commit(),
+        "cap": cap if variant == "reuse_cap" else None,
+        "threads": THREADS,
+        "config_hash": config_hash(task, variant, cap),
+    }
+
+
+def mismatch(cell: dict, expected: dict) -> list[str]:
+    """The provenance fields of a recorded cell that differ from `expected` (missing ones included)."""
+    return [key for key, value in expected.items() if cell.get("provenance", {}).get(key, "missing") != value]
+
+
 def _child_step(task: str, workdir: str, variant: str, cap: int) -> dict:
     import torch
     from peft import PeftModel
@@ -115,12 +175,8 @@ def _child_step(task: str, workdir: str, variant: str, cap: int) -> dict:
     from ..tasks import build_task
     from ..trainer import AgenticGRPOTrainer
 
-    extra = ["--transformers_prefix_caching", "false" if variant == "off" else "true"]
-    if variant == "vllm":
-        extra += ["--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "0.1"]
-        extra += ["--vllm_max_model_length", str(VLLM_CONTEXT[task])]
-    if variant == "reuse_cap":
-        extra += ["--max_turn_tokens", str(cap)]
+    torch.set_num_threads(THREADS)
+    extra = _variant_args(task, variant, cap)
     task_args, args, model_args = _parse(task, workdir, extra)
     args.model_init_kwargs = None
     built = build_task(task_args)
@@ -196,7 +252,7 @@ def _child_step(task: str, workdir: str, variant: str, cap: int) -> dict:
 def _run_child(argv: list[str], log, python: str | None = None) -> dict:
     command = [python or sys.executable, "-m", "trl_agentic.bench.multiturn", *argv]
     log(f"[multiturn] {' '.join(argv)}")
-    env = {**os.environ, "PYTHONPATH": _root()}
+    env = {**os.environ, "PYTHONPATH": _root(), "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # vLLM on CPU: a fixed KV cache instead of a share of the RAM
     result = subprocess.run(command, capture_output=True, text=True, check=False, cwd=_root(), env=env)
     if result.returncode != 0:
@@ -205,11 +261,13 @@ def _run_child(argv: list[str], log, python: str | None = None) -> dict:
 
 
 def run(tasks, variants, cap: int, workdir: str, json_path: str | None, log=print, vllm_python=None) -> dict:
-    data = {"cap": cap, "cells": {}}
+    data = {"cells": {}}
     if json_path and os.path.exists(json_path):
         with open(json_path) as f:
             data = json.load(f)
     data.setdefault("cells", {})
+    data["cap"] = cap  # the cap of this run (each cell records its own)
+    commit = _commit()
 
     def save():
         if json_path:
@@ -218,12 +276,31 @@ def run(tasks, variants, cap: int, workdir: str, json_path: str | None, log=prin
 
     for task in tasks:
         cells = data["cells"].setdefault(task, {})
-        if not os.path.exists(os.path.join(workdir, task, "adapter", "adapter_config.json")):
+        expected = provenance(task, None, cap, commit)
+        record = os.path.join(workdir, task, "adapter", "bench_provenance.json")
+        recorded = {}
+        if os.path.exists(record):
+            with open(record) as f:
+                recorded = json.load(f)
+        stale = mismatch({"provenance": recorded}, expected)
+        warm = cells.get("warmstart", {})
+        if stale or mismatch(warm, expected) or "error" in warm:
+            if os.path.exists(os.path.join(workdir, task, "adapter")) or warm:
+                log(f"[multiturn] {task}: warm start not reused ({', '.join(stale) or 'not recorded'} differ)")
+            cells.clear()  # every variant trains from the adapter: measured from another one, none is reused
             cells["warmstart"] = _run_child(["--child", "warmstart", "--task", task, "--workdir", workdir], log)
+            cells["warmstart"]["provenance"] = expected
+            cells["warmstart"]["finished"] = time.strftime("%Y-%m-%d %H:%M")
+            with open(record, "w") as f:
+                json.dump(expected, f)
             save()
         for variant in variants:
+            expected = provenance(task, variant, cap, commit)
             if variant in cells and "error" not in cells[variant]:
-                continue
+                differ = mismatch(cells[variant], expected)
+                if not differ:
+                    continue
+                log(f"[multiturn] {task} {variant}: recorded cell not reused ({', '.join(differ)} differ)")
             try:
                 if variant == "vllm" and not (vllm_python and os.path.exists(vllm_python)):
                     raise RuntimeError(f"no vLLM interpreter at {vllm_python!r} (`make install-vllm`)")
@@ -234,6 +311,7 @@ def run(tasks, variants, cap: int, workdir: str, json_path: str | None, log=prin
                 )
             except RuntimeError as e:
                 cells[variant] = {"error": str(e)[-2000:]}
+            cells[variant]["provenance"] = expected
             cells[variant]["finished"] = time.strftime("%Y-%m-%d %H:%M")
             log(f"[multiturn] {task} {variant}: {json.dumps(cells[variant])[:400]}")
             save()
@@ -241,6 +319,49 @@ def run(tasks, variants, cap: int, workdir: str, json_path: str | None, log=prin
     data["load_at_end"] = [round(x, 1) for x in load]
     save()
     return data
+
+
+def summary_rows(data: dict) -> list[tuple]:
+    """The goals-table rows of this section (`python -m trl_agentic.bench`), from the recorded cells: the BFCL step
+    (≤ 10 min, judged on CPU time: with one thread that is the step's length on a quiet machine; wall beside it) and
+    the CPU-time ratios of prefix caching to TRL's generation on the log search and the text world."""
+    rows = []
+    bfcl = data["cells"].get("bfcl", {})
+    for variant in ("reuse", "reuse_cap"):
+        cell = bfcl.get(variant, {})
+        if "step_cpu_s" not in cell:
+            continue
+        cap = cell.get("provenance", {}).get("cap") or data.get("cap", 256)
+        label = "prefix caching" + (f" + `max_turn_tokens={cap}`" if variant == "reuse_cap" else "")
+        threads = cell.get("threads")
+        rows.append(
+            (
+                f"BFCL GRPO step of 8 conversations, {label} (*Multi-turn GRPO steps*, "
+                f"{cell.get('finished', 'undated')[:10]})",
+                f"{cell['step_cpu_s'] / 60:.1f} min of CPU time on {threads} thread{'s' if threads != 1 else ''} "
+                f"({cell['step_s'] / 60:.1f} min wall)",
+                "≤ 10 min",
+                cell["step_cpu_s"] <= 600,
+            )
+        )
+    names = {"logsearch": "Log-search", "textworld": "Text-world (RLVCR)"}
+    for task, name in names.items():
+        cells = data["cells"].get(task, {})
+        reuse, off = cells.get("reuse", {}), cells.get("off", {})
+        if "step_cpu_s" not in reuse or "step_cpu_s" not in off:
+            continue
+        same = reuse["generation"]["tokens"] == off["generation"]["tokens"]
+        rows.append(
+            (
+                f"{name} GRPO step, CPU time, prefix caching / TRL generation "
+                + ("(same tokens)" if same else "(different tokens)"),
+                f"{reuse['step_cpu_s'] / off['step_cpu_s']:.2f} (generation alone "
+                f"{reuse['generation']['cpu_s'] / off['generation']['cpu_s']:.2f})",
+                "measured",
+                None,
+            )
+        )
+    return rows
 
 
 def _minutes(seconds: float) -> str:
@@ -257,20 +378,38 @@ def render(data: dict, command: str) -> str:
         "variant from that adapter, same seed, each in its own process), CPU. *Step*: `Trainer.train` for one step "
         "(generation, tools, rewards, the loss's forward and backward, the optimizer), wall and CPU time of the "
         "process; *generation*: the time inside `_generate_single_turn` (every turn of every rollout) and the "
-        f"tokens it returned. Cap: `max_turn_tokens={cap}`.",
+        f"tokens it returned. Cap: `max_turn_tokens={cap}`. *Threads*: the child's torch threads; *finished*: when "
+        "the cell was measured; *commit*: the code it was measured with (`+dirty.…`: with uncommitted changes), "
+        "*not recorded* for cells from before commits were stored.",
         "",
         "| task | variant | step wall | step CPU | generation wall | generation CPU | generated tokens | tokens/s "
-        "(wall) | tokens/s (CPU) | prefilled / context tokens | turns cut by the cap | step CPU vs off |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "(wall) | tokens/s (CPU) | prefilled / context tokens | turns cut by the cap | step CPU vs off | threads | "
+        "finished | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    unrecorded = mixed = False
+    commits = {
+        c.get("provenance", {}).get("commit")
+        for cells in data["cells"].values()
+        for name, c in cells.items()
+        if name != "warmstart"
+    }
     for task, cells in data["cells"].items():
         off = cells.get("off", {}).get("step_cpu_s")
         for variant in VARIANTS:
             c = cells.get(variant)
             if c is None:
                 continue
+            made = c.get("provenance", {})
+            unrecorded |= not made
+            mixed |= len(commits) > 1
+            stamp = f"{c.get('threads', made.get('threads', '?'))} | {c.get('finished', '–')} | " + (
+                f"`{made['commit']}`" if made.get("commit") else "not recorded"
+            )
             if "error" in c:
-                lines.append(f"| {task} | {LABELS[variant]} | failed: {c['error'][-200:]!r} | | | | | | | | |")
+                lines.append(
+                    f"| {task} | {LABELS[variant]} | failed: {c['error'][-200:]!r} | | | | | | | | | | {stamp} |"
+                )
                 continue
             g = c["generation"]
             prefilled = sum(s["prefilled_tokens"] for s in c["cache"]) if c["cache"] else g["context_tokens"]
@@ -284,9 +423,18 @@ def render(data: dict, command: str) -> str:
                 f"{g['tokens'] / max(g['seconds'], 1e-9):.1f} | "
                 f"{f'{g_tps:.1f}' if (g_tps := g['tokens'] / gen_cpu if gen_cpu else None) else '–'} | "
                 f"{prefilled if variant != 'vllm' else '–'} / {g['context_tokens']} | "
-                f"{c['loop'].get('turn_cap_truncations', 0)} | {ratio} |"
+                f"{c['loop'].get('turn_cap_truncations', 0)} | {ratio} | {stamp} |"
             )
     lines.append("")
+    if unrecorded:
+        lines += [
+            "Cells with commit *not recorded* come from a run before the benchmark stored each cell's commit, cap, "
+            "thread count and configuration hash: nothing checked that they were measured with the same code and "
+            "settings as the cells beside them.",
+            "",
+        ]
+    if mixed:
+        lines += ["The cells were measured with different commits (column *commit*).", ""]
     return "\n".join(lines)
 
 

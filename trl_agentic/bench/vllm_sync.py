@@ -71,11 +71,14 @@ def trainer_side(repeats: int) -> dict:
     root = tempfile.mkdtemp(prefix="vllm-sync-bench-")
     try:
 
-        def export(k: int):
+        def export(k):
             start = time.perf_counter()
             save_adapter(policy, os.path.join(root, str(k)), adapter_state_dict(policy, trl_sync._dist))
             return time.perf_counter() - start
 
+        # Warm-ups, untimed: the walk ran once above (building `engine_copy`); the export's first call pays one-off
+        # costs (safetensors, the gather's first allocation) that the walk does not.
+        export("warmup")
         walk_times = [walk(False) for _ in range(repeats)]
         copy_times = [walk(True) for _ in range(repeats)]
         export_times = [export(k) for k in range(repeats)]
@@ -206,16 +209,23 @@ def same_process_syncs(trainer, repeats: int) -> dict:
 
     generation = trainer.vllm_generation
     buffers = {name: torch.empty_like(t) for name, t in VLLMGeneration._iter_named_params(generation)}
-    lora, full = [], []
-    for _ in range(repeats):
+
+    def lora_sync():
         start = time.perf_counter()
         generation.sync_weights()
         lora.append(time.perf_counter() - start)
+
+    def full_sync():
         start = time.perf_counter()
         with torch.no_grad():
             for name, tensor in VLLMGeneration._iter_named_params(generation):
                 buffers[name].copy_(tensor)
         full.append(time.perf_counter() - start)
+
+    lora, full = [], []
+    for repeat in range(repeats):  # who goes first alternates: LoRA first in even repeats, the full walk in odd ones
+        for sync in (lora_sync, full_sync) if repeat % 2 == 0 else (full_sync, lora_sync):
+            sync()
     state = os.path.join(generation.lora_request.lora_path, "adapter_model.safetensors")
     return {
         "lora_s": statistics.median(lora),
