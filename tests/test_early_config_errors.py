@@ -258,3 +258,14 @@ def test_the_trainer_refuses_to_push_a_builtin_model(tmp_path, monkeypatch):
     args = AgenticGRPOConfig(**{**BASE, "output_dir": str(tmp_path)}, push_to_hub=True)
     with pytest.raises(ValueError, match="builtin model 'smollm2-135m'"):
         AgenticGRPOTrainer(model="smollm2-135m", reward_funcs=lambda completions, **kw: [0.0], args=args)
+
+
+# 9. TRL applies `generation_kwargs` after its own length: a `max_tokens` there replaced the limit the rollout loop
+# gives each turn, so a turn it cut read as complete.
+@pytest.mark.parametrize("key", ["max_tokens", "max_new_tokens"])
+def test_a_length_in_generation_kwargs_is_refused_when_our_loop_runs(key):
+    with pytest.raises(ValueError, match=f"`generation_kwargs` sets `{key}`.*max_turn_tokens"):
+        AgenticGRPOConfig(**BASE, enable_tool_rollback=True, generation_kwargs={key: 32})
+    with pytest.raises(ValueError, match=f"`generation_kwargs` sets `{key}`"):
+        AgenticGRPOConfig(**BASE, max_turn_tokens=64, generation_kwargs=f'{{"{key}": 32}}')  # JSON, from the CLI
+    AgenticGRPOConfig(**BASE, generation_kwargs={key: 32})  # TRL's own loop: TRL's semantics

@@ -220,3 +220,33 @@ def test_standalone_tools_of_a_task_are_evaluated_with_them(tiny_tokenizer):
         assert result.metrics["tool_call_success_rate"] == 1.0
     with pytest.raises(ValueError, match="`environment_factory` or `tools`"):
         evaluate_policy(model, tiny_tokenizer, rows, environment_factory=None, reward_funcs=[answer_reward])
+
+
+def test_a_turn_the_per_turn_cap_cut_ends_the_evaluation_rollout(tok, model):
+    """The engine caps each turn at `max_turn_tokens`, the loop did not know it: a capped turn (shorter than the
+    conversation's budget) was taken for a complete one, checked for malformed calls and answered with an
+    'unclosed <tool_call> tag' error, and the conversation went on from it."""
+    from trl_agentic.envs.calculator import CalculatorEnv, answer_reward
+    from trl_agentic.evaluation import evaluate_policy
+
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    script = tok.encode(text, add_special_tokens=False)
+    step = {"n": 0}
+
+    def write_the_call_forever(module, inputs, out):
+        out = out.clone()
+        out[:, -1, :] = -1e9
+        out[:, -1, script[step["n"] % len(script)]] = 1e9
+        step["n"] += 1
+        return out
+
+    model.lm_head.register_forward_hook(write_the_call_forever)
+    row, _ = _row_and_tools()
+    result = evaluate_policy(
+        model, tok, [row], environment_factory=CalculatorEnv, reward_funcs=[answer_reward],
+        max_completion_length=200, max_turn_tokens=20, max_tool_calling_iterations=3, progress=False,
+        prefix_caching=False,
+    )  # fmt: skip
+    (record,) = result.records
+    assert [m["role"] for m in record["messages"] if m["role"] != "user"] == ["assistant"]
+    assert not any("unclosed" in str(m.get("content")) for m in record["messages"])

@@ -109,3 +109,4 @@ def test_the_asynchronous_trainers_card_names_its_features(tiny_model_dir, tmp_p
     assert "Advantage estimator: `test_model_card:my_estimator`." in card and PLAIN not in card
     assert "| rollout-loop |" in card and "`max_turn_tokens=64`" in card
     assert "trl-agentic-estimator" in card and "trl-agentic-rollout-loop" in card and "async-grpo" in card
+    assert "`AsyncAgenticGRPOTrainer`, an extension of TRL's `AsyncGRPOTrainer`" in card

@@ -390,3 +390,58 @@ def test_the_negative_rows_mean_advantage_is_over_their_trained_tokens(tiny_mode
     }
     trainer._augmenter._log_metrics("train", batch, None, torch.tensor([0, 0]), torch.tensor([0, 1]))
     assert trainer._metrics["train"]["negatives/mean_advantage"][-1] == pytest.approx(-1.5)
+
+
+def test_completion_logs_keep_trls_rows_and_drop_only_the_last_batchs_extra_rows():
+    """Several evaluation batches smaller than a generation batch stay in TRL's completion logs (a rebuild to the
+    last batch dropped the earlier ones); a batch's extra rows go at the next batch, with their `row_kind` labels."""
+    from collections import defaultdict, deque
+    from types import SimpleNamespace
+
+    from trl_agentic.batch import BatchAugmenter
+    from trl_agentic.rollout.types import ExtraRow
+
+    size = 8
+    logs = {
+        "prompt": deque(maxlen=size),
+        "completion": deque(maxlen=size),
+        "advantages": deque(maxlen=size),
+        "rewards": defaultdict(lambda: deque(maxlen=size)),
+        "extra": defaultdict(lambda: deque(maxlen=size)),
+    }
+    trainer = SimpleNamespace(
+        _logs=logs, args=SimpleNamespace(generation_batch_size=size), accelerator=SimpleNamespace(num_processes=1)
+    )
+    augmenter = BatchAugmenter.__new__(BatchAugmenter)
+    augmenter.trainer, augmenter._logged_extra_rows = trainer, 0
+
+    def batch(name: str, n: int, negatives: int = 0):
+        rows = [f"{name}-{k}" for k in range(n)]
+        logs["prompt"].extend(rows)  # what TRL logs for the batch, before our augmentation
+        logs["completion"].extend(rows)
+        logs["advantages"].extend([0.0] * n)
+        logs["rewards"]["r"].extend([1.0] * n)
+        extras = [
+            ExtraRow(
+                kind=RowKind.NEGATIVE,
+                parent=0,
+                prompt_ids=[],
+                completion_ids=[],
+                tool_mask=[],
+                logprobs=None,
+                prompt_messages=f"{name}-neg{k}",
+                messages=f"{name}-neg{k}",
+            )  # fmt: skip
+            for k in range(negatives)
+        ]
+        advantages = torch.zeros(n + negatives)
+        augmenter._log_trained_rows({"advantages": advantages}, n, extras, None, rows)
+
+    batch("train", 8, negatives=2)
+    assert list(logs["prompt"]) == [f"train-{k}" for k in range(8)] + ["train-neg0", "train-neg1"]
+    assert list(logs["extra"]["row_kind"]) == ["regular"] * 8 + ["negative"] * 2
+    batch("eval0", 4)
+    batch("eval1", 4)
+    assert list(logs["prompt"]) == [f"eval0-{k}" for k in range(4)] + [f"eval1-{k}" for k in range(4)]
+    assert list(logs["extra"]["row_kind"]) == ["regular"] * 8
+    assert len(logs["completion"]) == len(logs["advantages"]) == len(logs["rewards"]["r"]) == 8

@@ -383,3 +383,31 @@ def test_a_server_that_cannot_tell_its_length_leaves_the_config_length(caplog):
     with caplog.at_level(logging.WARNING, logger="trl_agentic.rollout.trl_backend"):
         assert TrainerBackend(trainer).max_model_len == 4096
     assert "Could not read the vLLM server's max_model_len (Exception: Request failed: 503" in caplog.text
+
+
+@pytest.mark.parametrize("lora_sync", [True, False])
+def test_an_activated_lora_is_refused_with_vllm_before_the_model_loads(tmp_path, monkeypatch, lora_sync):
+    """With `vllm_lora_sync=False` the activated LoRA reached TRL's full sync, merged and applied to every token."""
+    from peft import LoraConfig
+
+    import trl_agentic.models
+    from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a model was loaded before the check")
+
+    monkeypatch.setattr(trl_agentic.models, "resolve_model_path", forbidden)
+    args = AgenticGRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", use_vllm=True, vllm_lora_sync=lora_sync
+    )
+    peft_config = LoraConfig(r=4, target_modules=["q_proj"], alora_invocation_tokens=[5, 6], task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match="activated LoRA"):
+        AgenticGRPOTrainer(
+            model="unused", reward_funcs=lambda completions, **k: [0.0], args=args, peft_config=peft_config
+        )
+    # Without vLLM the policy generates itself, with the activated LoRA as PEFT applies it.
+    plain = AgenticGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        AgenticGRPOTrainer(
+            model="unused", reward_funcs=lambda completions, **k: [0.0], args=plain, peft_config=peft_config
+        )

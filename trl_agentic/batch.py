@@ -298,6 +298,7 @@ class BatchAugmenter:
         # GDPO.
         self.last_tied_rows: torch.Tensor | None = None
         self.last_regular_rewards: torch.Tensor | None = None  # the last batch's, gathered (`_regular_rewards`)
+        self._logged_extra_rows = 0  # extra rows the last batch added to TRL's completion logs
 
     def _warn_negative_reward_not_lowest(self, rewards, group_ids, kinds) -> None:
         """Warn once when a negative row's reward is not below every episode of its group (`negative_not_a_penalty`)."""
@@ -744,13 +745,20 @@ class BatchAugmenter:
         for k, start in enumerate(starts):
             if start:
                 logs["completion"][first + k] = logs["completion"][first + k][start:]
-        # Every column is rebuilt at every batch: this batch's n rows (TRL just appended them), then the extra rows.
-        # A column grown for an earlier batch's extra rows would otherwise keep them in front of a later batch's rows
-        # (TRL appends n rows to a deque sized for more), under the later step and shifted `row_kind` labels.
-        size = max(n + len(extras), t.args.generation_batch_size)  # never smaller than TRL's next batch
+        # The last batch's extra rows sit right before this batch's n rows (TRL appended them to deques grown for
+        # those extras): they are removed, then this batch's extra rows appended. Left there, they showed in front of
+        # a later batch's rows, under its step, with shifted `row_kind` labels. Earlier rows stay, as TRL keeps them
+        # (several evaluation batches of fewer rows than a generation batch).
+        previous, self._logged_extra_rows = getattr(self, "_logged_extra_rows", 0), len(extras)
+        length = len(logs["prompt"])
+        stale = min(previous, max(length - n, 0))
+        size = max(n + len(extras), t.args.generation_batch_size)
 
         def rebuilt(column, tail):
-            return deque([*list(column)[max(len(column) - n, 0) :], *tail], maxlen=size)
+            items = list(column)
+            if stale and len(items) == length:
+                del items[length - n - stale : length - n]
+            return deque([*items, *tail], maxlen=size)
 
         logs["prompt"] = rebuilt(logs["prompt"], [prompt for prompt, *_ in extras])
         logs["completion"] = rebuilt(logs["completion"], [completion for _, completion, *_ in extras])
@@ -761,7 +769,8 @@ class BatchAugmenter:
             if name != "row_kind":
                 logs["extra"][name] = rebuilt(logs["extra"][name], [None] * len(extras))
         if extras or "row_kind" in logs["extra"]:
-            logs["extra"]["row_kind"] = deque(["regular"] * n + [kind for *_, kind in extras], maxlen=size)
+            regular = len(logs["prompt"]) - len(extras)  # every row before this batch's extras is a regular one
+            logs["extra"]["row_kind"] = deque(["regular"] * regular + [kind for *_, kind in extras], maxlen=size)
 
     def _log_metrics(self, mode: str, batch: dict, loop_result, group_t: torch.Tensor, kind_t: torch.Tensor) -> None:
         t = self.trainer

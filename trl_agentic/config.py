@@ -581,6 +581,20 @@ class AgenticGRPOConfig(GRPOConfig):
                 )
 
     def _validate_agentic_fields(self) -> None:
+        kwargs = getattr(self, "generation_kwargs", None)
+        if isinstance(kwargs, str):  # JSON from the command line, parsed by TRL's own checks later
+            try:
+                kwargs = json.loads(kwargs)
+            except ValueError:
+                kwargs = None
+        capped = [key for key in ("max_tokens", "max_new_tokens") if isinstance(kwargs, dict) and key in kwargs]
+        if capped and (self.uses_agentic_loop or self.agentic_features_enabled):
+            # TRL applies `generation_kwargs` after its own length, so this would replace the limit the loop gives
+            # each call (the budget left, `max_turn_tokens`), and a turn it cut would read as complete.
+            raise ValueError(
+                f"`generation_kwargs` sets `{capped[0]}`, which overrides the token limit trl-agentic's rollout loop "
+                "gives each turn: use `max_turn_tokens` (per turn) and `max_completion_length` (per conversation)."
+            )
         for name, choices in _CHOICES.items():
             value = getattr(self, name)
             if value not in choices:

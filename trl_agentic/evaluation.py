@@ -395,6 +395,9 @@ def evaluate_policy(
         enable_context_snapshots=context_snapshots,
         context_stub_text=context_stub_text,
         max_tool_output_chars=max_tool_output_chars,
+        # The engine caps each turn (`HFGenerationBackend`): the loop must know it, to tell a capped turn from a
+        # complete one (a turn is cut when it fills the tokens it could keep without an end-of-turn token).
+        max_turn_tokens=max_turn_tokens,
     )
     bar = tqdm(total=len(rows), desc=desc, disable=not progress, unit="problem")
     # A forked RNG: the sampled completions depend only on `seed`, and training's random stream is left as it was.

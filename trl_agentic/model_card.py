@@ -93,18 +93,25 @@ def features_used(args, estimator=None, agentic_loop: bool | None = None) -> lis
     return used
 
 
-def card_section(args, estimator=None, agentic_loop: bool | None = None) -> str:
-    """Markdown appended to TRL's model card (arguments as for [`features_used`])."""
+def card_section(
+    args,
+    estimator=None,
+    agentic_loop: bool | None = None,
+    trainers: tuple[str, str] = ("AgenticGRPOTrainer", "GRPOTrainer"),
+) -> str:
+    """Markdown appended to TRL's model card (arguments as for [`features_used`]; `trainers`: ours and the TRL
+    trainer it extends)."""
     used = features_used(args, estimator, agentic_loop)
     name = estimator_name(args, estimator)
+    ours, trl = trainers
     lines = ["", "## Trained with trl-agentic", ""]
     lines.append(
-        "This model was trained with [trl-agentic](https://pypi.org/project/trl-agentic/)'s `AgenticGRPOTrainer`, "
-        "an extension of TRL's `GRPOTrainer` for multi-turn tool agents."
+        f"This model was trained with [trl-agentic](https://pypi.org/project/trl-agentic/)'s `{ours}`, "
+        f"an extension of TRL's `{trl}` for multi-turn tool agents."
     )
     lines.append("")
     if not used:
-        lines.append("Features: none beyond GRPO (the trainer then behaves exactly like `GRPOTrainer`).")
+        lines.append(f"Features: none beyond GRPO (the trainer then behaves exactly like `{trl}`).")
     else:
         lines.append("| feature | key settings |")
         lines.append("| --- | --- |")
@@ -130,7 +137,10 @@ def feature_tags(args, estimator=None, agentic_loop: bool | None = None) -> list
 class ModelCardMixin:
     """`create_model_card` for both trainers: TRL's card plus a section naming the trl-agentic features that ran,
     their settings and citations, with a `trl-agentic-*` tag per feature. Reads `advantage_estimator` (None: the
-    config's) and `_uses_agentic_loop` (what ran, not the config's switches alone: user turns need the loop too)."""
+    config's), `_uses_agentic_loop` (what ran, not the config's switches alone: user turns need the loop too) and
+    `_card_trainers` (the trainer's name and the TRL trainer it extends)."""
+
+    _card_trainers = ("AgenticGRPOTrainer", "GRPOTrainer")
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         tags = [tags] if isinstance(tags, str) else list(tags or [])
@@ -142,4 +152,4 @@ class ModelCardMixin:
             path = os.path.join(self.args.output_dir, "README.md")
             if os.path.exists(path):
                 with open(path, "a") as f:
-                    f.write(card_section(self.args, **ran))
+                    f.write(card_section(self.args, **ran, trainers=self._card_trainers))

@@ -191,6 +191,10 @@ class AgenticGRPOTrainer(
             )
         if args.tracin_enabled:
             tracin_validation_set(tracin_eval_dataset, eval_dataset)  # before TRL loads the model
+        if args.use_vllm:
+            from .vllm_lora import refuse_activated_lora
+
+            refuse_activated_lora(model, peft_config)
         _check_tool_names(tools, environment_factory, args)
         if args.enable_context_snapshots:
             if environment_factory is None and not tools:

@@ -166,6 +166,20 @@ def _trainable_outside_adapter(model, adapter: str) -> str | None:
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "") if names else None
 
 
+def refuse_activated_lora(model, peft_config=None) -> None:
+    """Refuse an activated LoRA (`alora_invocation_tokens`) for a run that generates with vLLM, before any model
+    loads: vLLM has none (it would apply the adapter to every token), and no merge (TRL's full sync) expresses it."""
+    configs = [peft_config] if peft_config is not None else []
+    configs += list(getattr(model, "peft_config", {}).values()) if not isinstance(model, str) else []
+    for config in configs:
+        if getattr(config, "alora_invocation_tokens", None):
+            raise ValueError(
+                "An activated LoRA (`alora_invocation_tokens`) cannot generate with vLLM: vLLM has no activated LoRA "
+                "and would apply the adapter to every token, and a merged adapter (TRL's full sync) would too. Train "
+                "it without vLLM (`use_vllm=False`)."
+            )
+
+
 def lora_sync_decision(model, *, sleep_mode: bool, on_cpu: bool) -> str | None:
     """Whether the LoRA sync can serve `model`: `None` if it can, else why not (then TRL's full sync is used).
 

@@ -175,6 +175,13 @@ class AsyncAgenticGRPOTrainer(ModelCardMixin, AsyncGRPOTrainer):
 
     _tag_names = ["trl", "async-grpo", "trl-agentic"]
     _name = "AsyncAgenticGRPO"
+    _card_trainers = ("AsyncAgenticGRPOTrainer", "AsyncGRPOTrainer")
+
+    @property
+    def _uses_agentic_loop(self) -> bool:
+        """Whether the rollout worker runs trl-agentic's loop (any feature, or `mask_truncated_completions`), for the
+        model card."""
+        return getattr(getattr(self, "rollout_worker", None), "_loop_cls", None) is AgenticAsyncRolloutLoop
 
     def __init__(
         self,
@@ -212,6 +219,9 @@ class AsyncAgenticGRPOTrainer(ModelCardMixin, AsyncGRPOTrainer):
         estimator = check_before_model(args, advantage_estimator)
         if args.tracin_enabled and peft_config is None:
             raise ValueError("`tracin_enabled=True` needs a PEFT LoRA policy: pass `peft_config` (a `LoraConfig`).")
+        from ..vllm_lora import refuse_activated_lora
+
+        refuse_activated_lora(model, peft_config)  # vLLM always generates here
         if args.enable_context_snapshots:
             if environment_factory is None and not tools:
                 raise ValueError(
@@ -225,7 +235,6 @@ class AsyncAgenticGRPOTrainer(ModelCardMixin, AsyncGRPOTrainer):
                 _check_tool_names([], cls, args)
             tools = [*(tools or []), delete_context]
         user_turns = any(has_user_turns(cls) for _, cls in probes)
-        self._uses_agentic_loop = bool(args.uses_agentic_loop or user_turns)  # for the model card
         # An estimator passed here counts as one in the config does: it runs in the estimator stage (and in TRL's
         # plain worker setup it would be ignored).
         self._features_on = (
