@@ -379,3 +379,27 @@ def test_scale_rewards_with_every_feature_off_warns_that_trl_scales(tmp_path, mo
         )
     said = [w for w in caught if "`scale_rewards='none'` has no effect" in str(w.message)]
     assert len(said) == int(warns)
+
+
+def test_trls_own_rows_between_groups_without_a_row_reset_the_streak(caplog):
+    """Every feature off with `mask_truncated_completions`: TRL's own rows (no `group_rows`) pass through the stage
+    and never reset the streak, so groups without a row spread over a run stopped it as if they came in a row."""
+    from trl_agentic.async_grpo.compat import worker_module
+
+    rollout_sample = worker_module().RolloutSample
+    trainer, inner = _trainer(dataset_size=8), queue.Queue()
+    for group in range(0, 2 * (UNTRAINED_GROUPS_LIMIT + 6), 2):
+        for _ in range(4):  # a group of TRL's, trained
+            inner.put(
+                rollout_sample(
+                    prompt=[], completion=[], input_ids=np.array([1, 2, 3, 4]), completion_mask=np.array([0, 0, 1, 1]),
+                    old_log_probs=np.zeros(4, np.float32), advantage=0.5, model_version=0, group_id=group,
+                    metrics={"reward": 1.0},
+                )
+            )  # fmt: skip
+        inner.put(_marker(group + 1))  # then a group whose every conversation was truncated
+    stage = AgenticRolloutQueue(trainer, inner, None)
+    with caplog.at_level(logging.WARNING, logger="trl_agentic.async_grpo.stage"):
+        read = [stage.get(timeout=5) for _ in range(4 * (UNTRAINED_GROUPS_LIMIT + 6))]
+    assert len(read) == 4 * (UNTRAINED_GROUPS_LIMIT + 6)
+    assert not any("groups in a row" in r.getMessage() for r in caplog.records)

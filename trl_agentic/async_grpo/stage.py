@@ -253,7 +253,9 @@ class AgenticRolloutQueue:
                         "TRL's `AsyncRolloutWorker` pushes them. Use TRL's worker, or leave `advantage_estimator` at "
                         '"grpo" and pass no estimator.'
                     )
-                self._ready.extend([sample] if getattr(sample, "trained", True) else [])
+                if getattr(sample, "trained", True):
+                    self._ready.append(sample)
+                    self._untrained_streak = 0  # a group with a row to train (TRL's own rows: every feature off)
                 continue
             if self._pending and self._pending[0].group_id != sample.group_id:
                 self._release()  # an incomplete group (a worker that stopped mid-group) is not merged with the next
