@@ -780,3 +780,24 @@ def test_the_agentic_loop_replaces_trls_own_loop_only():
     with pytest.raises(ValueError, match="HarnessLoop"):
         _use_agentic_loop(other, "`mask_truncated_completions`")
     assert other._loop_cls is HarnessLoop
+
+
+def test_a_snapshot_segment_gets_the_split_the_synchronous_trainer_gives_its_reward_function():
+    """A segment whose completion begins with environment tokens (a rollback hint before its first turn): the worker
+    split it at its first trained token, so `snapshot_reward_func` saw the hint in the prompt, where the synchronous
+    trainer (`BatchAugmenter._segment_term`) passes the segment's own prompt and completion."""
+    from trl_agentic.async_grpo.rows import segment_info, sequences_from_loop
+    from trl_agentic.rollout.types import ExtraRow, RowKind
+
+    hint, turn = [7, 8], [20, 21, 22]
+    snapshot = ExtraRow(
+        kind=RowKind.SNAPSHOT, parent=0, prompt_ids=[101, 102, 103], completion_ids=hint + turn,
+        tool_mask=[0, 0, 1, 1, 1], logprobs=[0.0, 0.0, -0.1, -0.2, -0.3], segment_index=0, tokens_freed=5,
+    )  # fmt: skip
+    rows = sequences_from_loop([201, 202], [30, 31], [1, 1], [-0.1, -0.1], [snapshot], "r", last_segment=1)
+    info = segment_info(rows[1], {"x": 1})
+    assert info["prompt_ids"] == snapshot.prompt_ids  # what the synchronous trainer passes
+    assert info["completion_ids"] == snapshot.completion_ids and info["tool_mask"] == snapshot.tool_mask
+    assert (info["segment_index"], info["tokens_freed"], info["row"]) == (0, 5, {"x": 1})
+    regular = segment_info(rows[0], {})
+    assert regular["prompt_ids"] == [201, 202] and regular["completion_ids"] == [30, 31]

@@ -60,6 +60,8 @@ class AgenticSequence(TrainingSequence):
         lost: The rollout was lost to an infrastructure failure (unscorable, not trained on).
         iteration: A negative row's `ExtraRow.iteration` (the order in which the per-group cap keeps negatives).
         truncated: The regular row's completion was cut by the budget (`is_truncated`).
+        prompt_length: Tokens of the row's prompt (-1: unknown). A segment's completion can begin with environment
+            tokens (a rollback hint before its first turn), so its first trained token is not where its prompt ends.
     """
 
     kind: int = int(RowKind.REGULAR)
@@ -70,6 +72,7 @@ class AgenticSequence(TrainingSequence):
     lost: bool = False
     iteration: int = 0
     truncated: bool = False
+    prompt_length: int = -1
 
 
 def is_truncated(completion_ids, stop_token_ids) -> bool:
@@ -111,7 +114,17 @@ def sequences_from_loop(
     """The training rows of one trajectory: the regular row (last segment) first, then the loop's extra rows."""
     rows = []
     ids, mask, lps = row_from_tokens(prompt_ids, completion_ids, tool_mask, logprobs)
-    rows.append(AgenticSequence(ids, mask, lps, rollout_id, kind=int(RowKind.REGULAR), segment_index=last_segment))
+    rows.append(
+        AgenticSequence(
+            ids,
+            mask,
+            lps,
+            rollout_id,
+            kind=int(RowKind.REGULAR),
+            segment_index=last_segment,
+            prompt_length=len(prompt_ids),
+        )
+    )
     for e in extra_rows:
         ids, mask, lps = row_from_tokens(e.prompt_ids, e.completion_ids, e.tool_mask, e.logprobs)
         rows.append(
@@ -125,6 +138,7 @@ def sequences_from_loop(
                 segment_index=e.segment_index,
                 tokens_freed=e.tokens_freed,
                 iteration=e.iteration,
+                prompt_length=len(e.prompt_ids),
             )
         )
     return rows
@@ -153,7 +167,9 @@ def segment_info(row: AgenticSequence, dataset_row: dict) -> dict:
     """What `snapshot_reward_func` gets for a snapshot row, as the synchronous trainer passes it (`segment_info`):
     the segment's prompt and completion ids, its tool mask, index and freed tokens, and the dataset row (with the
     prompt the model saw)."""
-    start = next((k for k, m in enumerate(row.completion_mask) if m), len(row.input_ids))
+    start = getattr(row, "prompt_length", -1)
+    if start < 0:  # a row made elsewhere: its prompt ends before its first trained token
+        start = next((k for k, m in enumerate(row.completion_mask) if m), len(row.input_ids))
     return {
         "prompt_ids": row.input_ids[:start],
         "completion_ids": row.input_ids[start:],
