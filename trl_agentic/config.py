@@ -493,8 +493,8 @@ class AgenticGRPOConfig(GRPOConfig):
     transformers_prefix_caching: bool = field(
         default=True,
         metadata={
-            "help": "Transformers generation of multi-turn tool rollouts in trl-agentic's own loop (any feature on; "
-            "with every feature off TRL's generation runs untouched): keep each conversation's KV cache between "
+            "help": "Transformers generation of multi-turn tool rollouts in trl-agentic's own loop (when a loop feature "
+            "or an environment's further user turns need it; otherwise TRL's generation runs untouched): keep each conversation's KV cache between "
             "turns and prefill only the new tokens (cropped after a rollback, reused up to the first deleted message "
             "after delete_context). Same tokens as without it under greedy decoding. Off, with a logged reason, "
             "where it does not apply (vLLM caches prefixes itself; in training mode, models with dropout)."

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from trl import GRPOConfig
 
+from .async_grpo.config import _AsyncOwnFields
+from .cli import TrainerArguments
 from .config import AgenticGRPOConfig
 from .tasks import TaskArguments
 
@@ -22,6 +24,12 @@ Every field of TRL's [`GRPOConfig`](https://huggingface.co/docs/trl/grpo_trainer
 too; only the fields trl-agentic adds are listed here. Set them in the YAML file given to
 `trl-agentic train --config`, as `--field value` flags, or as keyword arguments of `AgenticGRPOConfig`.
 """
+
+ASYNC_INTRO = (
+    "Every field of TRL's `AsyncGRPOConfig` and the feature fields of `AgenticGRPOConfig` above (same names, defaults "
+    "and meaning; all but `vllm_lora_sync`), plus these (refused there: `tool_timeout`, `row_selection`, "
+    "`eval_strategy`, `eval_on_start`; docs/async.md):"
+)
 
 
 def _default(f: dataclasses.Field) -> str:
@@ -59,6 +67,11 @@ def render() -> str:
     out += _table(AgenticGRPOConfig, ours)
     out += ["", "## `TaskArguments` (`trl-agentic train` only)", ""]
     out += _table(TaskArguments, dataclasses.fields(TaskArguments))
+    out += ["", "## `TrainerArguments` (`trl-agentic train` only)", ""]
+    out += _table(TrainerArguments, dataclasses.fields(TrainerArguments))
+    out += ["", "## `AsyncAgenticGRPOConfig` (`trainer: async_grpo`)", "", ASYNC_INTRO, ""]
+    own = [f for f in dataclasses.fields(_AsyncOwnFields) if f.name in _AsyncOwnFields.__annotations__]
+    out += _table(_AsyncOwnFields, own)
     return "\n".join(out) + "\n"
 
 

@@ -203,7 +203,10 @@ class TaskArguments:
     )
     heldout_eval: bool = field(
         default=False,
-        metadata={"help": "Evaluate on the held-out problems before and after GRPO (multi-turn tool loop)."},
+        metadata={
+            "help": "Evaluate on the held-out problems before and after GRPO (multi-turn tool loop); with `trainer: "
+            "async_grpo`, after training only."
+        },
     )
     heldout_eval_base_model: bool = field(
         default=False, metadata={"help": "Also evaluate the model before the warm start."}

@@ -96,7 +96,7 @@ def _validate_async(self) -> None:
             raise ValueError(
                 f"`{name}={getattr(self, name)!r}` is not supported by AsyncAgenticGRPOTrainer: TRL's asynchronous "
                 "trainer has no evaluation loop. Leave `eval_strategy='no'` and `eval_on_start=False`; "
-                "`trl-agentic train`'s held-out evaluation (`heldout_eval`) runs before and after training instead."
+                "`trl-agentic train`'s held-out evaluation (`heldout_eval`) runs after training instead."
             )
     if self.row_selection != "none":
         raise ValueError(
