@@ -248,13 +248,8 @@ def test_a_consumed_marker_passes_trls_score_loop_with_log_completions():
 def test_trls_own_worker_gets_no_warning_that_its_features_do_nothing(tiny_model_dir, tmp_path, caplog, monkeypatch):
     """With TRL's `AsyncRolloutWorker` the loop settings run (in trl-agentic's loop in its child): no warning. The
     trainer then waits for the vLLM server, here a stub that stops construction there."""
-    from datasets import Dataset
-    from peft import LoraConfig
-    from test_async_equivalence import NoWeightTransfer, ScriptedWorker, _reward
+    from test_async_equivalence import scripted_async_trainer
     from trl.experimental.async_grpo import vllm_client
-
-    from trl_agentic.async_grpo import AsyncAgenticGRPOConfig, AsyncAgenticGRPOTrainer
-    from trl_agentic.async_grpo.compat import cpu_peak_flops
 
     class NoServer(Exception):
         pass
@@ -262,26 +257,8 @@ def test_trls_own_worker_gets_no_warning_that_its_features_do_nothing(tiny_model
     def wait_for_server_ready(self, *args, **kwargs):
         raise NoServer
 
-    monkeypatch.setattr(vllm_client.VLLMClient, "wait_for_server_ready", wait_for_server_ready)
-
-    class TRLWorker(ScriptedWorker, trainer_module().AsyncRolloutWorker):
-        def __init__(self, samples):
-            ScriptedWorker.__init__(self, samples)
-            self._loop_cls, self._loop_kwargs = worker_module()._AsyncRolloutLoop, {}
-
-    args = AsyncAgenticGRPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1, per_device_train_batch_size=8,
-        num_generations=4, enable_tool_rollback=True, rollback_on_errors=["ValueError"], max_turn_tokens=64,
-    )  # fmt: skip
+    config = {"enable_tool_rollback": True, "rollback_on_errors": ["ValueError"], "max_turn_tokens": 64}
     with caplog.at_level(logging.WARNING, logger="trl_agentic.async_grpo.trainer"), pytest.raises(NoServer):
-        with cpu_peak_flops():
-            AsyncAgenticGRPOTrainer(
-                model=str(tiny_model_dir),
-                reward_funcs=_reward,
-                args=args,
-                train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "q"}]}] * 4),
-                peft_config=LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"),
-                rollout_worker=TRLWorker(_samples(agentic=True)),
-                weight_transfer=NoWeightTransfer(),
-            )
+        monkeypatch.setattr(vllm_client.VLLMClient, "wait_for_server_ready", wait_for_server_ready)
+        scripted_async_trainer(tiny_model_dir, tmp_path, monkeypatch, config=config, server_ready=False)
     assert "no effect" not in caplog.text

@@ -358,3 +358,43 @@ def test_max_staleness_drops_extra_rows_like_regular_ones():
     for name in ("regular", "negative", "snapshot"):
         assert sum(metrics[f"sample/dropped_stale_{name}_total"]) == 2
         assert max(metrics[f"sample/staleness_{name}_max"]) == 4
+
+
+def scripted_async_trainer(
+    model_dir, tmp_path, monkeypatch, config: dict | None = None, server_ready: bool = True, **trainer_kwargs
+):
+    """An `AsyncAgenticGRPOTrainer` on TRL's rollout worker class with scripted samples and no vLLM server (the
+    client's readiness and context length answered here, unless `server_ready` is False: the caller's own stub
+    then answers): for set-up checks. `config` overrides the config's fields; `trainer_kwargs` go to the trainer
+    (e.g. `environment_factory`, `advantage_estimator`)."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl.experimental.async_grpo import vllm_client
+
+    from trl_agentic.async_grpo import AsyncAgenticGRPOConfig, AsyncAgenticGRPOTrainer
+    from trl_agentic.async_grpo.compat import cpu_peak_flops, trainer_module, worker_module
+
+    if server_ready:
+        monkeypatch.setattr(vllm_client.VLLMClient, "wait_for_server_ready", lambda self, *a, **k: None)
+    monkeypatch.setattr(vllm_client.VLLMClient, "get_max_model_len", lambda self: 4096)
+
+    class TRLWorker(ScriptedWorker, trainer_module().AsyncRolloutWorker):
+        def __init__(self, samples):
+            ScriptedWorker.__init__(self, samples)
+            self._loop_cls, self._loop_kwargs = worker_module()._AsyncRolloutLoop, {}
+
+    args = AsyncAgenticGRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=1,
+        per_device_train_batch_size=8, num_generations=4, **(config or {}),
+    )  # fmt: skip
+    with cpu_peak_flops():
+        return AsyncAgenticGRPOTrainer(
+            model=str(model_dir),
+            reward_funcs=_reward,
+            args=args,
+            train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "q"}]}] * 4),
+            peft_config=LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"),
+            rollout_worker=TRLWorker(_samples(agentic=True)),
+            weight_transfer=NoWeightTransfer(),
+            **trainer_kwargs,
+        )

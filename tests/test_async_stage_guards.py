@@ -299,41 +299,16 @@ def test_environment_probes_read_a_partials_class(factory):
 
 def test_a_partial_user_turn_environment_runs_the_agentic_loop(tiny_model_dir, tmp_path, monkeypatch):
     """With user turns as the only feature, a partial factory kept TRL's own loop: no user turn ever happened."""
-    from datasets import Dataset
-    from peft import LoraConfig
-    from test_async_equivalence import NoWeightTransfer, ScriptedWorker, _reward, _samples
-    from trl.experimental.async_grpo import vllm_client
+    from test_async_equivalence import _reward, scripted_async_trainer
 
     from trl_agentic.async_grpo import AsyncAgenticGRPOConfig, AsyncAgenticGRPOTrainer
-    from trl_agentic.async_grpo.compat import cpu_peak_flops, trainer_module, worker_module
     from trl_agentic.async_grpo.worker import AgenticAsyncRolloutLoop
 
-    monkeypatch.setattr(vllm_client.VLLMClient, "wait_for_server_ready", lambda self, *a, **k: None)
-    monkeypatch.setattr(vllm_client.VLLMClient, "get_max_model_len", lambda self: 4096)
-
-    class TRLWorker(ScriptedWorker, trainer_module().AsyncRolloutWorker):
-        def __init__(self, samples):
-            ScriptedWorker.__init__(self, samples)
-            self._loop_cls, self._loop_kwargs = worker_module()._AsyncRolloutLoop, {}
-
     def build(factory, **overrides):
-        args = AsyncAgenticGRPOConfig(
-            output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=1,
-            per_device_train_batch_size=8, num_generations=4, **overrides,
-        )  # fmt: skip
-        worker = TRLWorker(_samples(agentic=True))
-        with cpu_peak_flops():
-            AsyncAgenticGRPOTrainer(
-                model=str(tiny_model_dir),
-                reward_funcs=_reward,
-                args=args,
-                train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "q"}]}] * 4),
-                peft_config=LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"),
-                rollout_worker=worker,
-                weight_transfer=NoWeightTransfer(),
-                environment_factory=factory,
-            )
-        return worker
+        trainer = scripted_async_trainer(
+            tiny_model_dir, tmp_path, monkeypatch, config=overrides, environment_factory=factory
+        )
+        return trainer.rollout_worker
 
     worker = build(functools.partial(UserTurnEnv, turns=2))
     assert worker._loop_cls is AgenticAsyncRolloutLoop and "agentic" in worker._loop_kwargs

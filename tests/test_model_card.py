@@ -74,36 +74,11 @@ def test_trainer_card_with_a_callable_estimator(tiny_model_dir, tmp_path):
 
 def test_the_asynchronous_trainers_card_names_its_features(tiny_model_dir, tmp_path, monkeypatch):
     """AsyncAgenticGRPOTrainer wrote TRL's card alone: no trl-agentic section, no feature tags."""
-    from peft import LoraConfig
-    from test_async_equivalence import NoWeightTransfer, ScriptedWorker, _reward, _samples
-    from trl.experimental.async_grpo import vllm_client
+    from test_async_equivalence import scripted_async_trainer
 
-    from trl_agentic.async_grpo import AsyncAgenticGRPOConfig, AsyncAgenticGRPOTrainer
-    from trl_agentic.async_grpo.compat import cpu_peak_flops, trainer_module, worker_module
-
-    monkeypatch.setattr(vllm_client.VLLMClient, "wait_for_server_ready", lambda self, *a, **k: None)
-    monkeypatch.setattr(vllm_client.VLLMClient, "get_max_model_len", lambda self: 4096)
-
-    class TRLWorker(ScriptedWorker, trainer_module().AsyncRolloutWorker):
-        def __init__(self, samples):
-            ScriptedWorker.__init__(self, samples)
-            self._loop_cls, self._loop_kwargs = worker_module()._AsyncRolloutLoop, {}
-
-    args = AsyncAgenticGRPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=1,
-        per_device_train_batch_size=8, num_generations=4, max_turn_tokens=64,
-    )  # fmt: skip
-    with cpu_peak_flops():
-        trainer = AsyncAgenticGRPOTrainer(
-            model=str(tiny_model_dir),
-            reward_funcs=_reward,
-            args=args,
-            train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "q"}]}] * 4),
-            peft_config=LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"),
-            rollout_worker=TRLWorker(_samples(agentic=True)),
-            weight_transfer=NoWeightTransfer(),
-            advantage_estimator=my_estimator,
-        )
+    trainer = scripted_async_trainer(
+        tiny_model_dir, tmp_path, monkeypatch, config={"max_turn_tokens": 64}, advantage_estimator=my_estimator
+    )
     trainer.create_model_card(model_name="m")
     card = (tmp_path / "README.md").read_text()
     assert "Advantage estimator: `test_model_card:my_estimator`." in card and PLAIN not in card

@@ -112,33 +112,28 @@ def sequences_from_loop(
     last_segment: int = 0,
 ) -> list[AgenticSequence]:
     """The training rows of one trajectory: the regular row (last segment) first, then the loop's extra rows."""
-    rows = []
-    ids, mask, lps = row_from_tokens(prompt_ids, completion_ids, tool_mask, logprobs)
-    rows.append(
-        AgenticSequence(
-            ids,
-            mask,
-            lps,
-            rollout_id,
-            kind=int(RowKind.REGULAR),
-            segment_index=last_segment,
-            prompt_length=len(prompt_ids),
+
+    def sequence(prompt, completion, mask, lps, **fields) -> AgenticSequence:
+        ids, mask, lps = row_from_tokens(prompt, completion, mask, lps)
+        return AgenticSequence(ids, mask, lps, rollout_id, prompt_length=len(prompt), **fields)
+
+    rows = [
+        sequence(
+            prompt_ids, completion_ids, tool_mask, logprobs, kind=int(RowKind.REGULAR), segment_index=last_segment
         )
-    )
+    ]
     for e in extra_rows:
-        ids, mask, lps = row_from_tokens(e.prompt_ids, e.completion_ids, e.tool_mask, e.logprobs)
         rows.append(
-            AgenticSequence(
-                ids,
-                mask,
-                lps,
-                rollout_id,
+            sequence(
+                e.prompt_ids,
+                e.completion_ids,
+                e.tool_mask,
+                e.logprobs,
                 kind=int(e.kind),
                 error_types=list(e.error_types),
                 segment_index=e.segment_index,
                 tokens_freed=e.tokens_freed,
                 iteration=e.iteration,
-                prompt_length=len(e.prompt_ids),
             )
         )
     return rows
