@@ -175,8 +175,8 @@ def refuse_activated_lora(model, peft_config=None) -> None:
         if getattr(config, "alora_invocation_tokens", None):
             raise ValueError(
                 "An activated LoRA (`alora_invocation_tokens`) cannot generate with vLLM: vLLM has no activated LoRA "
-                "and would apply the adapter to every token, and a merged adapter (TRL's full sync) would too. Train "
-                "it without vLLM (`use_vllm=False`)."
+                "and would apply the adapter to every token, and a merged adapter (TRL's full sync) would act on "
+                "every token too. Train it without vLLM (`use_vllm=False`)."
             )
 
 
@@ -198,12 +198,7 @@ def lora_sync_decision(model, *, sleep_mode: bool, on_cpu: bool) -> str | None:
             everywhere: neither sync serves it.
     """
     reason = lora_sync_unsupported_reason(model)
-    if reason is not None and "activated LoRA" in reason:
-        # No merge expresses an adapter that acts from its invocation tokens on: TRL's full sync is wrong too.
-        raise ValueError(
-            f"vLLM cannot generate with this policy: {reason}, and a merged adapter (TRL's full sync) would act on "
-            "every token too. Train it without vLLM (`use_vllm=False`)."
-        )
+    refuse_activated_lora(model)  # no merge expresses it either: TRL's full sync is no fallback
     if reason is None and sleep_mode:
         reason = "sleep mode (level 2) discards the base weights, which only a full sync restores"
     if reason is not None and on_cpu:
