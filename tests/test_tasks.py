@@ -127,3 +127,71 @@ def test_own_trace_tasks_are_the_tasks_with_their_own_traces(name):
         + "), then"
     )
     assert ("synthetic tool-use" in title) == (name not in OWN_TRACE_TASKS)
+
+
+@pytest.mark.parametrize("difficulty", ["easy", "medium", "hard"])
+def test_arithmetic_held_out_problems_are_distinct_and_never_trained_on(difficulty):
+    """Regression: the held-out set was an independent draw, so with `task_difficulty: easy` 10 of the 640 held-out
+    problems of task seeds 0-19 repeated a training expression. Now held-out expressions are distinct, training and
+    warm-start rows have none of them, and each set is its own seed's draw with those rows skipped (a plain loop
+    over the generator)."""
+    from trl_agentic.envs.calculator import make_arithmetic_tasks
+
+    def plain(n, seed, excluded, distinct):
+        rows, seen = [], set(excluded)
+        for row in make_arithmetic_tasks(2 * n + 64, seed, difficulty):
+            if len(rows) < n and row["expression"] not in seen:
+                rows.append(row)
+                seen |= {row["expression"]} if distinct else set()
+        assert len(rows) == n
+        return rows
+
+    for task_seed in range(20):
+        args = TaskArguments(
+            task="calculator",
+            task_difficulty=difficulty,
+            task_seed=task_seed,
+            warmstart_steps=4,
+            warmstart_batch_size=4,
+        )
+        task = build_task(args)
+        heldout = plain(32, task_seed + 1, (), True)
+        assert list(task.eval_dataset) == heldout
+        expressions = {r["expression"] for r in heldout}
+        assert len(expressions) == 32
+        assert list(task.train_dataset) == plain(256, task_seed, expressions, False)
+        assert list(task.warmstart_dataset) == plain(16, task_seed + 2, expressions, False)
+
+
+def test_arithmetic_sets_without_repeats_are_the_generator_draws():
+    """The registered ablation's sets (hard, task seeds 0 and 10, up to 256 warm-start steps of 4) had no repeat:
+    they are the generator's draws, unchanged."""
+    from trl_agentic.envs.calculator import make_arithmetic_tasks
+
+    for task_seed in (0, 10):
+        args = TaskArguments(
+            task="calculator",
+            task_difficulty="hard",
+            task_seed=task_seed,
+            num_train_tasks=512,
+            num_eval_tasks=128,
+            warmstart_steps=256,
+            warmstart_batch_size=4,
+        )
+        task = build_task(args)
+        assert list(task.eval_dataset) == make_arithmetic_tasks(128, task_seed + 1, "hard")
+        assert list(task.train_dataset) == make_arithmetic_tasks(512, task_seed, "hard")
+        assert list(task.warmstart_dataset) == make_arithmetic_tasks(1024, task_seed + 2, "hard")
+
+
+def test_too_few_distinct_held_out_problems_is_an_error_naming_the_fields(monkeypatch):
+    import trl_agentic.envs.calculator as calculator
+
+    def three_problems(n, seed, difficulty):
+        return [{"prompt": [{"role": "user", "content": str(i % 3)}], "expression": str(i % 3)} for i in range(n)]
+
+    monkeypatch.setattr(calculator, "make_arithmetic_tasks", three_problems)
+    with pytest.raises(ValueError, match=r"found only 3 of the 4 needed .*`num_eval_tasks`"):
+        build_task(TaskArguments(task="calculator", num_eval_tasks=4))
+    task = build_task(TaskArguments(task="calculator", num_eval_tasks=2, num_train_tasks=5))
+    assert task.eval_dataset["expression"] == ["0", "1"] and task.train_dataset["expression"] == ["2"] * 5

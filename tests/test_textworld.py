@@ -304,3 +304,105 @@ def test_a_text_world_task_without_a_warm_start_or_held_out_tasks_builds_with_a_
     assert make_textworld_tasks(0, seed=5, max_plan_steps=3) == []
     task = build_task(TaskArguments(task="textworld", num_train_tasks=4, num_eval_tasks=0, textworld_max_plan_steps=3))
     assert len(task.train_dataset) == 4 and not task.eval_dataset
+
+
+def _key_from_seed(task_seed: int) -> tuple:
+    """The world of a task seed, read from the world's own state (not through `world_key`)."""
+    env = TextWorldEnv()
+    env.reset(task_seed=task_seed)
+    place = [("in", c) for c, objs in env.contents.items() if env.goal_object in objs]
+    place += [("floor", r) for r, objs in env.floor.items() if env.goal_object in objs]
+    assert len(place) == 1
+    return env.goal_object, env.goal_container, place[0], env.location
+
+
+def test_a_world_key_fixes_the_plan_and_there_are_1575_worlds():
+    """Two task seeds of one world differ only in their distractors: they have the same shortest plan. Seven objects,
+    five goal containers, nine other starting places and five start rooms make 1575 worlds."""
+    from trl_agentic.envs.textworld import OBJECTS, ROOMS, _world_plans, world_key
+
+    plans: dict[tuple, list[str]] = {}
+    env = TextWorldEnv()
+    for task_seed in range(3000):
+        env.reset(task_seed=task_seed)
+        key = _key_from_seed(task_seed)
+        assert world_key(env) == f"{key[0]}>{key[1]}|{key[2][0]}:{key[2][1]}|{key[3]}"
+        assert plans.setdefault(key, env._oracle_actions()) == env._oracle_actions()
+        assert _world_plans()[world_key(env)] == len(env._oracle_actions())
+    assert len(_world_plans()) == len(OBJECTS) * len(CONTAINERS) * (len(ROOMS) + len(CONTAINERS) - 1) * len(ROOMS)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.1, 0.25, 0.5, 1.0])
+def test_split_worlds_cuts_every_plan_length_at_the_fraction(fraction):
+    from trl_agentic.envs.textworld import _world_plans, split_worlds
+
+    train, heldout = split_worlds(fraction)
+    assert not train & heldout and train | heldout == set(_world_plans())
+    for length in set(_world_plans().values()):
+        keys = {k for k, v in _world_plans().items() if v == length}
+        assert len(keys & heldout) == round(fraction * len(keys))
+        short_train, short_heldout = split_worlds(fraction, max_plan_steps=length)
+        assert short_heldout == {k for k in heldout if _world_plans()[k] <= length}
+        assert short_train == {k for k in train if _world_plans()[k] <= length}
+    assert split_worlds(fraction) == split_worlds(fraction)  # fixed: no seed
+
+
+@pytest.mark.parametrize("max_plan_steps", [0, 3])
+def test_no_held_out_world_is_trained_on_whatever_the_seed(max_plan_steps):
+    """Regression: training and held-out sets were two seeds' draws from the same 1575 worlds: at the CLI's defaults
+    22 of the 160 held-out tasks of task seeds 0-4 were a training world of their own seed, and at the first
+    ablation's settings (plans of at most 3 steps) 95 of 128. Now no held-out world of any seed is a training or
+    warm-start world of any seed, and the held-out tasks of a set are different worlds. Worlds are recomputed here from
+    the task seeds, not read from the rows' `world` column."""
+    from trl_agentic.tasks import TaskArguments, build_task
+
+    trained, heldout_sets = set(), []
+    for task_seed in range(5):
+        args = TaskArguments(
+            task="textworld",
+            task_seed=task_seed,
+            num_eval_tasks=20 if max_plan_steps else 32,
+            textworld_max_plan_steps=max_plan_steps,
+            warmstart_steps=16,
+            warmstart_batch_size=2,
+        )
+        task = build_task(args)
+        for dataset in (task.train_dataset, task.warmstart_dataset):
+            trained |= {_key_from_seed(r["task_seed"]) for r in dataset}
+        worlds = [_key_from_seed(r["task_seed"]) for r in task.eval_dataset]
+        assert len(set(worlds)) == len(worlds) == args.num_eval_tasks
+        heldout_sets.append(set(worlds))
+    assert not trained & set().union(*heldout_sets)
+    assert len(task.train_dataset) == 256 and len({r["task_seed"] for r in task.train_dataset}) == 256
+
+
+def test_text_world_split_errors_name_the_field_before_any_model_loads():
+    from trl_agentic.tasks import TaskArguments
+
+    with pytest.raises(ValueError, match=r"`num_eval_tasks` = 21, but only 20 text worlds with a plan of at most 3"):
+        TaskArguments(task="textworld", num_eval_tasks=21, textworld_max_plan_steps=3)
+    TaskArguments(task="textworld", num_eval_tasks=20, textworld_max_plan_steps=3)
+    with pytest.raises(ValueError, match="`textworld_heldout_fraction` must be in"):
+        TaskArguments(task="textworld", textworld_heldout_fraction=1.0)
+    with pytest.raises(ValueError, match="No text world with a plan of at most 1 steps is left for training"):
+        TaskArguments(task="textworld", textworld_max_plan_steps=1)
+    with pytest.raises(ValueError, match="`num_eval_tasks` = 1, but only 0 text worlds"):
+        TaskArguments(task="textworld", num_eval_tasks=1, textworld_heldout_fraction=0.0)
+    TaskArguments(task="textworld", num_eval_tasks=0, textworld_heldout_fraction=0.0)
+    with pytest.raises(ValueError, match="`split` must be"):
+        make_textworld_tasks(1, split="test")
+
+
+def test_a_problem_is_its_world_not_its_seed():
+    """The ablation's `problem_key` (held-out problems kept out of training and validation sets) names a text-world
+    problem by its world: two seeds of one world are one problem, two worlds two problems."""
+    from trl_agentic.ablation.cells import problem_key
+
+    rows = {r["task_seed"]: r for r in make_textworld_tasks(400, seed=0)}
+    by_world: dict[tuple, list[int]] = {}
+    for task_seed in rows:
+        by_world.setdefault(_key_from_seed(task_seed), []).append(task_seed)
+    a, b = next(seeds for seeds in by_world.values() if len(seeds) > 1)[:2]
+    other = next(seeds[0] for world, seeds in by_world.items() if world != _key_from_seed(a))
+    assert problem_key(rows[a]) == problem_key(rows[b]) != problem_key(rows[other])
+    assert len({problem_key(r) for r in rows.values()}) == len(by_world)

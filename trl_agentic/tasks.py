@@ -37,6 +37,7 @@ _INT_FIELDS = (
 )
 _FLOAT_FIELDS = (
     "bfcl_heldout_fraction",
+    "textworld_heldout_fraction",
     "warmstart_learning_rate",
     "warmstart_error_fraction",
     "heldout_eval_temperature",
@@ -76,6 +77,12 @@ class TaskArguments:
         textworld_max_plan_steps (`int`, *optional*, defaults to `0`):
             `task: textworld`: only tasks whose shortest plan has at most this many steps (0: any). Rollouts of k
             tool rounds (`max_tool_calling_iterations`) can solve only plans of up to k steps.
+        textworld_heldout_fraction (`float`, *optional*, defaults to `0.25`):
+            `task: textworld`: share of the 1575 worlds (goal, where the goal object starts, start room) held out for
+            evaluation, in [0, 1), within each shortest-plan length. A fixed split, the same for every `task_seed`:
+            training and warm-start tasks come from the other worlds, and each held-out task is a different world, so
+            `num_eval_tasks` can be at most the number of held-out worlds (394 at 0.25; 20 with
+            `textworld_max_plan_steps: 3`).
         logsearch_context_deletion (`bool`, *optional*, defaults to `True`):
             `task: logsearch`: the system prompt asks to delete each file's content with `delete_context` after
             reading it, and the warm-start traces do so (one SFT example per segment). `False`: a prompt without
@@ -160,6 +167,12 @@ class TaskArguments:
     textworld_max_plan_steps: int = field(
         default=0,
         metadata={"help": "Text world: only tasks whose shortest plan has at most this many steps (0: any)."},
+    )
+    textworld_heldout_fraction: float = field(
+        default=0.25,
+        metadata={
+            "help": "Text world: share of worlds held out for evaluation (a fixed split; each eval task differs)."
+        },
     )
     logsearch_context_deletion: bool = field(
         default=True,
@@ -284,10 +297,34 @@ class TaskArguments:
                 raise ValueError(f"`bfcl_classes` must be among {list(API_CLASSES)}, got {self.bfcl_classes}.")
             if not 0.0 <= self.bfcl_heldout_fraction <= 1.0:
                 raise ValueError(f"`bfcl_heldout_fraction` must be in [0, 1], got {self.bfcl_heldout_fraction}.")
+        if self.task == "textworld":
+            self._check_textworld_split()
         if self.warmstart_steps and self.task not in TASKS:
             raise ValueError(
                 f"`warmstart_steps` needs a built-in task with traces ({', '.join(map(repr, TASKS))}), "
                 f"got {self.task!r}."
+            )
+
+    def _check_textworld_split(self) -> None:
+        """The text world's split leaves training worlds and enough held-out worlds for `num_eval_tasks`."""
+        from .envs.textworld import split_worlds
+
+        if not 0.0 <= self.textworld_heldout_fraction < 1.0:
+            raise ValueError(
+                f"`textworld_heldout_fraction` must be in [0, 1) (training needs worlds), got "
+                f"{self.textworld_heldout_fraction}."
+            )
+        train, heldout = split_worlds(self.textworld_heldout_fraction, self.textworld_max_plan_steps)
+        plans = (
+            f" with a plan of at most {self.textworld_max_plan_steps} steps" if self.textworld_max_plan_steps else ""
+        )
+        if not train:
+            raise ValueError(f"No text world{plans} is left for training (`textworld_max_plan_steps`).")
+        if self.num_eval_tasks > len(heldout):
+            raise ValueError(
+                f"`num_eval_tasks` = {self.num_eval_tasks}, but only {len(heldout)} text worlds{plans} are held out "
+                f"(`textworld_heldout_fraction` = {self.textworld_heldout_fraction:g}); each held-out task is a "
+                "different world, so lower `num_eval_tasks` or raise `textworld_heldout_fraction`."
             )
 
 
@@ -303,7 +340,7 @@ class Task:
     tools: list[Callable] = field(default_factory=list)
     # Keyword arguments of `trl_agentic.warmstart.make_tool_traces` (None: the task has no warm start).
     warmstart_options: dict | None = None
-    # Rows the warm-start traces are made from (an independent draw: it can share problems with the other sets).
+    # Rows the warm-start traces are made from (an independent draw; the built-in tasks keep held-out problems out).
     warmstart_dataset: Dataset | None = None
     system_prompt: str | None = None
     # `make_traces(rows) -> traces` for the warm start instead of the arithmetic trace generator (e.g. BFCL's
@@ -329,17 +366,38 @@ def import_object(path: str, field: str | None = None):
 
 
 def _arithmetic(args: TaskArguments, system_prompt: str | None):
+    """Training, held-out and warm-start rows of the arithmetic tasks: held-out problems are distinct expressions,
+    and no training or warm-start row has a held-out expression. Each set is the first rows of its seed's draw that
+    pass, so a draw without such repeats is the generator's own (the recorded datasets stay what they were)."""
     from .envs.calculator import make_arithmetic_tasks
 
-    def build(n, seed):
-        rows = make_arithmetic_tasks(n, seed, args.task_difficulty)
+    def draw(n: int, seed: int, excluded: frozenset[str], distinct: bool = False) -> Dataset:
+        size = n
+        while True:  # the generator is sequential: a longer draw of a seed starts with the shorter one
+            rows, seen = [], set(excluded)
+            for row in make_arithmetic_tasks(size, seed, args.task_difficulty):
+                if row["expression"] not in seen and len(rows) < n:
+                    rows.append(row)
+                    if distinct:
+                        seen.add(row["expression"])
+            if len(rows) == n:
+                break
+            if size >= 64 * n + 1024:
+                raise ValueError(
+                    f"Drew {size} `task_difficulty: {args.task_difficulty}` problems from seed {seed} and found only "
+                    f"{len(rows)} of the {n} needed that are not held-out problems (held out: not repeats either): "
+                    "lower `num_eval_tasks` or use a harder `task_difficulty`."
+                )
+            size *= 2
         if system_prompt is not None:
             for row in rows:
                 row["prompt"][0] = {"role": "system", "content": system_prompt}
         return Dataset.from_list(rows)
 
-    warmstart = build(args.warmstart_steps * args.warmstart_batch_size, args.task_seed + 2)
-    return build(args.num_train_tasks, args.task_seed), build(args.num_eval_tasks, args.task_seed + 1), warmstart
+    evaluation = draw(args.num_eval_tasks, args.task_seed + 1, frozenset(), distinct=True)
+    heldout = frozenset(row["expression"] for row in evaluation)
+    warmstart = draw(args.warmstart_steps * args.warmstart_batch_size, args.task_seed + 2, heldout)
+    return draw(args.num_train_tasks, args.task_seed, heldout), evaluation, warmstart
 
 
 def build_task(args: TaskArguments) -> Task:
@@ -386,16 +444,19 @@ def build_task(args: TaskArguments) -> Task:
 
         # The environment acts only on `act` tool calls, so the prompts ask for RLVCR steps whose action is that call
         # (`rlvcr_action_tag: tool_call`), not for `<action>` blocks; the warm start shows solved episodes so written.
+        # Training and warm-start rows come from the training worlds, held-out rows from the held-out ones (each a
+        # different world): a fixed split (`split_worlds`), so no seed's held-out world is another seed's training one.
+        def rows(n: int, seed: int, split: str) -> Dataset:
+            return Dataset.from_list(
+                make_level_rows(n, seed, args.textworld_max_plan_steps, split, args.textworld_heldout_fraction)
+            )
+
         return Task(
-            Dataset.from_list(make_level_rows(args.num_train_tasks, args.task_seed, args.textworld_max_plan_steps)),
-            Dataset.from_list(make_level_rows(args.num_eval_tasks, args.task_seed + 1, args.textworld_max_plan_steps)),
+            rows(args.num_train_tasks, args.task_seed, "train"),
+            rows(args.num_eval_tasks, args.task_seed + 1, "heldout"),
             TextWorldToolEnv,
             list(extra),
-            warmstart_dataset=Dataset.from_list(
-                make_level_rows(
-                    args.warmstart_steps * args.warmstart_batch_size, args.task_seed + 2, args.textworld_max_plan_steps
-                )
-            ),
+            warmstart_dataset=rows(args.warmstart_steps * args.warmstart_batch_size, args.task_seed + 2, "train"),
             make_traces=partial(textworld_level_traces, seed=args.task_seed),
             # Traces of ~1-1.5k tokens: one per micro-batch. Their activations (~2-3 GB in float32) fit without
             # recomputation, which would make each step ~30 % slower.

@@ -193,8 +193,9 @@ def machine() -> dict:
 
 
 def problem_key(row: dict) -> str:
-    """What makes two problems the same: the calculator's expression, else the environment's seed, else the question."""
-    for column in ("expression", "task_seed"):
+    """What makes two problems the same: the calculator's expression, else the text world's world (`world_key`), else
+    the environment's seed, else the question."""
+    for column in ("expression", "world", "task_seed"):
         if row.get(column) is not None:
             return f"{column}={row[column]}"
     return json.dumps(row["prompt"][-1]["content"], default=str)

@@ -16,6 +16,7 @@ Two classes share the world:
 Both implement the `_checkpoint() -> state` / `_restore(state)` protocol with a cheap explicit copy of the state.
 """
 
+import functools
 import random
 from collections import deque
 from typing import Any
@@ -31,6 +32,8 @@ __all__ = [
     "TextWorldEnv",
     "TextWorldToolEnv",
     "make_textworld_tasks",
+    "split_worlds",
+    "world_key",
 ]
 
 ROOMS = ("kitchen", "hallway", "living room", "bedroom", "bathroom")
@@ -501,27 +504,122 @@ class TextWorldToolEnv:
         self._world._restore(state)
 
 
-def _task_seeds(rng: random.Random, n: int, env: TextWorldEnv, max_steps: int, max_plan_steps: int) -> list[int]:
-    """`n` distinct task seeds; with `max_plan_steps`, of tasks whose shortest plan is that short at most."""
+def world_key(env: TextWorldEnv) -> str:
+    """What makes two tasks the same task: the goal, where the goal object starts and the start room.
+
+    Two task seeds with the same key differ only in where the two distractor objects lie, which changes the
+    observations a little and the shortest plan not at all. E.g. `"apple>fridge|floor:bedroom|hallway"`.
+
+    Args:
+        env (`TextWorldEnv`): A world right after `reset`.
+
+    Returns:
+        `str`: The key.
+    """
+    obj = env.goal_object
+    where = next((f"in:{c}" for c, objs in env.contents.items() if obj in objs), None)
+    if where is None:
+        where = next(f"floor:{room}" for room, objs in env.floor.items() if obj in objs)
+    return f"{obj}>{env.goal_container}|{where}|{env.location}"
+
+
+@functools.cache
+def _world_plans() -> dict[str, int]:
+    """Every world key (7 objects x 5 containers x 9 starting places x 5 start rooms = 1575) with the length of
+    its shortest plan, computed on the layout itself (no distractors)."""
+    env = TextWorldEnv()
+    plans = {}
+    places = [("floor", room) for room in ROOMS] + [("in", c) for c in sorted(CONTAINERS)]
+    for obj in OBJECTS:
+        for container in sorted(CONTAINERS):
+            for place in places:
+                if place == ("in", container):
+                    continue
+                for room in ROOMS:
+                    env.reset()
+                    env.goal_object, env.goal_container, env.location = obj, container, room
+                    env.floor = {r: [] for r in ROOMS}
+                    env.contents = {c: [] for c in CONTAINERS}
+                    env._place(obj, place)
+                    plans[world_key(env)] = len(env._oracle_actions())
+    return plans
+
+
+def split_worlds(heldout_fraction: float, max_plan_steps: int = 0) -> tuple[frozenset[str], frozenset[str]]:
+    """Split the text worlds (`world_key`) into training and held-out ones.
+
+    The split is fixed: a seeded shuffle of the keys, cut at `heldout_fraction` within each shortest-plan length (so
+    that every length, and any `max_plan_steps` filter, keeps that share held out), the same for every `task_seed`, so
+    that no set built from any seed puts a held-out world into training.
+
+    Args:
+        heldout_fraction (`float`): Share of the worlds held out, in [0, 1].
+        max_plan_steps (`int`, *optional*, defaults to `0`): Keep only worlds whose shortest plan has at most this
+            many steps (0: all).
+
+    Returns:
+        `tuple[frozenset[str], frozenset[str]]`: The training and the held-out world keys.
+    """
+    if not 0.0 <= heldout_fraction <= 1.0:
+        raise ValueError(f"`heldout_fraction` must be in [0, 1], got {heldout_fraction}.")
+    train: set[str] = set()
+    heldout: set[str] = set()
+    by_length: dict[int, list[str]] = {}
+    for key, length in sorted(_world_plans().items()):
+        by_length.setdefault(length, []).append(key)
+    for length, keys in sorted(by_length.items()):
+        if max_plan_steps and length > max_plan_steps:
+            continue
+        random.Random(length).shuffle(keys)
+        cut = round(heldout_fraction * len(keys))
+        heldout.update(keys[:cut])
+        train.update(keys[cut:])
+    return frozenset(train), frozenset(heldout)
+
+
+def _task_seeds(
+    rng: random.Random,
+    n: int,
+    env: TextWorldEnv,
+    max_steps: int,
+    max_plan_steps: int,
+    worlds: frozenset[str] | None = None,
+    distinct_worlds: bool = False,
+) -> list[int]:
+    """`n` distinct task seeds; with `max_plan_steps`, of tasks whose shortest plan is that short at most; with
+    `worlds`, of tasks whose `world_key` is one of them; with `distinct_worlds`, of `n` different worlds."""
     if n == 0:  # no warm start, no held-out tasks: nothing to draw (the search below would find "fewer than 0")
         return []
-    if not max_plan_steps:
+    if not max_plan_steps and worlds is None:
         return rng.sample(range(2**31), n)  # the historical draw: datasets stay what they were
+    plans = _world_plans()
+    allowed = [k for k in (plans if worlds is None else worlds) if not max_plan_steps or plans[k] <= max_plan_steps]
+    if distinct_worlds and n > len(allowed):
+        raise ValueError(
+            f"Only {len(allowed)} distinct text worlds are available here (plans of at most {max_plan_steps or 'any'} "
+            f"steps), fewer than the {n} asked for."
+        )
+    if not allowed:
+        raise ValueError(f"No text world has a plan of at most {max_plan_steps} steps (`textworld_max_plan_steps`).")
+    allowed_set = set(allowed)
     seeds: list[int] = []
-    seen: set[int] = set()
-    for _ in range(1000 * n):
+    seen_seeds: set[int] = set()
+    seen_worlds: set[str] = set()
+    # Worlds are equally likely (1 in 1575 per draw): this bound is never reached while `n` worlds exist.
+    for _ in range(10_000 * (n + len(plans))):
         task_seed = rng.randrange(2**31)
-        if task_seed in seen:
+        if task_seed in seen_seeds:
             continue
-        seen.add(task_seed)
+        seen_seeds.add(task_seed)
         env.reset(task_seed=task_seed, max_steps=max_steps)
-        if len(env._oracle_actions()) <= max_plan_steps:
-            seeds.append(task_seed)
-            if len(seeds) == n:
-                return seeds
-    raise ValueError(
-        f"Fewer than {n} text-world tasks have a plan of at most {max_plan_steps} steps (`textworld_max_plan_steps`)."
-    )
+        key = world_key(env)
+        if key not in allowed_set or (distinct_worlds and key in seen_worlds):
+            continue
+        seen_worlds.add(key)
+        seeds.append(task_seed)
+        if len(seeds) == n:
+            return seeds
+    raise RuntimeError(f"Drew only {len(seeds)} of {n} text-world tasks.")
 
 
 def make_textworld_tasks(
@@ -533,12 +631,14 @@ def make_textworld_tasks(
     show_actions: bool = True,
     tool_format: bool = False,
     max_plan_steps: int = 0,
+    split: str | None = None,
+    heldout_fraction: float = 0.25,
 ) -> list[dict]:
     """Dataset rows for the text world.
 
     Each row has a conversational `prompt` (a system message with the rules and the goal, and a user message that the
     environment's `reset` completes with the initial observation) and the fields `reset` reads (`task_seed`,
-    `max_steps`, `step_cost`, `show_actions`), plus `goal` for reading.
+    `max_steps`, `step_cost`, `show_actions`), plus `goal` and `world` (`world_key`) for reading.
 
     Args:
         n (`int`):
@@ -557,14 +657,23 @@ def make_textworld_tasks(
         max_plan_steps (`int`, *optional*, defaults to `0`):
             Keep only tasks whose shortest plan has at most this many steps (0: any). A rollout budget of k tool
             rounds can solve only tasks of plans up to k steps.
+        split (`str`, *optional*):
+            `"train"`: only training worlds of `split_worlds(heldout_fraction)`; `"heldout"`: only held-out worlds, each
+            row a different one (raises `ValueError` when fewer than `n` exist). `None`: any world (rows of one seed
+            can then share worlds with rows of another).
+        heldout_fraction (`float`, *optional*, defaults to `0.25`):
+            Share of held-out worlds of the split (with `split`).
 
     Returns:
         `list[dict]`: the rows.
     """
+    if split not in (None, "train", "heldout"):
+        raise ValueError(f"`split` must be None, 'train' or 'heldout', got {split!r}.")
+    worlds = None if split is None else split_worlds(heldout_fraction)[split == "heldout"]
     rng = random.Random(seed)
     env = TextWorldEnv()
     rows: list[dict] = []
-    for task_seed in _task_seeds(rng, n, env, max_steps, max_plan_steps):
+    for task_seed in _task_seeds(rng, n, env, max_steps, max_plan_steps, worlds, distinct_worlds=split == "heldout"):
         env.reset(task_seed=task_seed, max_steps=max_steps)
         rules = TEXTWORLD_RULES.format(max_steps=max_steps)
         if tool_format:
@@ -582,6 +691,7 @@ def make_textworld_tasks(
                 "step_cost": step_cost,
                 "show_actions": show_actions,
                 "goal": env.goal,
+                "world": world_key(env),
             }
         )
     return rows

@@ -47,18 +47,25 @@ tags (for level 1 exactly "{LEVEL1_THINK}"), then one call of the `act` tool. On
 without a tool call."""
 
 
-def make_level_rows(n: int, seed: int, max_plan_steps: int = 0) -> list[dict]:
+def make_level_rows(
+    n: int, seed: int, max_plan_steps: int = 0, split: str | None = None, heldout_fraction: float = 0.25
+) -> list[dict]:
     """Text-world rows whose system prompt asks for RLVCR steps with `act` tool calls (`LEVEL_TOOL_SYSTEM_PROMPT`).
 
     Args:
         n (`int`): Number of tasks.
         seed (`int`): Seed of the task seeds (`make_textworld_tasks`).
         max_plan_steps (`int`, *optional*, defaults to `0`): Only tasks whose shortest plan is that short (0: any).
+        split (`str`, *optional*): `"train"` or `"heldout"` worlds of `split_worlds` (`make_textworld_tasks`).
+        heldout_fraction (`float`, *optional*, defaults to `0.25`): Share of held-out worlds of the split.
 
     Returns:
-        `list[dict]`: Rows of `make_textworld_tasks(n, seed, tool_format=True)` with the level-format system prompt.
+        `list[dict]`: Rows of `make_textworld_tasks(n, seed, tool_format=True, ...)` with the level-format system
+        prompt.
     """
-    rows = make_textworld_tasks(n, seed, tool_format=True, max_plan_steps=max_plan_steps)
+    rows = make_textworld_tasks(
+        n, seed, tool_format=True, max_plan_steps=max_plan_steps, split=split, heldout_fraction=heldout_fraction
+    )
     for row in rows:
         rules = TEXTWORLD_RULES.format(max_steps=row["max_steps"])
         row["prompt"][0]["content"] = f"{LEVEL_TOOL_SYSTEM_PROMPT}\n\n{rules}\n\nYour task is to: {row['goal']}."
