@@ -248,3 +248,42 @@ def test_rollouts_per_step_are_a_steps_fresh_rollouts(values, expected):
     # TRL's own numbers: a generation batch feeds steps_per_generation / GA steps, num_iterations times over.
     steps_per_batch = args.steps_per_generation * args.num_iterations / args.gradient_accumulation_steps
     assert float(expected) == args.generation_batch_size / steps_per_batch
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"task": "calculator", "task_difficulty": "easy", "num_train_tasks": 64, "num_eval_tasks": 16},
+        {"task": "textworld", "num_train_tasks": 64, "num_eval_tasks": 8, "textworld_max_plan_steps": 3},
+        {"task": "logsearch", "num_train_tasks": 16, "num_eval_tasks": 8, "warmstart_steps": 2},
+    ],
+    ids=["calculator", "textworld", "logsearch"],
+)
+def test_tracin_validates_on_held_out_problems_the_run_neither_evaluates_nor_trains_on(values):
+    """Regression: `trl-agentic train` passed the evaluated problems as TracIn's validation prompts, so their rewards
+    chose the training rows and the held-out evaluation was no longer held out. Now the validation prompts are the
+    held-out problems of the task built from `task_seed + 10`, minus every evaluated, training or warm-start problem
+    (compared here by the column that names a problem in each task)."""
+    from trl_agentic.cli import _tracin_validation
+    from trl_agentic.tasks import TaskArguments, build_task
+
+    args = TaskArguments(**values)
+    task = build_task(args)
+
+    def name(row):  # what a problem is, per task: its expression, its world, the seed of its log files
+        return row.get("expression") or row.get("world") or row["task_seed"]
+
+    used = {name(r) for d in (task.eval_dataset, task.train_dataset, task.warmstart_dataset) if d for r in d}
+    other = build_task(TaskArguments(**{**values, "task_seed": args.task_seed + 10})).eval_dataset
+    expected = [r for r in other if name(r) not in used]
+    validation = list(_tracin_validation(task, args))
+    assert validation == expected and len(validation) > 0
+    assert not {name(r) for r in validation} & {name(r) for r in task.eval_dataset}
+
+
+def test_tracin_without_validation_problems_fails_before_a_model_loads(tmp_path, monkeypatch):
+    """The text world with plans of at most 3 steps has 20 held-out worlds: evaluating all 20 leaves TracIn none."""
+    _forbid_model_loading(monkeypatch)
+    values = {"task": "textworld", "textworld_max_plan_steps": 3, "num_eval_tasks": 20}
+    with pytest.raises(ValueError, match=r"`tracin_enabled` needs validation prompts.*Lower `num_eval_tasks`"):
+        main(["train", "--config", _config(tmp_path, tracin_enabled=True, use_peft=True, **values)])

@@ -1,7 +1,7 @@
 """TracIn live on a tool task (issue 18): `configs/tracin.yaml` through `trl-agentic train`, on the embedded model.
 
-After the calculator warm start, the GRPO rollouts call the tool, the validation prompts are the held-out problems
-(`task_seed + 1`), and over the run TracIn both keeps and rejects training rows. The test asserts that the filter
+After the calculator warm start, the GRPO rollouts call the tool, the validation prompts are held-out problems that
+the run neither evaluates nor trains on, and over the run TracIn both keeps and rejects training rows. The test asserts that the filter
 fires, not that it helps.
 """
 
@@ -16,7 +16,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tracin.yaml"
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # a warm start and TracIn-filtered GRPO steps on SmolLM2; generous for a loaded machine
 def test_tracin_keeps_and_rejects_rows_of_tool_rollouts(tmp_path):
-    from trl_agentic.cli import make_parser, train
+    from trl_agentic.cli import _tracin_validation, make_parser, train
     from trl_agentic.tasks import build_task
 
     task_args, training_args, model_args = make_parser().parse_args_and_config(
@@ -24,10 +24,11 @@ def test_tracin_keeps_and_rejects_rows_of_tool_rollouts(tmp_path):
     )
     trainer = train(task_args, training_args, model_args)
 
-    # The validation prompts are the held-out problems (task_seed + 1), not the training ones.
-    validation = [r["prompt"] for r in trainer._tracin.dataset]
-    assert validation == [r["prompt"] for r in build_task(task_args).eval_dataset]
-    assert validation != [r["prompt"] for r in trainer.train_dataset][: len(validation)]
+    # The validation prompts are held-out problems that the run neither evaluates nor trains on (task_seed + 10).
+    task = build_task(task_args)
+    validation = [r["expression"] for r in trainer._tracin.dataset]
+    assert validation == [r["expression"] for r in _tracin_validation(task, task_args)] and validation
+    assert not set(validation) & {r["expression"] for r in (*task.eval_dataset, *task.train_dataset)}
 
     steps = [h for h in trainer.state.log_history if "tracin/selected_ratio" in h]
     assert len(steps) == training_args.max_steps

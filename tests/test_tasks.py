@@ -187,11 +187,19 @@ def test_arithmetic_sets_without_repeats_are_the_generator_draws():
 def test_too_few_distinct_held_out_problems_is_an_error_naming_the_fields(monkeypatch):
     import trl_agentic.envs.calculator as calculator
 
+    sizes = []
+
     def three_problems(n, seed, difficulty):
+        sizes.append(n)
         return [{"prompt": [{"role": "user", "content": str(i % 3)}], "expression": str(i % 3)} for i in range(n)]
 
     monkeypatch.setattr(calculator, "make_arithmetic_tasks", three_problems)
     with pytest.raises(ValueError, match=r"found only 3 of the 4 needed .*`num_eval_tasks`"):
         build_task(TaskArguments(task="calculator", num_eval_tasks=4))
+    sizes.clear()
+    with pytest.raises(ValueError, match=r"found only 3 of the 100 needed"):
+        build_task(TaskArguments(task="calculator", num_eval_tasks=100))
+    # It stops once a doubling past 4n + 1024 draws finds nothing new, not at 64n + 1024 (minutes for a real request).
+    assert max(sizes) == 1600
     task = build_task(TaskArguments(task="calculator", num_eval_tasks=2, num_train_tasks=5))
     assert task.eval_dataset["expression"] == ["0", "1"] and task.train_dataset["expression"] == ["2"] * 5

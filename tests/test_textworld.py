@@ -384,7 +384,10 @@ def test_text_world_split_errors_name_the_field_before_any_model_loads():
     TaskArguments(task="textworld", num_eval_tasks=20, textworld_max_plan_steps=3)
     with pytest.raises(ValueError, match="`textworld_heldout_fraction` must be in"):
         TaskArguments(task="textworld", textworld_heldout_fraction=1.0)
-    with pytest.raises(ValueError, match="No text world with a plan of at most 1 steps is left for training"):
+    with pytest.raises(
+        ValueError,
+        match=r"No text world with a plan of at most 1 steps is left for training \(`textworld_max_plan_steps` = 1, `textworld_heldout_fraction` = 0.25\)",
+    ):
         TaskArguments(task="textworld", textworld_max_plan_steps=1)
     with pytest.raises(ValueError, match="`num_eval_tasks` = 1, but only 0 text worlds"):
         TaskArguments(task="textworld", num_eval_tasks=1, textworld_heldout_fraction=0.0)

@@ -153,6 +153,7 @@ def train(task_args, training_args, model_args):
         tracin_enabled=training_args.tracin_enabled,
         eval_strategy=training_args.eval_strategy != "no",
     )
+    tracin_validation = _tracin_validation(task, task_args) if training_args.tracin_enabled else None
     with clock("model"):
         model_path = resolve_model_path(model_args.model_name_or_path or DEFAULT_MODEL)
     peft_config = get_peft_config(model_args)
@@ -196,8 +197,7 @@ def train(task_args, training_args, model_args):
         args=training_args,
         train_dataset=task.train_dataset,
         eval_dataset=task.eval_dataset if training_args.eval_strategy != "no" else None,
-        # TracIn's validation prompts: the held-out problems (task_seed + 1), never the training ones.
-        tracin_eval_dataset=task.eval_dataset if training_args.tracin_enabled else None,
+        tracin_eval_dataset=tracin_validation,
         environment_factory=task.environment_factory,
         tools=task.tools or None,
         peft_config=peft_config,
@@ -264,6 +264,28 @@ def _check_heldout_problems(task, task_args, **needs: bool) -> None:
         raise ValueError(f"{names} needs held-out problems, but the task has none: {source}.")
 
 
+def _tracin_validation(task, task_args):
+    """TracIn's validation prompts, before any model loads: the held-out problems of the task built from `task_seed +
+    10` that the run neither evaluates nor trains on (`tasks.validation_rows`). Validating on the evaluated problems
+    would let their rewards choose the training rows, and the evaluation would no longer be held out."""
+    from .tasks import VALIDATION_SEED_OFFSET, problem_key, validation_rows
+
+    used = {
+        problem_key(row)
+        for dataset in (task.eval_dataset, task.train_dataset, task.warmstart_dataset)
+        if dataset is not None
+        for row in dataset
+    }
+    rows = validation_rows(task_args, used)
+    if not len(rows):
+        raise ValueError(
+            "`tracin_enabled` needs validation prompts: the held-out problems of the task built from `task_seed + "
+            f"{VALIDATION_SEED_OFFSET}` that this run neither evaluates nor trains on, and there are none (every one "
+            "is an evaluated or a training problem). Lower `num_eval_tasks`, or give the task more held-out problems."
+        )
+    return rows
+
+
 def _check_context_deletion(task_args, training_args) -> None:
     """Refuse, before any model loads, a log search whose prompts and warm-start traces delete context
     (`logsearch_context_deletion`, the default) in a run without the `delete_context` tool (`enable_context_snapshots`
@@ -314,6 +336,7 @@ def train_async(task_args, training_args, model_args):
     _check_heldout_problems(
         task, task_args, heldout_eval=task_args.heldout_eval, tracin_enabled=training_args.tracin_enabled
     )
+    tracin_validation = _tracin_validation(task, task_args) if training_args.tracin_enabled else None
     model_path = resolve_model_path(model_args.model_name_or_path or DEFAULT_MODEL)
     peft_config = get_peft_config(model_args)
     if task_args.warmstart_steps:
@@ -337,7 +360,7 @@ def train_async(task_args, training_args, model_args):
             reward_funcs=task.reward_funcs,
             args=training_args,
             train_dataset=task.train_dataset,
-            tracin_eval_dataset=task.eval_dataset if training_args.tracin_enabled else None,
+            tracin_eval_dataset=tracin_validation,
             environment_factory=task.environment_factory,
             tools=task.tools or None,
             peft_config=peft_config,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import json
 import os
 import sys
 import warnings
@@ -319,7 +321,10 @@ class TaskArguments:
             f" with a plan of at most {self.textworld_max_plan_steps} steps" if self.textworld_max_plan_steps else ""
         )
         if not train:
-            raise ValueError(f"No text world{plans} is left for training (`textworld_max_plan_steps`).")
+            raise ValueError(
+                f"No text world{plans} is left for training (`textworld_max_plan_steps` = "
+                f"{self.textworld_max_plan_steps}, `textworld_heldout_fraction` = {self.textworld_heldout_fraction:g})."
+            )
         if self.num_eval_tasks > len(heldout):
             raise ValueError(
                 f"`num_eval_tasks` = {self.num_eval_tasks}, but only {len(heldout)} text worlds{plans} are held out "
@@ -351,6 +356,27 @@ class Task:
     warmstart_trainer_options: dict | None = None
 
 
+def problem_key(row: dict) -> str:
+    """What makes two problems the same: the calculator's expression, else the text world's world (`world_key`), else
+    the environment's seed, else the question."""
+    for column in ("expression", "world", "task_seed"):
+        if row.get(column) is not None:
+            return f"{column}={row[column]}"
+    return json.dumps(row["prompt"][-1]["content"], default=str)
+
+
+VALIDATION_SEED_OFFSET = 10
+
+
+def validation_rows(args: TaskArguments, exclude: set[str]) -> Dataset:
+    """Validation problems (TracIn's validation prompts): the held-out problems of the task built from `task_seed + 10`,
+    without those whose `problem_key` is in `exclude` (the problems a run evaluates, or trains on)."""
+    validation = build_task(dataclasses.replace(args, task_seed=args.task_seed + VALIDATION_SEED_OFFSET)).eval_dataset
+    if validation is None:
+        return Dataset.from_list([])
+    return validation.filter(lambda row: problem_key(row) not in exclude)
+
+
 def import_object(path: str, field: str | None = None):
     """Import `"package.module:attr"` (the current directory is importable, like TRL's scripts); with `field`, a path
     that does not import is a `ValueError` naming that field."""
@@ -372,7 +398,7 @@ def _arithmetic(args: TaskArguments, system_prompt: str | None):
     from .envs.calculator import make_arithmetic_tasks
 
     def draw(n: int, seed: int, excluded: frozenset[str], distinct: bool = False) -> Dataset:
-        size = n
+        size, found = n, -1
         while True:  # the generator is sequential: a longer draw of a seed starts with the shorter one
             rows, seen = [], set(excluded)
             for row in make_arithmetic_tasks(size, seed, args.task_difficulty):
@@ -382,13 +408,14 @@ def _arithmetic(args: TaskArguments, system_prompt: str | None):
                         seen.add(row["expression"])
             if len(rows) == n:
                 break
-            if size >= 64 * n + 1024:
+            # A doubling that found nothing new: the difficulty's problems are (nearly) all drawn.
+            if size >= 64 * n + 1024 or (size >= 4 * n + 1024 and len(rows) == found):
                 raise ValueError(
                     f"Drew {size} `task_difficulty: {args.task_difficulty}` problems from seed {seed} and found only "
                     f"{len(rows)} of the {n} needed that are not held-out problems (held out: not repeats either): "
                     "lower `num_eval_tasks` or use a harder `task_difficulty`."
                 )
-            size *= 2
+            size, found = 2 * size, len(rows)
         if system_prompt is not None:
             for row in rows:
                 row["prompt"][0] = {"role": "system", "content": system_prompt}

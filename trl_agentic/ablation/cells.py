@@ -21,6 +21,7 @@ import string
 import time
 from pathlib import Path
 
+from ..tasks import problem_key  # noqa: F401  (the ablation's name for it)
 from . import design
 from .compute import TokenPasses, stop_at_token_passes
 from .design import Arm, Task
@@ -192,22 +193,13 @@ def machine() -> dict:
 # ------------------------------------------------------------------------------------------------ problems
 
 
-def problem_key(row: dict) -> str:
-    """What makes two problems the same: the calculator's expression, else the text world's world (`world_key`), else
-    the environment's seed, else the question."""
-    for column in ("expression", "world", "task_seed"):
-        if row.get(column) is not None:
-            return f"{column}={row[column]}"
-    return json.dumps(row["prompt"][-1]["content"], default=str)
-
-
 def validation_rows(task_args, eval_keys: set[str]):
     """Validation problems: the task built from `task_seed + 10`, its held-out split, the held-out problems of the
-    arms (`eval_keys`) removed. TracIn's validation gradient and the learning-rate ladder read them; no verdict does."""
-    from ..tasks import build_task
+    arms (`eval_keys`) removed (`trl_agentic.tasks.validation_rows`). TracIn's validation gradient and the
+    learning-rate ladder read them; no verdict does."""
+    from ..tasks import validation_rows as rows
 
-    validation = build_task(dataclasses.replace(task_args, task_seed=task_args.task_seed + 10)).eval_dataset
-    return validation.filter(lambda row: problem_key(row) not in eval_keys)
+    return rows(task_args, eval_keys)
 
 
 def validation_slice(task_args, eval_keys: set[str], offset: int, count: int) -> list:
