@@ -179,15 +179,29 @@ def test_a_reward_function_taking_environments_is_refused_before_a_model_loads(m
 
 
 def test_tool_bonus_environment_rewards_what_tool_use_reward_does():
-    """`ToolBonusCalculatorEnv.get_reward` (the asynchronous trainer's way) gives `tool_use_reward`'s bonus: 0.1 once a
-    call returned, 0 with no call or only failed calls."""
+    """`ToolBonusCalculatorEnv.get_reward` (the asynchronous trainer's way) gives `tool_use_reward`'s bonus: 0.1 when
+    the last successful call returned the row's answer (5 here, compared as `answer_reward` compares; failed calls
+    change nothing), 0 with no call, only failed calls, or a last successful call that returned something else (a
+    useless `0` or `1+1`, a wrong guess after a right one)."""
     from trl_agentic.envs.calculator import ToolBonusCalculatorEnv, tool_use_reward
 
-    cases = {(): 0.0, ("1/0",): 0.0, ("1/0", "2+3"): 0.1, ("7*6",): 0.1}
+    cases = {
+        (): 0.0,
+        ("1/0",): 0.0,
+        ("1/0", "2+3"): 0.1,
+        ("2+3", "1/0"): 0.1,
+        ("10/2",): 0.1,
+        ("7*6",): 0.0,
+        ("0",): 0.0,
+        ("1+1", "0"): 0.0,
+        ("2+3", "1+1"): 0.0,
+        ("4", "5", "6"): 0.0,
+        ("4", "6", "5", "1/0"): 0.1,
+    }
     envs = []
     for calls in cases:
         env = ToolBonusCalculatorEnv()
-        env.reset(question="q", answer="1")
+        env.reset(question="q", answer="5")
         for expression in calls:
             try:
                 env.calculate(expression)

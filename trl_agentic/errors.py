@@ -27,7 +27,8 @@ text, so text never tells a failure: the failure is recorded where it happens. t
 message of a failed call as a `FailedToolMessage` (a dict equal to TRL's message, rendered identically), which
 `tool_call_failed` reads wherever tool messages are read back (evaluation, the HTML report, `LoopResult.tool_failed`).
 Under TRL's own loop (every loop feature off) TRL keeps only the count; an environment that needs per-call outcomes in
-its reward records them itself (`CalculatorEnv.calls` / `failures`, read by `tool_use_reward`).
+its reward records them itself (`CalculatorEnv.last_call_answered`, whether the last successful call returned the
+answer, read by `tool_use_reward`).
 """
 
 from __future__ import annotations

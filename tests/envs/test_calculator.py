@@ -11,12 +11,16 @@ from trl_agentic.envs.calculator import (
     SYSTEM_PROMPT,
     TOOL_USE_BONUS,
     CalculatorEnv,
+    ToolBonusCalculatorEnv,
+    ToolCallBonusCalculatorEnv,
     answer_reward,
     evaluate_expression,
     extract_answer,
     make_arithmetic_tasks,
+    tool_call_reward,
     tool_use_reward,
 )
+from trl_agentic.envs.protocol import check_checkpointable, checkpoint_env, restore_env, tool_methods
 
 
 @pytest.mark.parametrize(
@@ -258,6 +262,8 @@ def test_tool_use_reward_counts_only_successful_tool_calls():
     """The bonus reads what the environment recorded (the tool returned or raised), never the text the model saw: a
     result that looks like TRL's error rendering is a success, a raised error is not (009b255 read the text)."""
     succeeded, failed, mixed, unused = CalculatorEnv(), CalculatorEnv(), CalculatorEnv(), CalculatorEnv()
+    for env, answer in zip((succeeded, failed, mixed, unused), ("5", "5", "8", "5"), strict=True):
+        env.reset(answer=answer)
     result = succeeded.calculate("2 + 3")
     with pytest.raises(ZeroDivisionError):
         failed.calculate("1 / 0")
@@ -276,6 +282,224 @@ def test_tool_use_reward_counts_only_successful_tool_calls():
     assert TOOL_USE_BONUS == 0.1
     with pytest.raises(ValueError, match="environment_factory=CalculatorEnv"):
         tool_use_reward(completions)
+
+
+def _bonus(answer, *expressions: str, **row) -> float:
+    """`tool_use_reward` of one episode with this answer and these calls (failed calls included), checked against
+    `ToolBonusCalculatorEnv.get_reward`, which must agree."""
+    rewards = []
+    for factory in (CalculatorEnv, ToolBonusCalculatorEnv):
+        env = factory()
+        env.reset(question="q", **({} if answer is None else {"answer": answer}), **row)
+        for expression in expressions:
+            try:
+                env.calculate(expression)
+            except (ValueError, ZeroDivisionError):
+                pass
+        assert env.calls == len(expressions)
+        rewards.append(tool_use_reward([[]], environments=[env])[0])
+        if isinstance(env, ToolBonusCalculatorEnv):
+            assert env.get_reward() == rewards[-1]
+    assert rewards[0] == rewards[1]
+    return rewards[0]
+
+
+@pytest.mark.parametrize("useless", [("0",), ("1+1",), ("0", "1+1", "2 * 2"), ("1/0", "0")])
+def test_a_useless_successful_call_earns_no_tool_bonus(useless):
+    """A call that always succeeds but does none of the problem's work (`calculate("0")`, `calculate("1+1")`) earned
+    the bonus on every problem whatever the answer (the rule was `calls > failures`): it earns nothing now."""
+    assert _bonus("57", *useless) == 0.0
+
+
+@pytest.mark.parametrize(
+    "expressions",
+    [
+        ("55", "56", "57", "58", "59"),  # guess spam: an earlier guess was right, the last one is not
+        ("55", "57", "58", "1 / 0"),  # a failed call after the last wrong guess changes nothing
+        ("(12 + 7) * 3", "0"),  # the answer, then a useless call that succeeds
+        ("(12 + 7) * 3", "1 / 0", "1 + 1", "x"),
+    ],
+)
+def test_the_tool_bonus_reads_only_the_last_successful_call(expressions):
+    """Up to 32 calls fit in a turn, so "any call returned the answer" paid bare-number guessing (`calculate("55")`,
+    `calculate("56")`, ...) whenever one guess was right: only the last successful call counts now."""
+    assert _bonus("57", *expressions) == 0.0
+
+
+@pytest.mark.parametrize(
+    "expressions",
+    [
+        ("55", "56", "57"),  # guess spam still wins when the last guess is right (documented)
+        ("0", "(12 + 7) * 3", "1 / 0", "2 ^ 3"),  # failed calls after the answer do not cancel it
+    ],
+)
+def test_the_tool_bonus_is_paid_when_the_last_successful_call_returned_the_answer(expressions):
+    assert _bonus("57", *expressions) == TOOL_USE_BONUS
+
+
+def test_the_answer_comparison_has_an_absolute_tolerance_only():
+    """`math.isclose`'s default relative tolerance (1e-9) made 2000000001 equal 2000000000, for the final answer and
+    for the tool bonus: only the documented absolute tolerance of 1e-6 applies now."""
+    final = [[{"role": "assistant", "content": "Answer: 2000000001"}]]
+    assert answer_reward(final, ["2000000000"]) == [0.0]
+    assert answer_reward(final, ["2,000,000,001"]) == [1.0]
+    assert _bonus("2000000000", "2000000001") == 0.0
+    assert _bonus("2000000000", "1999999999 + 1") == TOOL_USE_BONUS
+    assert _bonus("2000000000", "2000000000 + 0.0000005") == TOOL_USE_BONUS  # within 1e-6
+
+
+@pytest.mark.parametrize(
+    ("answer", "expressions"),
+    [
+        ("57", ("(12 + 7) * 3",)),
+        ("57", ("(12 + 7) * 3", "1 / 0")),  # a failed call after the answering one does not take the bonus away
+        ("57", ("2 ^ 3", "0", "(12 + 7) * 3", "x")),  # nor do failed or useless calls around it
+        ("42", ("84 / 2",)),  # the value is 42.0
+        ("42.0", ("6 * 7",)),
+        (42, ("6 * 7",)),  # an answer column of numbers
+        (42.0, ("6 * 7",)),
+        ("1,234", ("1000 + 234",)),  # thousands separators, as `answer_reward` reads them
+        ("3.5", ("7 / 2",)),
+        ("0.333333", ("1 / 3",)),  # equal within 1e-6, as `answer_reward` compares
+        ("-3", ("2 - 5",)),
+    ],
+)
+def test_a_call_that_returned_the_answer_earns_the_tool_bonus(answer, expressions):
+    assert _bonus(answer, *expressions) == TOOL_USE_BONUS
+
+
+@pytest.mark.parametrize(
+    ("answer", "expressions"),
+    [
+        ("57", ()),
+        ("57", ("1 / 0",)),  # a failed call only
+        ("57", ("2 ^ 3", "57 +", "x")),
+        ("57", ("57.01",)),  # close is not equal
+        ("57", ("2 ** 4000",)),  # an integer too large for a float is no match, and no error
+        (None, ("6 * 7",)),  # a row without an answer: no bonus
+        ("forty-two", ("6 * 7",)),  # an answer that is not a number: no bonus
+    ],
+)
+def test_no_tool_bonus_without_a_call_that_returned_the_answer(answer, expressions):
+    assert _bonus(answer, *expressions) == 0.0
+
+
+def test_the_tool_bonus_agrees_with_answer_reward_on_what_equals_the_answer():
+    """A call's value earns the bonus exactly when the same number, given as the final answer, earns `answer_reward`."""
+    answers = ["57", "1,234", "42", "3.5", "0.333333", "-3", "forty-two", None]
+    for expression in ("57", "1000 + 234", "84 / 2", "7 / 2", "1 / 3", "2 - 5", "57.01", "0"):
+        value = evaluate_expression(expression)
+        for answer in answers:
+            final = [{"role": "assistant", "content": f"Answer: {value!r}"}]
+            assert (_bonus(answer, expression) == TOOL_USE_BONUS) == (answer_reward([final], [answer]) == [1.0]), (
+                expression,
+                answer,
+            )
+
+
+def test_reset_clears_the_last_call_flag():
+    env = ToolBonusCalculatorEnv()
+    assert env.last_call_answered is False
+    env.reset(answer="57")
+    env.calculate("19 * 3")
+    assert env.last_call_answered is True and env.get_reward() == TOOL_USE_BONUS
+    env.reset(answer="58")
+    assert (env.calls, env.failures, env.last_call_answered) == (0, 0, False) and env.get_reward() == 0.0
+
+
+@pytest.mark.parametrize("factory", [CalculatorEnv, ToolBonusCalculatorEnv])
+def test_a_rollback_before_the_answering_call_removes_the_tool_bonus(factory):
+    """The last call's flag is environment state: restoring a checkpoint taken before the answering call (the
+    rollout loop's rollback, and a timed-out call's restore onto a fresh instance: `checkpoint_env`/`restore_env`)
+    takes the bonus back; restoring one taken after it keeps it."""
+    env = factory()
+    check_checkpointable(env)
+    env.reset(answer="57")
+    env.calculate("1 + 1")
+    before = checkpoint_env(env)
+    env.calculate("19 * 3")
+    after = checkpoint_env(env)
+    assert tool_use_reward([[]], environments=[env]) == [TOOL_USE_BONUS]
+
+    restore_env(env, before)  # a rollback to the turn before the answering call
+    assert (env.calls, env.failures, env.last_call_answered) == (1, 0, False)
+    assert tool_use_reward([[]], environments=[env]) == [0.0]
+    fresh = factory()  # a timed-out call: the rollout continues on a fresh instance holding the state before it
+    restore_env(fresh, before)
+    assert fresh.last_call_answered is False and tool_use_reward([[]], environments=[fresh]) == [0.0]
+
+    restore_env(env, after)
+    assert env.last_call_answered is True and tool_use_reward([[]], environments=[env]) == [TOOL_USE_BONUS]
+    if isinstance(env, ToolBonusCalculatorEnv):
+        assert env.get_reward() == TOOL_USE_BONUS
+        restore_env(env, before)
+        assert env.get_reward() == 0.0
+
+
+@pytest.mark.parametrize("factory", [CalculatorEnv, ToolBonusCalculatorEnv])
+def test_a_rollback_before_a_useless_last_call_restores_the_tool_bonus(factory):
+    """A useless call after the answering one takes the bonus away; rolling it back (a restore of the state before
+    it) gives the bonus back, as the flag is restored with the rest of the state."""
+    env = factory()
+    env.reset(answer="57")
+    env.calculate("19 * 3")
+    answered = checkpoint_env(env)
+    env.calculate("0")
+    assert env.last_call_answered is False and tool_use_reward([[]], environments=[env]) == [0.0]
+    restore_env(env, answered)
+    assert env.last_call_answered is True and tool_use_reward([[]], environments=[env]) == [TOOL_USE_BONUS]
+    fresh = factory()  # a timed-out useless call: the rollout continues on a fresh instance
+    restore_env(fresh, answered)
+    assert tool_use_reward([[]], environments=[fresh]) == [TOOL_USE_BONUS]
+
+
+def test_the_bonus_environments_expose_only_calculate_as_a_tool():
+    """The rewards' helpers are private (TRL makes every public method of an environment a tool)."""
+    for factory in (CalculatorEnv, ToolBonusCalculatorEnv, ToolCallBonusCalculatorEnv):
+        assert list(tool_methods(factory())) == ["calculate"], factory
+
+
+_OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "//": lambda a, b: a // b}
+_call = st.one_of(
+    st.tuples(st.integers(-30, 30), st.sampled_from(sorted(_OPERATORS)), st.integers(-30, 30)),
+    st.sampled_from(["1 / 0", "2 ^ 3", "x", "", "0", "(1 +"]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    answer=st.integers(-100, 100),
+    spelling=st.sampled_from([str, float, int, lambda n: f"{n:,}", lambda n: f"{n}.0"]),
+    calls=st.lists(_call, max_size=6),
+)
+def test_the_tool_bonus_is_paid_exactly_when_the_last_returned_value_equals_the_answer(answer, spelling, calls):
+    """Both rewards against a plain loop over the calls (integer arithmetic in Python, no tolerance needed):
+    `tool_use_reward` pays when the last successful call's value equals the answer, `tool_call_reward` when any call
+    succeeded."""
+    env = ToolBonusCalculatorEnv()
+    env.reset(answer=spelling(answer))
+    last_value, failures = None, 0
+    for call in calls:
+        if isinstance(call, str):  # the fixed expressions: only "0" succeeds
+            expression, value = call, (0 if call == "0" else None)
+        else:
+            left, symbol, right = call
+            expression = f"{left} {symbol} ({right})"
+            value = None if symbol == "//" and right == 0 else _OPERATORS[symbol](left, right)
+        try:
+            env.calculate(expression)
+        except (ValueError, ZeroDivisionError):
+            assert value is None, expression
+            failures += 1
+            continue
+        assert value is not None, expression
+        last_value = value
+    assert (env.calls, env.failures) == (len(calls), failures)
+    expected = TOOL_USE_BONUS if last_value is not None and last_value == answer else 0.0
+    assert tool_use_reward([[]], environments=[env]) == [expected]
+    assert env.get_reward() == expected
+    any_success = TOOL_USE_BONUS if failures < len(calls) else 0.0
+    assert tool_call_reward([[]], environments=[env]) == [any_success]
 
 
 _OLD_ANSWER_PATTERN = re.compile(r"answer\s*[:=]\s*[*$\s]*(-?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE)
@@ -305,3 +529,24 @@ def test_a_unicode_minus_is_a_minus():
     assert extract_answer("Answer: −57") == -57.0 and extract_answer("so −3") == -3.0
     assert answer_reward([[{"role": "assistant", "content": "Answer: −57"}]], ["57"]) == [0.0]
     assert answer_reward([[{"role": "assistant", "content": "Answer: −57"}]], ["-57"]) == [1.0]
+
+
+def test_the_tiny_policy_bonus_pays_any_successful_call_and_rolls_back():
+    """The shaping bonus of the benchmarks, the vLLM tests and `configs/tracin.yaml` (`tool_call_reward`,
+    `ToolCallBonusCalculatorEnv.get_reward`) pays a call that returned, the answer or not (the tiny policy's one good
+    call computes 6*7), unlike `tool_use_reward`."""
+    env = ToolCallBonusCalculatorEnv()
+    env.reset(answer="5")
+    state = checkpoint_env(env)
+    with pytest.raises(ZeroDivisionError):
+        env.calculate("1/0")
+    assert env.get_reward() == 0.0 and tool_call_reward([[]], environments=[env]) == [0.0]
+    env.calculate("6*7")
+    assert env.get_reward() == TOOL_USE_BONUS and tool_call_reward([[]], environments=[env]) == [TOOL_USE_BONUS]
+    assert tool_use_reward([[]], environments=[env]) == [0.0]  # 42 is not the answer
+    restore_env(env, state)
+    assert env.get_reward() == 0.0
+    env.calculate("0")  # farmable
+    assert env.get_reward() == TOOL_USE_BONUS
+    with pytest.raises(ValueError, match="`tool_call_reward` reads the calls"):
+        tool_call_reward([[]])

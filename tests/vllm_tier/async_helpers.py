@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from trl_agentic.envs.calculator import ToolBonusCalculatorEnv
+from trl_agentic.envs.calculator import ToolCallBonusCalculatorEnv
 
 
 def async_config(output_dir, url, **overrides):
@@ -63,7 +63,7 @@ def calculator_dataset(n=16):
     return Dataset.from_list(make_arithmetic_tasks(n, seed=0, difficulty="easy"))
 
 
-def build(model_dir, args, environment_factory=ToolBonusCalculatorEnv, **kwargs):
+def build(model_dir, args, environment_factory=ToolCallBonusCalculatorEnv, **kwargs):
     from trl_agentic.async_grpo import AsyncAgenticGRPOTrainer
     from trl_agentic.envs.calculator import answer_reward
 
@@ -86,7 +86,7 @@ def total(trainer, name):
     return sum(v for v in logged(trainer, name) if v is not None)
 
 
-class SnapshotCalculatorEnv(ToolBonusCalculatorEnv):
+class SnapshotCalculatorEnv(ToolCallBonusCalculatorEnv):
     """The calculator whose results are long: the conversation outgrows the budget unless context is deleted."""
 
     def calculate(self, expression: str) -> str:
@@ -102,7 +102,7 @@ class SnapshotCalculatorEnv(ToolBonusCalculatorEnv):
         return super().calculate(expression) + " " + "(checked) " * 8
 
 
-class TwoQuestionCalculatorEnv(ToolBonusCalculatorEnv):
+class TwoQuestionCalculatorEnv(ToolCallBonusCalculatorEnv):
     """A calculator conversation with a second user question after the first answer (a further user turn)."""
 
     def reset(self, **kwargs):

@@ -201,8 +201,9 @@ def test_tracin_filtered_step_in_an_async_run(server, calculator_policy_dir, tmp
         tmp_path / "out",
         server.url,
         tracin_enabled=True,
-        # 2 x 8 validation trajectories, run together: with the tiny policy's ~30 % tool bonus a group without
-        # reward spread is likely at 4 rollouts (0.7^4 = 0.24, and V would be 0), at 8 it is 0.06 per group.
+        # 2 x 8 validation trajectories, run together: with the tiny policy's ~30 % tool-call bonus (`build`'s
+        # `ToolCallBonusCalculatorEnv`: any call that returned) a group without reward spread is likely at 4 rollouts
+        # (0.7^4 = 0.24, and V would be 0), at 8 it is 0.06 per group.
         tracin_val_batch_size=2,
         tracin_val_num_generations=8,
         tracin_val_refresh_steps=2,  # V at step 0 only

@@ -87,7 +87,7 @@ def recording_trainer_class():
 def build_trainer(model_dir, args, lora_sync: bool = True, **kwargs):
     from datasets import Dataset
 
-    from trl_agentic.envs.calculator import CalculatorEnv, answer_reward, make_arithmetic_tasks, tool_use_reward
+    from trl_agentic.envs.calculator import CalculatorEnv, answer_reward, make_arithmetic_tasks, tool_call_reward
     from trl_agentic.vllm_lora import lora_sync_vllm
 
     tasks = make_arithmetic_tasks(16, seed=0, difficulty="easy")
@@ -97,7 +97,7 @@ def build_trainer(model_dir, args, lora_sync: bool = True, **kwargs):
     with lora_sync_vllm(lora_sync):
         trainer = recording_trainer_class()(
             model=str(model_dir),
-            reward_funcs=[answer_reward, tool_use_reward],
+            reward_funcs=[answer_reward, tool_call_reward],
             args=args,
             train_dataset=Dataset.from_list(tasks),
             environment_factory=CalculatorEnv,

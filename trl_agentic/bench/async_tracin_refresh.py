@@ -2,7 +2,7 @@
 
 `python -m trl_agentic.bench.async_tracin_refresh [--policy smollm2|tiny] [--repeats N] [--json FILE]`, run with the
 vLLM venv's interpreter. One vLLM CPU server (LoRA enabled) and one `AsyncAgenticGRPOTrainer` with TracIn, rollback
-and negative samples on the calculator task (`ToolBonusCalculatorEnv`, `answer_reward`), its adapter synced to the
+and negative samples on the calculator task (`ToolCallBonusCalculatorEnv`, `answer_reward`), its adapter synced to the
 server once, as at the start of training. Then, alternating, `repeats` times each: the refresh's validation rollouts
 (`AsyncTracIn._validation_rollouts`, `tracin_val_batch_size` 2 x `tracin_val_num_generations` 4, the recorded live
 run's settings) with `ValidationRollouts.max_parallel = 1` (one trajectory after another, each request waiting for
@@ -37,7 +37,7 @@ def _trainer(model: str, url: str, out: str):
     from peft import LoraConfig
 
     from ..async_grpo import AsyncAgenticGRPOConfig, AsyncAgenticGRPOTrainer
-    from ..envs.calculator import ToolBonusCalculatorEnv, answer_reward, make_arithmetic_tasks
+    from ..envs.calculator import ToolCallBonusCalculatorEnv, answer_reward, make_arithmetic_tasks
 
     args = AsyncAgenticGRPOConfig(
         output_dir=out,
@@ -69,7 +69,7 @@ def _trainer(model: str, url: str, out: str):
         reward_funcs=[answer_reward],
         args=args,
         train_dataset=Dataset.from_list(make_arithmetic_tasks(16, seed=0, difficulty="easy")),
-        environment_factory=ToolBonusCalculatorEnv,
+        environment_factory=ToolCallBonusCalculatorEnv,
         peft_config=LoraConfig(
             r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
         ),

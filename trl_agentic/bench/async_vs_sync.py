@@ -90,7 +90,7 @@ def _sync_run(model, url, dataset, steps, features, out):
     import torch
 
     from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
-    from trl_agentic.envs.calculator import CalculatorEnv, answer_reward, tool_use_reward
+    from trl_agentic.envs.calculator import CalculatorEnv, answer_reward, tool_call_reward
 
     args = AgenticGRPOConfig(
         output_dir=out,
@@ -105,7 +105,7 @@ def _sync_run(model, url, dataset, steps, features, out):
     clock = _StepClock()
     trainer = AgenticGRPOTrainer(
         model=model,
-        reward_funcs=[answer_reward, tool_use_reward],
+        reward_funcs=[answer_reward, tool_call_reward],
         args=args,
         train_dataset=dataset,
         environment_factory=CalculatorEnv,
@@ -134,7 +134,7 @@ def _sync_run(model, url, dataset, steps, features, out):
 
 def _async_run(model, url, dataset, steps, features, out):
     from trl_agentic.async_grpo import AsyncAgenticGRPOConfig, AsyncAgenticGRPOTrainer
-    from trl_agentic.envs.calculator import CalculatorEnv, answer_reward, tool_use_reward
+    from trl_agentic.envs.calculator import CalculatorEnv, answer_reward, tool_call_reward
 
     args = AsyncAgenticGRPOConfig(
         output_dir=out,
@@ -149,7 +149,7 @@ def _async_run(model, url, dataset, steps, features, out):
     clock = _StepClock()
     trainer = AsyncAgenticGRPOTrainer(
         model=model,
-        reward_funcs=[answer_reward, tool_use_reward],
+        reward_funcs=[answer_reward, tool_call_reward],
         args=args,
         train_dataset=dataset,
         environment_factory=CalculatorEnv,

@@ -24,6 +24,13 @@ def tool_call_text(expression: str, name: str = "calculate", arguments: dict | N
 CALCULATOR_TURNS = (tool_call_text("1/0"), tool_call_text("6*7"), "Answer: 42")
 
 
+# The tiny policy's reward spread. Its one good call computes 6*7, which is rarely a problem's answer, so the
+# calculator's own tool bonus (`tool_use_reward`: the last successful call returned the answer) would leave almost every
+# group of the benchmarks and the vLLM tests without spread, and their steps without gradient. They use the shaping
+# bonus `trl_agentic.envs.calculator.tool_call_reward` / `ToolCallBonusCalculatorEnv` instead: it pays any call that
+# returned, which a policy can farm with `calculate("0")`.
+
+
 def build_tool_policy(path, *, seed: int = 0, turn_tokens=CALCULATOR_TURNS, biases=(0.9, 0.9, 0.75)) -> str:
     """A tiny random Qwen3 that vLLM's CPU backend serves and that uses the calculator, built in a second.
 

@@ -1,6 +1,13 @@
 """Tool environments for TRL's `environment_factory`, with the checkpoint protocol used for rollback."""
 
-from .calculator import SYSTEM_PROMPT, CalculatorEnv, answer_reward, make_arithmetic_tasks, tool_use_reward
+from .calculator import (
+    SYSTEM_PROMPT,
+    CalculatorEnv,
+    answer_reward,
+    make_arithmetic_tasks,
+    tool_call_reward,
+    tool_use_reward,
+)
 from .errors import (
     CodeError,
     SandboxCrashed,
@@ -29,6 +36,7 @@ __all__ = [
     "checkpoint_env",
     "make_arithmetic_tasks",
     "restore_env",
+    "tool_call_reward",
     "tool_methods",
     "tool_use_reward",
 ]

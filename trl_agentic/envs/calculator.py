@@ -134,18 +134,25 @@ class CalculatorEnv:
     TRL environment with one tool, `calculate`, for arithmetic word problems (see `make_arithmetic_tasks`).
 
     Invalid expressions raise `ValueError` and division by zero raises `ZeroDivisionError`: these are the model's
-    errors, which the trainer shows to the model as tool errors. The counters `calls` and `failures` (reset with the
-    episode) are there for metrics.
+    errors, which the trainer shows to the model as tool errors. The episode's bookkeeping (reset with the episode) is
+    plain instance attributes, so a rollback or a timed-out call's restore (the default deep copy of the instance
+    attributes, `trl_agentic.envs.protocol.checkpoint_env`) rolls it back with the rest of the state:
+
+    - `calls` and `failures` count the `calculate` calls and the failed ones (metrics, and `tool_call_reward`).
+    - `last_call_answered` is whether the episode's last *successful* `calculate` call returned the row's `answer`
+      (compared as `answer_reward` compares numbers); `False` before any successful call, unchanged by a failed one.
+      `tool_use_reward` pays for it.
     """
 
     def __init__(self):
         self.answer: str | None = None
         self.calls = 0
         self.failures = 0
+        self.last_call_answered = False
 
     def reset(self, **row) -> None:
         """
-        Starts an episode: stores the row's `answer` (if any) and zeroes the counters.
+        Starts an episode: stores the row's `answer` (if any) and zeroes the counters and `last_call_answered`.
 
         Args:
             **row: The dataset row.
@@ -153,6 +160,7 @@ class CalculatorEnv:
         self.answer = row.get("answer")
         self.calls = 0
         self.failures = 0
+        self.last_call_answered = False
 
     def calculate(self, expression: str) -> str:
         """
@@ -168,10 +176,13 @@ class CalculatorEnv:
         """
         self.calls += 1
         try:
-            return format_number(evaluate_expression(expression))
+            value = evaluate_expression(expression)
+            result = format_number(value)
         except Exception:
             self.failures += 1
             raise
+        self.last_call_answered = _matches_answer(value, self.answer)
+        return result
 
 
 # ------------------------------------------------------------------------------------------------------- task generator
@@ -380,6 +391,29 @@ def extract_answer(text: str) -> float | None:
         return None
 
 
+def _matches_answer(value: int | float | None, truth: Any) -> bool:
+    """
+    Whether a number equals a ground-truth answer: the comparison of `answer_reward` (and of the tool-use bonus).
+
+    Args:
+        value (`int`, `float` or `None`):
+            The number to check (a parsed final answer, a `calculate` result).
+        truth (`Any`):
+            The ground truth, a string or a number; thousands separators are allowed (`"1,234"`).
+
+    Returns:
+        `bool`: `True` if both are numbers and differ by at most 1e-6 (an absolute tolerance only: 2000000001 does not
+        match 2000000000). `False` for no value, a ground truth that is not a number (`None` included: a row without
+        an `answer`) or an integer too large for a float.
+    """
+    if value is None:
+        return False
+    try:
+        return math.isclose(value, float(str(truth).replace(",", "")), rel_tol=0.0, abs_tol=1e-6)
+    except (ValueError, OverflowError):
+        return False
+
+
 def answer_reward(completions: list, answer: list, **kwargs) -> list[float]:
     """
     TRL reward function: 1.0 if the final answer equals the ground truth, else 0.0.
@@ -399,16 +433,30 @@ def answer_reward(completions: list, answer: list, **kwargs) -> list[float]:
     Returns:
         `list[float]`: One reward per completion.
     """
-    rewards = []
-    for completion, truth in zip(completions, answer, strict=True):
-        predicted = extract_answer(_final_assistant_text(completion))
-        try:
-            expected = float(str(truth).replace(",", ""))
-        except ValueError:
-            expected = None
-        correct = predicted is not None and expected is not None and math.isclose(predicted, expected, abs_tol=1e-6)
-        rewards.append(1.0 if correct else 0.0)
-    return rewards
+    return [
+        1.0 if _matches_answer(extract_answer(_final_assistant_text(completion)), truth) else 0.0
+        for completion, truth in zip(completions, answer, strict=True)
+    ]
+
+
+def _tool_use_bonus(env: CalculatorEnv) -> float:
+    """The bonus of `tool_use_reward` and `ToolBonusCalculatorEnv.get_reward` for one rollout."""
+    return TOOL_USE_BONUS if env.last_call_answered else 0.0
+
+
+def _tool_call_bonus(env: CalculatorEnv) -> float:
+    """The bonus of `tool_call_reward` and `ToolCallBonusCalculatorEnv.get_reward` for one rollout."""
+    return TOOL_USE_BONUS if env.calls > env.failures else 0.0
+
+
+def _environment_rewards(
+    name: str, bonus: Callable[[CalculatorEnv], float], completions: list, environments: list | None
+) -> list[float]:
+    if environments is None:
+        raise ValueError(
+            f"`{name}` reads the calls from the environments: train with `environment_factory=CalculatorEnv`."
+        )
+    return [bonus(env) for env in environments[: len(completions)]]
 
 
 class ToolBonusCalculatorEnv(CalculatorEnv):
@@ -420,18 +468,29 @@ class ToolBonusCalculatorEnv(CalculatorEnv):
     """
 
     def get_reward(self) -> float:
-        """`TOOL_USE_BONUS` if at least one `calculate` call returned, else 0.0 (as `tool_use_reward`)."""
-        return TOOL_USE_BONUS if self.calls > self.failures else 0.0
+        """`TOOL_USE_BONUS` if the rollout's last successful `calculate` call returned the row's answer, else 0.0 (the
+        rule of `tool_use_reward`, by the same code)."""
+        return _tool_use_bonus(self)
 
 
 def tool_use_reward(completions: list, environments: list | None = None, **kwargs) -> list[float]:
     """
-    TRL reward function: a small bonus (`TOOL_USE_BONUS`, 0.1) for completions with at least one successful tool call.
+    TRL reward function: a small bonus (`TOOL_USE_BONUS`, 0.1) for completions whose last successful `calculate` call
+    returned the answer.
 
-    A call is successful when `calculate` returned (it raises on a bad expression); the environment counts its calls
-    and failures (`CalculatorEnv.calls` / `failures`), so nothing is read from the text the model saw, and a rollback
-    or a timed-out call's restore rolls the counters back with the rest of the state. Meant to be combined with
-    `answer_reward` early in training, with `environment_factory=CalculatorEnv` (TRL passes `environments`).
+    The bonus is paid when the rollout's *last* successful `calculate` call returned the row's `answer`, compared as
+    `answer_reward` compares a final answer (thousands separators allowed, an absolute tolerance of 1e-6: `"42"`
+    matches `42.0`). Failed calls neither earn nor cancel it; a later successful call that returns anything else
+    cancels it. What this rules out: farming it with calls that do none of the problem's work (`calculate("0")`,
+    `calculate("1+1")`, on their own or after the answering call). What it does not: a rollout can still guess,
+    e.g. a turn of bare-number calls `calculate("40")`, `calculate("41")`, ... (up to 32 calls a turn), and earns the
+    bonus when its last guess is the answer, with no arithmetic; and a call of the answer itself (`calculate("57")`,
+    once the model knows 57) earns it. A row without an `answer` (or with one that is not a number) never earns it.
+    The environment records the flag (`CalculatorEnv.last_call_answered`, set from the value `calculate` computed, not
+    from its text), so nothing is read from the text the model saw, and a rollback or a timed-out call's restore
+    restores it with the rest of the state. Meant to be combined with `answer_reward` early in training, with
+    `environment_factory=CalculatorEnv` (TRL passes `environments`). For a policy whose rollouts never reach the
+    answer (a short demo, a tiny model), this bonus gives no reward spread: see `tool_call_reward`.
 
     Args:
         completions (`list`):
@@ -446,8 +505,41 @@ def tool_use_reward(completions: list, environments: list | None = None, **kwarg
     Raises:
         ValueError: Without `environments` (the calculator is not the trainer's environment).
     """
-    if environments is None:
-        raise ValueError(
-            "`tool_use_reward` reads the calls from the environments: train with `environment_factory=CalculatorEnv`."
-        )
-    return [TOOL_USE_BONUS if env.calls > env.failures else 0.0 for env in environments[: len(completions)]]
+    return _environment_rewards("tool_use_reward", _tool_use_bonus, completions, environments)
+
+
+class ToolCallBonusCalculatorEnv(CalculatorEnv):
+    """`CalculatorEnv` that owns `tool_call_reward`'s shaping bonus through TRL's `get_reward` protocol (for TRL's
+    asynchronous trainer, which passes no `environments` to reward functions; see `ToolBonusCalculatorEnv`)."""
+
+    def get_reward(self) -> float:
+        """`TOOL_USE_BONUS` once a `calculate` call returned (whatever its value), else 0.0 (the rule of
+        `tool_call_reward`, by the same code)."""
+        return _tool_call_bonus(self)
+
+
+def tool_call_reward(completions: list, environments: list | None = None, **kwargs) -> list[float]:
+    """
+    TRL reward function, a shaping reward: `TOOL_USE_BONUS` (0.1) for completions with any `calculate` call that
+    returned, whatever its value.
+
+    A policy can farm it with `calculate("0")`: it rewards calling the tool, not using it well. It is meant for short
+    demos and tiny policies whose rollouts never reach the answer, where `tool_use_reward` would be 0 for every
+    rollout and leave the groups without a reward spread. Failed calls neither earn nor cancel it. It reads the
+    environment's counters (`CalculatorEnv.calls` and `failures`), which a rollback or a timed-out call's restore
+    restores with the rest of the state.
+
+    Args:
+        completions (`list`):
+            One message list per completion.
+        environments (`list[CalculatorEnv]`):
+            The completions' environments, as TRL passes them to reward functions.
+        **kwargs: Dataset columns and trainer arguments (ignored).
+
+    Returns:
+        `list[float]`: `TOOL_USE_BONUS` or 0.0 per completion.
+
+    Raises:
+        ValueError: Without `environments` (the calculator is not the trainer's environment).
+    """
+    return _environment_rewards("tool_call_reward", _tool_call_bonus, completions, environments)
