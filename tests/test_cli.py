@@ -287,3 +287,20 @@ def test_tracin_without_validation_problems_fails_before_a_model_loads(tmp_path,
     values = {"task": "textworld", "textworld_max_plan_steps": 3, "num_eval_tasks": 20}
     with pytest.raises(ValueError, match=r"`tracin_enabled` needs validation prompts.*Lower `num_eval_tasks`"):
         main(["train", "--config", _config(tmp_path, tracin_enabled=True, use_peft=True, **values)])
+
+
+def test_bfcl_tracin_validates_on_held_out_scenarios_of_its_own_split_that_it_does_not_evaluate():
+    """BFCL's scenario split is seeded by `task_seed`, so another seed's held-out tasks are mostly this run's training
+    tasks (3 validation tasks were left at the defaults): its validation prompts are the held-out tasks of its own
+    split that the run does not evaluate (50 held-out base scenarios - 32 evaluated = 18)."""
+    from trl_agentic.cli import _tracin_validation
+    from trl_agentic.envs.bfcl.dataset import split_scenarios
+    from trl_agentic.tasks import TaskArguments, build_task
+
+    args = TaskArguments(task="bfcl", num_train_tasks=0, num_eval_tasks=32)
+    task = build_task(args)
+    _, heldout = split_scenarios(args.bfcl_heldout_fraction, args.task_seed)
+    evaluated = set(task.eval_dataset["bfcl_id"])
+    validation = list(_tracin_validation(task, args)["bfcl_id"])
+    assert sorted(validation) == sorted({f"multi_turn_base_{n}" for n in heldout} - evaluated)
+    assert len(validation) == 18 and not set(validation) & set(task.train_dataset["bfcl_id"])

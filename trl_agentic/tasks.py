@@ -370,8 +370,14 @@ VALIDATION_SEED_OFFSET = 10
 
 def validation_rows(args: TaskArguments, exclude: set[str]) -> Dataset:
     """Validation problems (TracIn's validation prompts): the held-out problems of the task built from `task_seed + 10`,
-    without those whose `problem_key` is in `exclude` (the problems a run evaluates, or trains on)."""
-    validation = build_task(dataclasses.replace(args, task_seed=args.task_seed + VALIDATION_SEED_OFFSET)).eval_dataset
+    without those whose `problem_key` is in `exclude` (the problems a run evaluates, or trains on). BFCL: every
+    held-out task of this `task_seed`'s scenario split (another seed's split holds out mostly this one's training
+    scenarios)."""
+    if args.task == "bfcl":
+        source = dataclasses.replace(args, num_eval_tasks=0)  # 0 takes every held-out task
+    else:
+        source = dataclasses.replace(args, task_seed=args.task_seed + VALIDATION_SEED_OFFSET)
+    validation = build_task(source).eval_dataset
     if validation is None:
         return Dataset.from_list([])
     return validation.filter(lambda row: problem_key(row) not in exclude)
