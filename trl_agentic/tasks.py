@@ -67,7 +67,9 @@ class TaskArguments:
         task_difficulty (`str`, *optional*, defaults to `"medium"`):
             Difficulty of the generated arithmetic problems: `"easy"`, `"medium"` or `"hard"`.
         task_seed (`int`, *optional*, defaults to `0`):
-            Seed of the task generator (held-out problems use `task_seed + 1`).
+            Seed of the task generator (held-out problems use `task_seed + 1`, warm-start rows `task_seed + 2`; with
+            `tracin_enabled`, the validation prompts are held-out problems of `task_seed + 10` that the run neither
+            evaluates nor trains on).
         sandbox_timeout (`float`, *optional*, defaults to `5.0`):
             Wall-clock limit of one Python sandbox call, in seconds.
         sandbox_isolation (`str`, *optional*, defaults to `"required"`):
