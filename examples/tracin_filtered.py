@@ -34,8 +34,8 @@ def main():
     task_args, training_args, model_args = parser.parse_args_and_config()
     if not training_args.tracin_enabled:
         raise SystemExit("This example is about TracIn: set `tracin_enabled: true`.")
-    # `trl-agentic train`'s pipeline: the warm start of the config (if any), then GRPO with the held-out problems
-    # (task_seed + 1) as the validation prompts of the filter (`tracin_eval_dataset`).
+    # `trl-agentic train`'s pipeline: the warm start of the config (if any), then GRPO with held-out problems the run
+    # neither evaluates nor trains on as the validation prompts of the filter (`tracin_eval_dataset`, docs/tracin.md).
     trainer = train(task_args, training_args, model_args)
     design = "fused (one backward per step)" if trainer._tracin.fused else "two-pass (scoring pass + masked step)"
     trainer.accelerator.print(f"TracIn step: {design}")

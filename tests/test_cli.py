@@ -281,14 +281,6 @@ def test_tracin_validates_on_held_out_problems_the_run_neither_evaluates_nor_tra
     assert not {name(r) for r in validation} & {name(r) for r in task.eval_dataset}
 
 
-def test_tracin_without_validation_problems_fails_before_a_model_loads(tmp_path, monkeypatch):
-    """The text world with plans of at most 3 steps has 20 held-out worlds: evaluating all 20 leaves TracIn none."""
-    _forbid_model_loading(monkeypatch)
-    values = {"task": "textworld", "textworld_max_plan_steps": 3, "num_eval_tasks": 20}
-    with pytest.raises(ValueError, match=r"`tracin_enabled` needs validation prompts.*Lower `num_eval_tasks`"):
-        main(["train", "--config", _config(tmp_path, tracin_enabled=True, use_peft=True, **values)])
-
-
 def test_bfcl_tracin_validates_on_held_out_scenarios_of_its_own_split_that_it_does_not_evaluate():
     """BFCL's scenario split is seeded by `task_seed`, so another seed's held-out tasks are mostly this run's training
     tasks (3 validation tasks were left at the defaults): its validation prompts are the held-out tasks of its own
@@ -304,3 +296,54 @@ def test_bfcl_tracin_validates_on_held_out_scenarios_of_its_own_split_that_it_do
     validation = list(_tracin_validation(task, args)["bfcl_id"])
     assert sorted(validation) == sorted({f"multi_turn_base_{n}" for n in heldout} - evaluated)
     assert len(validation) == 18 and not set(validation) & set(task.train_dataset["bfcl_id"])
+
+
+def test_a_bfcl_problem_is_its_scenario_in_every_category():
+    """`multi_turn_<category>_<n>` is scenario n in every category, its first question worded a little differently
+    (a trailing space, a dropped parameter): one problem. Keyed by the question, all four categories let 11 validation
+    tasks of an evaluated scenario through."""
+    from trl_agentic.cli import _tracin_validation
+    from trl_agentic.tasks import TaskArguments, build_task, problem_key
+
+    rows = {"base": {"bfcl_id": "multi_turn_base_9", "prompt": [{"content": "a"}]}}
+    rows["miss_func"] = {"bfcl_id": "multi_turn_miss_func_9", "prompt": [{"content": "a "}]}
+    rows["long"] = {"bfcl_id": "multi_turn_long_context_10", "prompt": [{"content": "a"}]}
+    assert problem_key(rows["base"]) == problem_key(rows["miss_func"]) != problem_key(rows["long"])
+
+    categories = ["base", "miss_func", "miss_param", "long_context"]
+    args = TaskArguments(task="bfcl", bfcl_categories=categories, num_train_tasks=0, num_eval_tasks=32)
+    task = build_task(args)
+
+    def scenario(bfcl_id):
+        return int(bfcl_id.rsplit("_", 1)[1])
+
+    validation = {scenario(i) for i in _tracin_validation(task, args)["bfcl_id"]}
+    assert validation and not validation & {scenario(i) for i in task.eval_dataset["bfcl_id"]}
+
+
+@pytest.mark.parametrize(
+    "values,remedy",
+    [
+        ({"task": "bfcl", "num_eval_tasks": 0}, r"0 evaluates them all\) or raise `bfcl_heldout_fraction`"),
+        (
+            {"task": "textworld", "textworld_max_plan_steps": 3, "num_eval_tasks": 20},
+            "raise `textworld_heldout_fraction`",
+        ),
+        ({"task": "fixed_task:build", "num_eval_tasks": 4}, "make your builder draw other held-out problems"),
+    ],
+    ids=["bfcl", "textworld", "custom"],
+)
+def test_the_no_validation_prompts_error_says_what_to_change_for_the_task(tmp_path, monkeypatch, values, remedy):
+    """BFCL's `num_eval_tasks: 0` takes every held-out task (lowering it is no remedy); a custom task whose builder
+    ignores `task_seed` has the same held-out problems at `task_seed + 10`."""
+    (tmp_path / "fixed_task.py").write_text(
+        "from datasets import Dataset\n"
+        "from trl_agentic.tasks import Task\n"
+        "def build(args):\n"
+        "    rows = [{'prompt': [{'role': 'user', 'content': f'q{i}'}], 'task_seed': i} for i in range(8)]\n"
+        "    return Task(Dataset.from_list(rows[:4]), Dataset.from_list(rows[4:]), None, [])\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    _forbid_model_loading(monkeypatch)
+    with pytest.raises(ValueError, match=rf"`tracin_enabled` needs validation prompts.*{remedy}"):
+        main(["train", "--config", _config(tmp_path, tracin_enabled=True, use_peft=True, **values)])

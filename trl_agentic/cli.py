@@ -277,13 +277,30 @@ def _tracin_validation(task, task_args):
         for row in dataset
     }
     rows = validation_rows(task_args, used)
-    if not len(rows):
-        raise ValueError(
-            "`tracin_enabled` needs validation prompts: the held-out problems of the task built from `task_seed + "
-            f"{VALIDATION_SEED_OFFSET}` that this run neither evaluates nor trains on, and there are none (every one "
-            "is an evaluated or a training problem). Lower `num_eval_tasks`, or give the task more held-out problems."
+    if len(rows):
+        return rows
+    if task_args.task == "bfcl":
+        source, remedy = (
+            "the held-out tasks of this `task_seed`'s scenario split that the run does not evaluate",
+            "set `num_eval_tasks` below the number of held-out tasks (0 evaluates them all) or raise "
+            "`bfcl_heldout_fraction`",
         )
-    return rows
+    elif ":" in task_args.task:
+        source, remedy = (
+            f"the held-out problems of your task built with `task_seed + {VALIDATION_SEED_OFFSET}`, minus those this "
+            "run evaluates or trains on (compared by `trl_agentic.tasks.problem_key`: the `expression`, `world`, "
+            "`bfcl_id` or `task_seed` column, else the last prompt message)",
+            "make your builder draw other held-out problems for another `task_seed`, and give its rows a column "
+            "that names the problem (e.g. `task_seed`), or train with the Python API and pass `tracin_eval_dataset`",
+        )
+    else:
+        source, remedy = (
+            f"the held-out problems of the task built from `task_seed + {VALIDATION_SEED_OFFSET}` that the run neither "
+            "evaluates nor trains on",
+            "lower `num_eval_tasks`"
+            + (" or raise `textworld_heldout_fraction`" if task_args.task == "textworld" else ""),
+        )
+    raise ValueError(f"`tracin_enabled` needs validation prompts, {source}, and there are none: {remedy}.")
 
 
 def _check_context_deletion(task_args, training_args) -> None:

@@ -69,7 +69,7 @@ class TaskArguments:
         task_seed (`int`, *optional*, defaults to `0`):
             Seed of the task generator (held-out problems use `task_seed + 1`, warm-start rows `task_seed + 2`; with
             `tracin_enabled`, the validation prompts are held-out problems of `task_seed + 10` that the run neither
-            evaluates nor trains on).
+            evaluates nor trains on; BFCL: the held-out tasks of this seed's scenario split that it does not evaluate).
         sandbox_timeout (`float`, *optional*, defaults to `5.0`):
             Wall-clock limit of one Python sandbox call, in seconds.
         sandbox_isolation (`str`, *optional*, defaults to `"required"`):
@@ -360,10 +360,15 @@ class Task:
 
 def problem_key(row: dict) -> str:
     """What makes two problems the same: the calculator's expression, else the text world's world (`world_key`), else
-    the environment's seed, else the question."""
-    for column in ("expression", "world", "task_seed"):
+    BFCL's scenario (`multi_turn_<category>_<n>` is scenario n in every category, its first question worded a little
+    differently), else the environment's seed, else the question."""
+    for column in ("expression", "world"):
         if row.get(column) is not None:
             return f"{column}={row[column]}"
+    if row.get("bfcl_id") is not None:
+        return f"bfcl_scenario={str(row['bfcl_id']).rsplit('_', 1)[-1]}"
+    if row.get("task_seed") is not None:
+        return f"task_seed={row['task_seed']}"
     return json.dumps(row["prompt"][-1]["content"], default=str)
 
 

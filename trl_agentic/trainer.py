@@ -190,7 +190,7 @@ class AgenticGRPOTrainer(
                 "`peft.PeftModel` with LoRA adapters."
             )
         if args.tracin_enabled:
-            tracin_validation_set(tracin_eval_dataset, eval_dataset)  # before TRL loads the model
+            tracin_validation_set(tracin_eval_dataset, eval_dataset, warn=True)  # before TRL loads the model
         if args.use_vllm:
             from .vllm_lora import refuse_activated_lora
 

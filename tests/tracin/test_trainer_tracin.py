@@ -645,16 +645,19 @@ def test_rejects_an_empty_or_missing_validation_set(tiny_model_dir, tmp_path):
         make_trainer(tiny_model_dir, tmp_path, val=None)
 
 
-def test_eval_dataset_is_the_default_validation_set(tiny_model_dir, tmp_path):
-    trainer = AgenticGRPOTrainer(
-        model=tiny_model_dir,
-        reward_funcs=letter_fraction,
-        args=make_config(tmp_path),
-        train_dataset=TRAIN,
-        eval_dataset=VAL,
-        peft_config=lora_config(),
-    )
+def test_eval_dataset_is_the_default_validation_set_with_a_warning(tiny_model_dir, tmp_path):
+    """Its rewards then choose the training rows, so an evaluation on it is no longer held out: said once."""
+    with pytest.warns(UserWarning, match="TracIn validates on `eval_dataset`") as caught:
+        trainer = AgenticGRPOTrainer(
+            model=tiny_model_dir,
+            reward_funcs=letter_fraction,
+            args=make_config(tmp_path),
+            train_dataset=TRAIN,
+            eval_dataset=VAL,
+            peft_config=lora_config(),
+        )
     assert trainer._tracin.dataset is VAL
+    assert sum("TracIn validates on `eval_dataset`" in str(w.message) for w in caught) == 1
 
 
 def test_trl_internals_the_tracin_step_relies_on():

@@ -162,10 +162,19 @@ def _reusable(batch: dict) -> dict:
     }
 
 
-def tracin_validation_set(tracin_eval_dataset, eval_dataset):
+def tracin_validation_set(tracin_eval_dataset, eval_dataset, warn: bool = False):
     """The TracIn validation prompts (`tracin_eval_dataset`, else `eval_dataset`), refused with a clear error when
-    missing, a dict, not map-style or empty: checked by the trainer before TRL loads the model, and at set-up."""
+    missing, a dict, not map-style or empty: checked by the trainer before TRL loads the model (`warn`: and a warning
+    when `eval_dataset` stands in), and at set-up."""
     dataset = tracin_eval_dataset if tracin_eval_dataset is not None else eval_dataset
+    if warn and tracin_eval_dataset is None and eval_dataset is not None and not isinstance(eval_dataset, dict):
+        warnings.warn(
+            "TracIn validates on `eval_dataset` (no `tracin_eval_dataset` given): their rewards choose the training "
+            "rows, so an evaluation on the same problems is no longer held out. Pass other held-out problems as "
+            "`tracin_eval_dataset` (`trl-agentic train` uses `trl_agentic.tasks.validation_rows`).",
+            UserWarning,
+            stacklevel=3,
+        )
     if dataset is None:
         raise ValueError(
             "TracIn needs validation prompts: pass `tracin_eval_dataset` (or `eval_dataset`) to the trainer."
