@@ -112,6 +112,37 @@ def test_import_paths_of_task_arguments_name_the_field(tmp_path, monkeypatch, va
         main(["train", "--config", _config(tmp_path, **values)])
 
 
+# 6b. A calculator bonus on another task's environments names the field before any model loads (it used to fail at
+# the first reward, `'PythonSandboxEnv' object has no attribute 'last_call_answered'`).
+@pytest.mark.parametrize("task", ["python", "textworld", "logsearch"])
+@pytest.mark.parametrize("reward", ["tool_use_reward", "tool_call_reward"])
+def test_a_calculator_bonus_on_another_task_names_the_field(tmp_path, monkeypatch, task, reward):
+    _forbid_model_loading(monkeypatch)
+    values = {"task": task, "extra_reward_funcs": [f"trl_agentic.envs.calculator:{reward}"]}
+    if task == "logsearch":
+        values["logsearch_context_deletion"] = False  # else its own check comes first
+    with pytest.raises(ValueError, match=f"`extra_reward_funcs`: `{reward}` reads the calls of a `CalculatorEnv`"):
+        main(["train", "--config", _config(tmp_path, **values)])
+
+
+def test_reward_environment_check_accepts_subclasses_and_reads_every_factory():
+    from functools import partial
+
+    from trl_agentic.envs.calculator import CalculatorEnv, ToolBonusCalculatorEnv, answer_reward, tool_use_reward
+    from trl_agentic.envs.log_search import LogSearchEnv
+    from trl_agentic.tasks import Task, _check_reward_environments
+
+    def task(factory):
+        return Task(None, None, factory, [answer_reward, tool_use_reward])
+
+    for ok in (CalculatorEnv, ToolBonusCalculatorEnv, partial(CalculatorEnv), {"a": CalculatorEnv}):
+        _check_reward_environments(task(ok), [answer_reward, tool_use_reward])
+    # A reward without `environment_class` is never checked; a mapping is checked factory by factory.
+    _check_reward_environments(task(LogSearchEnv), [answer_reward])
+    with pytest.raises(ValueError, match="environments are LogSearchEnv:"):
+        _check_reward_environments(task({"a": CalculatorEnv, "b": LogSearchEnv}), [tool_use_reward])
+
+
 # 7. TracIn without validation prompts is refused only after the model loaded (Python API).
 def test_tracin_without_validation_prompts_fails_before_the_model(tmp_path, monkeypatch):
     from datasets import Dataset

@@ -443,6 +443,32 @@ def _arithmetic(args: TaskArguments, system_prompt: str | None):
 def build_task(args: TaskArguments) -> Task:
     """Build the dataset, environment factory and reward functions of a task."""
     extra = [import_object(p, "extra_reward_funcs") for p in args.extra_reward_funcs or []]
+    task = _build_task(args, extra)
+    _check_reward_environments(task, extra)
+    return task
+
+
+def _check_reward_environments(task: Task, extra: list[Callable]) -> None:
+    """An extra reward that reads one environment class (its `environment_class` attribute, e.g. the calculator's
+    `tool_use_reward`) fails here, naming the field, when the task's environments are another class: otherwise it would
+    fail at the first reward, after the model loaded."""
+    factory = task.environment_factory
+    factories = list(factory.values()) if isinstance(factory, dict) else [factory]
+    classes = [getattr(f, "func", f) for f in factories]  # a functools.partial names its class in `func`
+    for reward in extra:
+        needed = getattr(reward, "environment_class", None)
+        if needed is None:
+            continue
+        wrong = [c for c in classes if not (isinstance(c, type) and issubclass(c, needed))]
+        if wrong:
+            names = ", ".join(getattr(c, "__name__", repr(c)) for c in wrong)
+            raise ValueError(
+                f"`extra_reward_funcs`: `{reward.__name__}` reads the calls of a `{needed.__name__}`, but this task's "
+                f"environments are {names}: use it with `task: calculator`, or give a reward for this task."
+            )
+
+
+def _build_task(args: TaskArguments, extra: list[Callable]) -> Task:
     if args.task == "calculator":
         from .envs.calculator import SYSTEM_PROMPT, CalculatorEnv, answer_reward
 

@@ -543,3 +543,8 @@ def tool_call_reward(completions: list, environments: list | None = None, **kwar
         ValueError: Without `environments` (the calculator is not the trainer's environment).
     """
     return _environment_rewards("tool_call_reward", _tool_call_bonus, completions, environments)
+
+
+# The environment class each bonus reads: `tasks.build_task` refuses it for another task before any model loads.
+tool_use_reward.environment_class = CalculatorEnv
+tool_call_reward.environment_class = CalculatorEnv
