@@ -286,9 +286,9 @@ class TextWorldEnv:
 
         obj = self.goal_object
         if obj not in self.inventory:
-            where = next((c for c, objs in self.contents.items() if obj in objs), None)
-            if where is None:
-                walk(next(room for room, objs in self.floor.items() if obj in objs))
+            kind, where = self._goal_place()
+            if kind == "floor":
+                walk(where)
             else:
                 walk(CONTAINERS[where][0])
                 ensure_open(where)
@@ -299,6 +299,14 @@ class TextWorldEnv:
         return plan
 
     # ---- internals ----
+
+    def _goal_place(self) -> tuple[str, str]:
+        """Where the goal object lies, as `_place` takes it: `("in", container)` or `("floor", room)` (not carried)."""
+        obj = self.goal_object
+        where = next((c for c, objs in self.contents.items() if obj in objs), None)
+        if where is not None:
+            return "in", where
+        return "floor", next(room for room, objs in self.floor.items() if obj in objs)
 
     def _place(self, obj: str, place: tuple[str, str]) -> None:
         kind, where = place
@@ -516,11 +524,8 @@ def world_key(env: TextWorldEnv) -> str:
     Returns:
         `str`: The key.
     """
-    obj = env.goal_object
-    where = next((f"in:{c}" for c, objs in env.contents.items() if obj in objs), None)
-    if where is None:
-        where = next(f"floor:{room}" for room, objs in env.floor.items() if obj in objs)
-    return f"{obj}>{env.goal_container}|{where}|{env.location}"
+    kind, where = env._goal_place()
+    return f"{env.goal_object}>{env.goal_container}|{kind}:{where}|{env.location}"
 
 
 @functools.cache
@@ -545,6 +550,7 @@ def _world_plans() -> dict[str, int]:
     return plans
 
 
+@functools.cache  # every build of a text-world set calls it (frozensets: safe to share)
 def split_worlds(heldout_fraction: float, max_plan_steps: int = 0) -> tuple[frozenset[str], frozenset[str]]:
     """Split the text worlds (`world_key`) into training and held-out ones.
 
