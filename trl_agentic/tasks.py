@@ -77,7 +77,9 @@ class TaskArguments:
             namespaces and memory/pids/cpu cgroups; `"best_effort"` runs with what the machine has and logs what is
             missing (see docs/reliability.md).
         extra_reward_funcs (`list[str]`, *optional*):
-            Import paths `"package.module:function"` of extra reward functions (a single string is one path).
+            Import paths `"package.module:function"` of extra reward functions (a single string is one path). A
+            function with an `environment_class` attribute reads that environment (e.g. the calculator's
+            `tool_use_reward`) and is refused, naming this field, for a task whose environments are not of that class.
         textworld_max_plan_steps (`int`, *optional*, defaults to `0`):
             `task: textworld`: only tasks whose shortest plan has at most this many steps (0: any). Rollouts of k
             tool rounds (`max_tool_calling_iterations`) can solve only plans of up to k steps.
@@ -166,7 +168,11 @@ class TaskArguments:
         },
     )
     extra_reward_funcs: list[str] | None = field(
-        default=None, metadata={"help": "Import paths 'pkg.module:function' of extra reward functions."}
+        default=None,
+        metadata={
+            "help": "Import paths 'pkg.module:function' of extra reward functions; one with an `environment_class` "
+            "attribute is refused for a task whose environments are not of that class."
+        },
     )
     textworld_max_plan_steps: int = field(
         default=0,
